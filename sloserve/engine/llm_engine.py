@@ -1,0 +1,257 @@
+"""The synchronous engine: one `step()` = schedule, run the model once, update, detokenize."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+import torch
+
+from sloserve.config import EngineConfig
+from sloserve.engine.detokenizer import IncrementalDetokenizer
+from sloserve.engine.kv_cache_manager import KVCacheManager
+from sloserve.engine.metrics import (EngineSummary, FinishedRequestStats, IterationStats,
+                                     StatLogger)
+from sloserve.engine.outputs import RequestOutput
+from sloserve.engine.request import Request, RequestStatus
+from sloserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from sloserve.sampling_params import ParamError, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+GiB = 1024 ** 3
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """"float32" | "bfloat16" | "float16" (or a torch dtype) -> torch dtype. Raises ValueError."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+class LLMEngine:
+    """Owns the model runner, the scheduler and the KV cache manager; not thread-safe.
+
+    Use `add_request` / `abort_request` / `step` from one thread (the async engine does).
+
+    Raises (constructor): FileNotFoundError for a missing model, ValueError for bad settings.
+    """
+
+    def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None):
+        from sloserve.model.attention import get_attention_backend
+        from sloserve.model.layers import RotaryEmbedding
+        from sloserve.model.loader import load_model
+        from sloserve.model.runner import ModelRunner, kv_bytes_per_block
+        from sloserve.model.sampler import Sampler
+
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.dtype = parse_dtype(config.dtype)
+        self.model, weights = load_model(config.model, self.dtype, config.load_format)
+        self.model_config = weights.config
+        self.tokenizer = weights.tokenizer
+        self.model_name = config.served_model_name or weights.name
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_model_len > self.model.rope.cos.shape[0]:
+            self.model.rope = RotaryEmbedding(self.model_config, self.max_model_len)
+        self.model.attn_backend = get_attention_backend(config.attention_backend)
+
+        block_bytes = kv_bytes_per_block(self.model_config, config.block_size, self.dtype)
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        else:
+            num_blocks = int(config.kv_cache_memory * GiB // block_bytes)
+            if num_blocks < 1:
+                raise ValueError(
+                    f"kv_cache_memory={config.kv_cache_memory} GiB holds no block of "
+                    f"{block_bytes} bytes")
+        self.num_kv_blocks = num_blocks
+        self.kv_cache_bytes = num_blocks * block_bytes
+        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            policy=config.scheduling_policy), self.kv)
+        self.sampler = Sampler(config.seed)
+        self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size,
+                                  self.dtype, self.sampler)
+        self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(
+            self.tokenizer.eos_token_ids if self.tokenizer else ())))
+        self.detoks: dict[str, IncrementalDetokenizer] = {}
+        self.summary = EngineSummary()
+        self.stat_loggers: list[StatLogger] = [self.summary, *(stat_loggers or [])]
+        self._counter = 0
+        logger.info("engine: %s, %d layers, dtype %s, %d KV blocks x %d tokens (%.2f GiB), "
+                    "max_model_len %d, policy %s", self.model_name,
+                    self.model_config.num_hidden_layers, self.dtype, num_blocks, config.block_size,
+                    self.kv_cache_bytes / GiB, self.max_model_len, config.scheduling_policy)
+
+    # ------------------------------------------------------------------ requests
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """Prompt text -> token ids (token id lists pass through). Raises ValueError without a tokenizer."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def make_request(self, prompt: str | list[int], params: SamplingParams,
+                     request_id: str | None = None, arrival_time: float | None = None) -> Request:
+        """Tokenize and validate a request without touching engine state (thread-safe).
+
+        max_tokens=None becomes "up to max_model_len".
+
+        Raises:
+            ParamError: empty prompt, token id out of the vocabulary, or prompt + max_tokens over
+                max_model_len (the message names both numbers and the limit).
+        """
+        ids = self.encode(prompt)
+        n = len(ids)
+        if n == 0:
+            raise ParamError("prompt must contain at least 1 token, got 0", "prompt")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ParamError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        mt = params.max_tokens
+        if mt is None:
+            if n >= self.max_model_len:
+                raise ParamError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. "
+                    f"However, your prompt has {n} tokens, leaving no room for output.", "prompt")
+            params = replace(params, max_tokens=self.max_model_len - n)
+        elif n + mt > self.max_model_len:
+            raise ParamError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {n + mt} tokens ({n} in the prompt, {mt} in the completion "
+                f"(max_tokens)). Please reduce the prompt or max_tokens.", "max_tokens")
+        if request_id is None:
+            self._counter += 1
+            request_id = f"req-{self._counter}"
+        return Request(request_id=request_id, prompt_token_ids=ids, sampling_params=params,
+                       arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+                       eos_token_ids=self.eos_token_ids)
+
+    def add(self, req: Request) -> None:
+        """Queue a request made by make_request. Raises ValueError (e.g. duplicate id)."""
+        self.scheduler.add_request(req)
+        if self.tokenizer is not None:
+            self.detoks[req.request_id] = IncrementalDetokenizer(
+                self.tokenizer, req.prompt_token_ids, req.sampling_params.stop,
+                req.sampling_params.skip_special_tokens)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """make_request + add; returns the request id."""
+        req = self.make_request(prompt, params or SamplingParams(), request_id)
+        self.add(req)
+        return req.request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Finish a queued or running request now and free its KV blocks (None if unknown)."""
+        req = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        if req is None:
+            return None
+        req.finished_time = time.monotonic()
+        self._release(request_id)
+        return self._output(req, "", [])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def _release(self, request_id: str) -> None:
+        self.detoks.pop(request_id, None)
+        self.sampler.release(request_id)
+
+    def _output(self, req: Request, delta: str, new_ids: list[int], error: str | None = None):
+        d = self.detoks.get(req.request_id)
+        return RequestOutput(
+            request_id=req.request_id, new_text=delta, new_token_ids=new_ids,
+            text=d.text if d else "", token_ids=list(req.output_token_ids),
+            finished=req.is_finished, finish_reason=req.status.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+            error=error)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns outputs of requests that produced a token or finished."""
+        t0 = time.monotonic()
+        out = self.scheduler.schedule(now=t0)
+        if out.is_empty:
+            return []
+        block_tables = {s.request_id: self.kv.get_block_table(s.request_id) for s in out.scheduled}
+        kv_usage = self.kv.usage
+        try:
+            sampled = self.runner.execute(out, block_tables)
+        except Exception as e:  # a bug must not kill the loop: fail this step's requests
+            logger.exception("model step failed")
+            return self._fail(out, f"engine step failed: {type(e).__name__}: {e}")
+        now = time.monotonic()
+        prev_times = {s.request_id: s.request.last_token_time for s in out.scheduled if s.samples}
+        self.scheduler.update_from_output(out, sampled, now)
+
+        it = IterationStats(num_batched_tokens=out.num_batched_tokens,
+                            num_prompt_tokens=out.num_prefill_tokens,
+                            num_generation_tokens=len(sampled),
+                            num_preemptions=len(out.preempted_request_ids),
+                            kv_cache_usage=kv_usage, step_s=now - t0,
+                            forward_s=self.runner.last_timings.forward_s)
+        finished_stats: list[FinishedRequestStats] = []
+        outputs: list[RequestOutput] = []
+        for sr in out.scheduled:
+            if not sr.samples:
+                continue
+            req = sr.request
+            rid = req.request_id
+            tok = sampled[rid]
+            prev = prev_times[rid]
+            if prev is None:
+                it.ttfts.append(now - req.arrival_time)
+            else:
+                it.itls.append(now - prev)
+            delta = ""
+            detok = self.detoks.get(rid)
+            if detok is not None:
+                hidden = req.status is RequestStatus.FINISHED_STOPPED  # EOS / stop token id
+                delta = detok.add_token(None if hidden else tok, finished=req.is_finished)
+                if detok.stopped and not req.is_finished:
+                    self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+                    req.finished_time = now
+            outputs.append(self._output(req, delta, [tok]))
+            if req.is_finished:
+                finished_stats.append(self._finished_stats(req))
+                self._release(rid)
+        it.num_running = len(self.scheduler.running)
+        it.num_waiting = len(self.scheduler.waiting)
+        for lg in self.stat_loggers:
+            lg.record(it, finished_stats)
+        return outputs
+
+    def _fail(self, out: SchedulerOutput, message: str) -> list[RequestOutput]:
+        outputs = []
+        for sr in out.scheduled:
+            req = self.scheduler.finish_request(sr.request_id, RequestStatus.FINISHED_ABORTED)
+            if req is not None:
+                self._release(req.request_id)
+                outputs.append(self._output(req, "", [], error=message))
+        return outputs
+
+    @staticmethod
+    def _finished_stats(req: Request) -> FinishedRequestStats:
+        e2e = req.finished_time - req.arrival_time
+        ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
+        n = req.num_output_tokens
+        tpot = (e2e - ttft) / (n - 1) if ttft is not None and n > 1 else None
+        sched = req.first_scheduled_time if req.first_scheduled_time is not None else req.finished_time
+        return FinishedRequestStats(
+            finish_reason=req.status.finish_reason, num_prompt_tokens=req.num_prompt_tokens,
+            num_generation_tokens=n, e2e_latency=e2e, queue_time=sched - req.arrival_time,
+            ttft=ttft, tpot=tpot,
+            prefill_time=None if req.first_token_time is None else req.first_token_time - sched,
+            decode_time=None if req.first_token_time is None else req.finished_time - req.first_token_time)

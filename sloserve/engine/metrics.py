@@ -1,0 +1,91 @@
+"""Engine-side statistics: per-step and per-finished-request records, and a running summary.
+
+The engine produces these records; loggers consume them (the server's Prometheus exporter, the
+demo's summary). The engine itself knows nothing about HTTP or Prometheus.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass
+class IterationStats:
+    """One engine step. Times in seconds.
+
+    Attributes:
+        num_running, num_waiting: queue sizes after the step.
+        kv_cache_usage: fraction of KV blocks in use after scheduling, in [0, 1].
+        num_prompt_tokens: prefill tokens computed this step (recomputation included).
+        num_generation_tokens: tokens sampled this step.
+        num_batched_tokens: tokens in the forward pass.
+        num_preemptions: requests preempted this step.
+        ttfts: time to first token of requests that got their first token this step.
+        itls: inter-token latencies of the decode tokens sampled this step.
+        step_s: wall time of the step; forward_s: of the model forward alone.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_batched_tokens: int = 0
+    num_preemptions: int = 0
+    ttfts: list[float] = field(default_factory=list)
+    itls: list[float] = field(default_factory=list)
+    step_s: float = 0.0
+    forward_s: float = 0.0
+
+
+@dataclass
+class FinishedRequestStats:
+    """A finished request. Times in seconds.
+
+    TPOT = (E2E - TTFT) / (output tokens - 1), undefined (None) for <= 1 output token
+    (vLLM's definition). Queue time = first scheduled - arrival.
+    """
+
+    finish_reason: str
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    e2e_latency: float
+    queue_time: float
+    ttft: float | None
+    tpot: float | None
+    prefill_time: float | None
+    decode_time: float | None
+
+
+class StatLogger(Protocol):
+    def record(self, it: IterationStats, finished: list[FinishedRequestStats]) -> None: ...
+
+
+@dataclass
+class EngineSummary:
+    """Totals since start: what the demo prints as the scheduler summary."""
+
+    num_steps: int = 0
+    num_batched_tokens: int = 0
+    max_batched_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    peak_kv_cache_usage: float = 0.0
+    step_s: float = 0.0
+    forward_s: float = 0.0
+
+    def record(self, it: IterationStats, finished: list[FinishedRequestStats]) -> None:
+        self.num_steps += 1
+        self.num_batched_tokens += it.num_batched_tokens
+        self.max_batched_tokens = max(self.max_batched_tokens, it.num_batched_tokens)
+        self.num_prompt_tokens += it.num_prompt_tokens
+        self.num_generation_tokens += it.num_generation_tokens
+        self.num_preemptions += it.num_preemptions
+        self.peak_kv_cache_usage = max(self.peak_kv_cache_usage, it.kv_cache_usage)
+        self.step_s += it.step_s
+        self.forward_s += it.forward_s
+
+    @property
+    def mean_tokens_per_step(self) -> float:
+        return self.num_batched_tokens / self.num_steps if self.num_steps else 0.0

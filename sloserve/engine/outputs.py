@@ -1,0 +1,33 @@
+"""What the engine hands back per request per step (no torch, no HTTP)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    """A request's progress after one engine step (delta form, for streaming).
+
+    Attributes:
+        request_id: the id given to add_request.
+        new_text: text that became visible this step (may be "" while UTF-8 or a possible stop
+            string is held back).
+        new_token_ids: tokens generated this step.
+        text: all visible text so far.
+        token_ids: all output token ids so far.
+        finished: no more output will come.
+        finish_reason: "stop", "length", "abort" or None.
+        num_prompt_tokens, num_output_tokens: usage counts (tokens).
+        error: set when the engine failed this request (the request is finished).
+    """
+
+    request_id: str
+    new_text: str
+    new_token_ids: list[int]
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None

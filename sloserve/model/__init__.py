@@ -1,0 +1,1 @@
+"""Model side: loading (GGUF, Hugging Face, dummy), layers, attention backends, sampler, runner."""

@@ -1,0 +1,144 @@
+"""Attention over the paged KV cache for a mixed batch (prefill chunks + decodes).
+
+The model runner flattens every scheduled token of the step into one token dimension T. Tokens
+are ordered decodes first (one per request), then each prefill chunk contiguously. Each query
+token attends to its own request's cached tokens plus the causal part of its own chunk.
+
+`AttentionBackend` is the interface; `TorchReferenceBackend` is a clear PyTorch implementation
+for the CPU. A faster backend (FlashAttention varlen + a paged decode kernel on GPU, a better CPU
+kernel) implements the same two methods and nothing in the scheduler changes.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    """One request's prefill chunk in the flattened batch.
+
+    Attributes:
+        q_start, q_end: token range [q_start, q_end) of the chunk in the flattened batch.
+        start_pos: position of the chunk's first token in its request (= tokens already cached).
+        context_slots: [start_pos + n] int64 cache slots of positions 0 .. start_pos + n - 1.
+    """
+
+    q_start: int
+    q_end: int
+    start_pos: int
+    context_slots: torch.Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, shared by all layers.
+
+    Attributes:
+        slot_mapping: [T] int64, the cache slot (block * block_size + offset) each token's K/V
+            is written to.
+        num_decodes: the first `num_decodes` tokens are decodes, one per request.
+        decode_slots: [B_d, L_max] int64 cache slots of each decode request's context (padded
+            with slot 0).
+        decode_mask: [B_d, L_max] bool, True where a padded slot is real context.
+        prefills: the prefill chunks, in flattened order after the decodes.
+    """
+
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    decode_slots: torch.Tensor | None
+    decode_mask: torch.Tensor | None
+    prefills: list[PrefillChunk]
+
+
+class AttentionBackend(abc.ABC):
+    """Computes attention for a flattened mixed batch and writes the new K/V into the cache."""
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """Attention for one layer.
+
+        Args:
+            q: [T, H, D] queries (RoPE applied).
+            k, v: [T, H_kv, D] keys/values of the step's tokens (RoPE applied to k).
+            k_cache, v_cache: [num_blocks, block_size, H_kv, D] this layer's paged cache.
+            meta: the step's AttentionMetadata.
+            scale: softmax scale, usually 1 / sqrt(D).
+
+        Returns:
+            [T, H, D] attention output.
+        """
+
+
+class TorchReferenceBackend(AttentionBackend):
+    """PyTorch reference: scatter K/V by slot mapping, gather each request's context by slots.
+
+    Decodes are batched in one padded masked attention (scores [B_d, H_kv, G, L_max] with
+    G = H / H_kv query heads per KV head, so GQA/MQA never copies K/V per query head).
+    Each prefill chunk runs scaled_dot_product_attention with a causal mask offset by start_pos.
+    """
+
+    name = "torch-ref"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        n_kv, d = k.shape[1], k.shape[2]
+        k_flat = k_cache.view(-1, n_kv, d)
+        v_flat = v_cache.view(-1, n_kv, d)
+        k_flat.index_copy_(0, meta.slot_mapping, k)
+        v_flat.index_copy_(0, meta.slot_mapping, v)
+
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_flat, v_flat, meta, scale)
+        for c in meta.prefills:
+            out[c.q_start:c.q_end] = self._prefill(q[c.q_start:c.q_end], k[c.q_start:c.q_end],
+                                                   v[c.q_start:c.q_end], k_flat, v_flat, c, scale)
+        return out
+
+    @staticmethod
+    def _decode(q, k_flat, v_flat, meta, scale):
+        b, h, d = q.shape
+        n_kv = k_flat.shape[1]
+        g = h // n_kv
+        kc = k_flat[meta.decode_slots]          # [B, L, H_kv, D]
+        vc = v_flat[meta.decode_slots]
+        qg = q.view(b, n_kv, g, d)              # [B, H_kv, G, D]
+        scores = torch.einsum("bkgd,blkd->bkgl", qg, kc).float() * scale
+        scores.masked_fill_(~meta.decode_mask[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        o = torch.einsum("bkgl,blkd->bkgd", probs, vc)
+        return o.reshape(b, h, d)
+
+    @staticmethod
+    def _prefill(q, k, v, k_flat, v_flat, c: PrefillChunk, scale):
+        n = q.shape[0]
+        if c.start_pos == 0:
+            kc, vc = k, v                        # the chunk is the whole context
+            mask, causal = None, True
+        else:
+            kc = k_flat[c.context_slots]         # [L, H_kv, D]
+            vc = v_flat[c.context_slots]
+            total = c.start_pos + n
+            qpos = torch.arange(c.start_pos, total).unsqueeze(1)
+            mask = torch.arange(total).unsqueeze(0) <= qpos      # [n, L]
+            causal = False
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1), kc.transpose(0, 1), vc.transpose(0, 1),
+            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+        return o.transpose(0, 1)
+
+
+def get_attention_backend(name: str = "torch-ref") -> AttentionBackend:
+    """Backend by name. Raises ValueError for an unknown name."""
+    backends = {TorchReferenceBackend.name: TorchReferenceBackend}
+    if name not in backends:
+        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(backends)}")
+    return backends[name]()

@@ -1,0 +1,107 @@
+"""Architecture description of a decoder-only transformer (Llama family, Qwen2).
+
+One plain dataclass that every loader (GGUF, Hugging Face folder, dummy) fills in, and that the
+model, the KV cache sizing and (later) the roofline calculator read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    """Shape and hyper-parameters of a Llama-family / Qwen2 model.
+
+    Attributes:
+        architecture: "llama" (Llama 2/3, SmolLM2, Mistral) or "qwen2" (q/k/v projections have bias).
+        vocab_size: number of token ids.
+        hidden_size: model width d (elements).
+        intermediate_size: SwiGLU MLP width (elements).
+        num_hidden_layers: transformer blocks.
+        num_attention_heads: query heads H.
+        num_key_value_heads: key/value heads H_kv (H_kv == H: MHA; 1 < H_kv < H: GQA; 1: MQA).
+        head_dim: elements per head (usually hidden_size // num_attention_heads).
+        rms_norm_eps: epsilon of RMSNorm.
+        rope_theta: RoPE base frequency.
+        rope_scaling: None, or a dict like Hugging Face's ({"rope_type": "llama3", "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}); "linear" is also accepted.
+        max_position_embeddings: the model's context length (tokens).
+        tie_word_embeddings: LM head shares the embedding matrix.
+        attention_bias: q/k/v projections carry a bias (Qwen2).
+        bos_token_id / eos_token_ids: special tokens (eos may be several, Llama 3 has two).
+    """
+
+    architecture: str = "llama"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    head_dim: int = 0
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """Build from a Hugging Face config.json dict (LlamaConfig, MistralConfig, Qwen2Config).
+
+        Raises:
+            ValueError: the architecture is neither Llama-family nor Qwen2.
+        """
+        model_type = cfg.get("model_type", "llama")
+        if model_type in ("llama", "mistral"):
+            arch = "llama"
+        elif model_type == "qwen2":
+            arch = "qwen2"
+        else:
+            raise ValueError(f"unsupported model_type {model_type!r}; supported: llama, mistral, qwen2")
+        eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        rope_scaling = cfg.get("rope_scaling")
+        rope_theta = cfg.get("rope_theta")
+        rope_params = cfg.get("rope_parameters")  # transformers >= 5 spelling
+        if isinstance(rope_params, dict):
+            rope_theta = rope_theta or rope_params.get("rope_theta")
+            if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+                rope_scaling = rope_params
+        n_heads = cfg["num_attention_heads"]
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=n_heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @property
+    def kv_bytes_per_token_per_elem(self) -> int:
+        """Elements of K plus V cached per token over all layers (multiply by dtype bytes)."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim

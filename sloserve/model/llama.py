@@ -1,0 +1,105 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral) and Qwen2 over the paged KV cache.
+
+Parameter names equal Hugging Face's LlamaForCausalLM / Qwen2ForCausalLM so checkpoints load
+with `load_state_dict(strict=True)`. The forward pass works on a flattened mixed batch: T tokens
+from any number of requests (decodes and prefill chunks) in one pass.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sloserve.model.attention import AttentionBackend, AttentionMetadata, TorchReferenceBackend
+from sloserve.model.config import ModelConfig
+from sloserve.model.layers import MLP, RMSNorm, RotaryEmbedding
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query attention (Ainslie et al. 2023) with RoPE."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads = config.num_attention_heads
+        self.n_kv = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        d = config.hidden_size
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=False)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, meta: AttentionMetadata,
+                backend: AttentionBackend):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(t, self.n_kv, self.head_dim)
+        q, k = rope(positions, q, k)
+        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.reshape(t, self.n_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, positions, rope, kv_cache, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only LM. Build with a ModelConfig, then load a Hugging Face-named state dict."""
+
+    def __init__(self, config: ModelConfig, max_positions: int | None = None):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
+        self.attn_backend: AttentionBackend = TorchReferenceBackend()
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        # the rotary tables are derived, not loaded
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """One step over a flattened batch.
+
+        Args:
+            input_ids: [T] int64 token ids.
+            positions: [T] int64 position of each token in its request.
+            kv_caches: per layer (K, V), each [num_blocks, block_size, H_kv, D].
+            meta: attention metadata for the step.
+            logits_indices: [S] int64 rows of T whose next-token logits are needed.
+
+        Returns:
+            [S, vocab_size] float32 logits.
+        """
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv in zip(self.model.layers, kv_caches):
+            x = layer(x, positions, self.rope, kv, meta, self.attn_backend)
+        x = self.model.norm(x[logits_indices])
+        return (x @ self.lm_head_weight.t()).float()

@@ -1,0 +1,63 @@
+"""Per-request sampling and stopping parameters (OpenAI / vLLM semantics)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class ParamError(ValueError):
+    """A request parameter is out of range. `param` names the offending field (OpenAI `param`)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    Attributes:
+        temperature: 0 means greedy (argmax); > 0 scales the logits before softmax.
+        top_p: nucleus sampling mass in (0, 1].
+        top_k: keep the k most likely tokens; -1 (or 0) disables.
+        seed: per-request RNG seed; the same seed gives the same tokens whatever the batch-mates.
+        max_tokens: maximum output tokens (>= 1). None: up to the model's context length.
+        stop: strings that end the output; the matched stop string is never returned.
+        stop_token_ids: extra token ids that end the output (not returned as text).
+        ignore_eos: keep generating past EOS (benchmarks that need fixed output lengths).
+        skip_special_tokens: drop special tokens from the returned text.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    max_tokens: int | None = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None or self.top_k == 0:
+            self.top_k = -1
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ParamError naming the field, its value and the allowed range."""
+        if self.temperature is None or self.temperature < 0:
+            raise ParamError(f"temperature must be >= 0, got {self.temperature}", "temperature")
+        if self.top_p is None or not (0.0 < self.top_p <= 1.0):
+            raise ParamError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < -1:
+            raise ParamError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}", "top_k")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ParamError(f"max_tokens must be >= 1, got {self.max_tokens}", "max_tokens")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
