@@ -1,0 +1,102 @@
+"""The `sloserve` command: serve, generate (and later bench, roofline, sim)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import fields
+
+from sloserve.config import EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> None:
+    """Engine flags, spelled as vLLM spells them where vLLM has one."""
+    d = EngineConfig()
+    if positional_model:
+        p.add_argument("model", nargs="?", default=None,
+                       help="GGUF file or Hugging Face folder (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", dest="model_flag", default=None, help="same as the positional MODEL")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--load-format", default=d.load_format,
+                   choices=["auto", "gguf", "safetensors", "hf", "dummy"])
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    p.add_argument("--kv-cache-memory", type=float, default=d.kv_cache_memory,
+                   help="GiB of KV cache (ignored with --num-kv-blocks)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="token budget per engine step")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--scheduling-policy", default=d.scheduling_policy,
+                   choices=["chunked", "naive", "static"])
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--attention-backend", default=d.attention_backend)
+    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+
+
+def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    names = {f.name for f in fields(EngineConfig)}
+    kw = {k: v for k, v in vars(a).items() if k in names}
+    kw["model"] = a.model_flag or getattr(a, "model", None)
+    if kw["load_format"] == "hf":
+        kw["load_format"] = "safetensors"
+    return EngineConfig(**kw)
+
+
+def _serve(a: argparse.Namespace) -> int:
+    from sloserve.server.api_server import run_server
+    run_server(engine_config_from_args(a), host=a.host, port=a.port, log_level=a.log_level)
+    return 0
+
+
+def _generate(a: argparse.Namespace) -> int:
+    from sloserve.engine.llm import LLM
+    from sloserve.sampling_params import SamplingParams
+    cfg = engine_config_from_args(a)
+    llm = LLM(**{f.name: getattr(cfg, f.name) for f in fields(EngineConfig)})
+    sp = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
+                        max_tokens=a.max_tokens, stop=a.stop or [])
+    if a.chat:
+        out = llm.chat([{"role": "user", "content": a.prompt}], sp)
+    else:
+        out = llm.generate(a.prompt, sp)[0]
+    print(out.text)
+    print(f"[{out.num_prompt_tokens} prompt tokens, {out.num_output_tokens} output tokens, "
+          f"finish_reason={out.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sloserve", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--log-level", default="info")
+    s.set_defaults(func=_serve)
+
+    g = sub.add_parser("generate", help="generate text for one prompt offline")
+    g.add_argument("prompt")
+    add_engine_args(g, positional_model=False)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--stop", action="append")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.set_defaults(func=_generate)
+
+    a = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return a.func(a)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"sloserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""`make demo`: serve the embedded model and drive real streamed chat requests through it.
+
+Starts `sloserve serve` (SmolLM2-135M-Instruct, bfloat16, chunked prefill) in a subprocess,
+waits for /health, sends a handful of chat requests concurrently through the official `openai`
+client with streaming, shows the answers as they stream, then prints each request's TTFT and
+TPOT (client-side, vLLM's definitions) and the scheduler summary scraped from /metrics, and
+shuts the server down.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+QUESTIONS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about the ocean.",
+    "Give three tips for staying focused while studying.",
+    "Explain in two sentences what a GPU is.",
+    "What is 12 times 12? Explain briefly.",
+    "Name three planets of the solar system and one fact about each.",
+]
+
+
+@dataclass
+class Stream:
+    question: str
+    text: str = ""
+    sent: float = 0.0
+    first: float | None = None
+    last: float | None = None
+    output_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    chunks: list[float] = field(default_factory=list)
+
+    @property
+    def ttft_ms(self) -> float | None:
+        return None if self.first is None else (self.first - self.sent) * 1e3
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """(E2E - TTFT) / (output tokens - 1), vLLM's per-request TPOT."""
+        if self.first is None or self.last is None or self.output_tokens <= 1:
+            return None
+        return (self.last - self.first) * 1e3 / (self.output_tokens - 1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(base: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode}")
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"server not healthy after {timeout_s} s")
+
+
+async def chat_stream(client, model: str, s: Stream, max_tokens: int) -> None:
+    s.sent = time.perf_counter()
+    try:
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": s.question}],
+            max_tokens=max_tokens, temperature=0.0, stream=True,
+            stream_options={"include_usage": True})
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.usage is not None:
+                s.output_tokens = chunk.usage.completion_tokens
+            for c in chunk.choices:
+                if c.delta.content:
+                    s.first = s.first or now
+                    s.last = now
+                    s.text += c.delta.content
+                    s.chunks.append(now)
+                if c.finish_reason:
+                    s.finish_reason = c.finish_reason
+    except Exception as e:  # show it, keep the demo going
+        s.error = f"{type(e).__name__}: {e}"
+
+
+def render(streams: list[Stream]) -> Table:
+    t = Table(title="streaming answers", show_lines=True, expand=True)
+    t.add_column("#", width=2)
+    t.add_column("question", ratio=1)
+    t.add_column("answer (streaming)", ratio=2)
+    for i, s in enumerate(streams):
+        ans = s.text + ("" if s.finish_reason or s.error else " ▌")
+        t.add_row(str(i), s.question, ans if not s.error else f"[red]{s.error}")
+    return t
+
+
+def metrics_summary(base: str) -> dict[str, float]:
+    text = httpx.get(f"{base}/metrics", timeout=5).text
+    vals: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if not smp.name.endswith("_bucket"):  # sum over label sets
+                vals[smp.name] = vals.get(smp.name, 0.0) + smp.value
+    return vals
+
+
+async def drive(base: str, model: str, n: int, max_tokens: int, console: Console) -> list[Stream]:
+    from openai import AsyncOpenAI
+    client = AsyncOpenAI(base_url=f"{base}/v1", api_key="sloserve")
+    streams = [Stream(q) for q in (QUESTIONS * 4)[:n]]
+    with Live(render(streams), console=console, refresh_per_second=8) as live:
+        tasks = [asyncio.create_task(chat_stream(client, model, s, max_tokens)) for s in streams]
+        while not all(t.done() for t in tasks):
+            live.update(render(streams))
+            await asyncio.sleep(0.12)
+        live.update(render(streams))
+    await client.close()
+    return streams
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--num-requests", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("server_args", nargs="*", help="extra flags for `sloserve serve` (after --)")
+    a = ap.parse_args(argv)
+    console = Console()
+    port = a.port or free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "sloserve.cli", "serve", "--port", str(port),
+           "--log-level", "warning", *a.server_args]
+    console.rule("[bold]sloserve demo")
+    console.print(f"starting: {' '.join(cmd[1:])}")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_healthy(base, proc, timeout_s=300)
+        models = httpx.get(f"{base}/v1/models", timeout=5).json()["data"]
+        model = models[0]["id"]
+        console.print(f"server healthy after {time.perf_counter() - t0:.1f} s; model [bold]{model}")
+        t1 = time.perf_counter()
+        streams = asyncio.run(drive(base, model, a.num_requests, a.max_tokens, console))
+        wall = time.perf_counter() - t1
+
+        t = Table(title=f"per request (client-side; {a.num_requests} concurrent chats, greedy)")
+        for col in ("#", "TTFT ms", "TPOT ms", "output tokens", "finish_reason"):
+            t.add_column(col, justify="right")
+        for i, s in enumerate(streams):
+            t.add_row(str(i), f"{s.ttft_ms:.0f}" if s.ttft_ms else "-",
+                      f"{s.tpot_ms:.1f}" if s.tpot_ms else "-", str(s.output_tokens),
+                      s.finish_reason or (s.error or "-"))
+        console.print(t)
+        total_out = sum(s.output_tokens for s in streams)
+        console.print(f"{total_out} output tokens in {wall:.1f} s = {total_out / wall:.1f} tok/s")
+
+        m = metrics_summary(base)
+        steps = m.get("sloserve:engine_steps_total", 0)
+        tok_sum = m.get("sloserve:batched_tokens_per_step_sum", 0)
+        st = Table(title="scheduler summary (from /metrics)")
+        st.add_column("metric")
+        st.add_column("value", justify="right")
+        st.add_row("engine steps", f"{steps:.0f}")
+        st.add_row("tokens per step (mean)", f"{tok_sum / steps:.1f}" if steps else "-")
+        st.add_row("prompt tokens", f"{m.get('vllm:prompt_tokens_total', 0):.0f}")
+        st.add_row("generation tokens", f"{m.get('vllm:generation_tokens_total', 0):.0f}")
+        st.add_row("preemptions", f"{m.get('vllm:num_preemptions_total', 0):.0f}")
+        st.add_row("peak KV cache usage", f"{100 * m.get('sloserve:kv_cache_usage_peak_perc', 0):.2f} %")
+        console.print(st)
+        failed = [s for s in streams if s.error or not s.text]
+        return 1 if failed else 0
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        console.print(f"server stopped (exit code {proc.returncode}); demo took "
+                      f"{time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
