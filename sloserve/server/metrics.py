@@ -1,0 +1,209 @@
+"""Prometheus exporter: a StatLogger that turns engine records into vLLM-named metrics.
+
+Every metric carries the label ``model_name``; ``vllm:request_success`` also ``finished_reason``.
+Metric names, types and histogram buckets follow vLLM (v1) so existing Grafana dashboards work:
+
+* gauges ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
+  (fraction 0..1);
+* counters ``vllm:num_preemptions``, ``vllm:prompt_tokens``, ``vllm:generation_tokens``,
+  ``vllm:request_success`` (exported with the ``_total`` suffix);
+* histograms (seconds) ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
+  ``vllm:request_time_per_output_token_seconds``, ``vllm:e2e_request_latency_seconds``,
+  ``vllm:request_queue_time_seconds``, ``vllm:request_prefill_time_seconds``,
+  ``vllm:request_decode_time_seconds``; (tokens) ``vllm:request_prompt_tokens``,
+  ``vllm:request_generation_tokens``;
+* sloserve's own: counter ``sloserve:engine_steps``, histogram ``sloserve:batched_tokens_per_step``
+  (tokens), gauge ``sloserve:kv_cache_usage_peak_perc`` (fraction 0..1).
+
+Each instance owns its ``CollectorRegistry`` (several apps may live in one process).
+``record`` is called from the engine thread; prometheus_client metrics are thread-safe.
+"""
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest)
+
+from sloserve.engine.metrics import FinishedRequestStats, IterationStats
+
+__all__ = ["PrometheusStatLogger", "build_1_2_5_buckets", "CONTENT_TYPE_LATEST"]
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ...: every such value <= max_value.
+
+    vLLM's bucket scheme for token-count histograms, e.g. ``build_1_2_5_buckets(100)`` ->
+    ``[1, 2, 5, 10, 20, 50, 100]``.
+    """
+    out: list[int] = []
+    exponent = 0
+    while True:
+        for m in (1, 2, 5):
+            v = m * 10 ** exponent
+            if v > max_value:
+                return out
+            out.append(v)
+        exponent += 1
+
+
+class PrometheusStatLogger:
+    """StatLogger (``record(it, finished)``) exporting vLLM-named Prometheus metrics.
+
+    The model name and max_model_len are usually known only after the engine loaded the model, so
+    the metrics are created by :meth:`bind` (called by ``build_app``); records arriving earlier bind
+    with the constructor's values.
+
+    Args:
+        model_name: value of the ``model_name`` label (None: set later by bind).
+        max_model_len: largest token-count bucket (tokens; None: set later by bind, default 8192).
+        max_num_batched_tokens: largest ``sloserve:batched_tokens_per_step`` bucket (tokens).
+        registry: where to register (default: a new private ``CollectorRegistry``).
+    """
+
+    def __init__(self, model_name: str | None = None, max_model_len: int | None = None,
+                 max_num_batched_tokens: int | None = None,
+                 registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self._bound = False
+        self._lock = threading.Lock()
+        self._peak_kv = 0.0
+
+    # --------------------------------------------------------------------------------- setup
+    def bind(self, model_name: str | None = None, max_model_len: int | None = None,
+             max_num_batched_tokens: int | None = None) -> None:
+        """Create the metrics (once) with these label / bucket settings; later calls are no-ops."""
+        with self._lock:
+            if self._bound:
+                return
+            self.model_name = model_name or self.model_name or "unknown"
+            self.max_model_len = max_model_len or self.max_model_len or 8192
+            self.max_num_batched_tokens = (max_num_batched_tokens or self.max_num_batched_tokens
+                                           or self.max_model_len)
+            self._create()
+            self._bound = True
+
+    def _create(self) -> None:
+        r, name = self.registry, self.model_name
+        lbl = ["model_name"]
+
+        def gauge(n, doc):
+            return Gauge(n, doc, lbl, registry=r, multiprocess_mode="mostrecent").labels(name)
+
+        def counter(n, doc):
+            return Counter(n, doc, lbl, registry=r).labels(name)
+
+        def hist(n, doc, buckets):
+            return Histogram(n, doc, lbl, buckets=buckets, registry=r).labels(name)
+
+        token_buckets = build_1_2_5_buckets(self.max_model_len)
+        self.g_running = gauge("vllm:num_requests_running",
+                               "Number of requests in model execution batches.")
+        self.g_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.g_kv_usage = gauge("vllm:kv_cache_usage_perc",
+                                "KV-cache usage. 1 means 100 percent usage.")
+        self.c_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
+        self.c_prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.c_generation_tokens = counter("vllm:generation_tokens",
+                                           "Number of generation tokens processed.")
+        self._request_success = Counter("vllm:request_success",
+                                        "Count of successfully processed requests.",
+                                        ["model_name", "finished_reason"], registry=r)
+        self.c_request_success = {fr: self._request_success.labels(name, fr) for fr in FINISH_REASONS}
+        self.h_ttft = hist("vllm:time_to_first_token_seconds",
+                           "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.h_itl = hist("vllm:inter_token_latency_seconds",
+                          "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.h_tpot = hist("vllm:request_time_per_output_token_seconds",
+                           "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
+        self.h_e2e = hist("vllm:e2e_request_latency_seconds",
+                          "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS)
+        self.h_queue = hist("vllm:request_queue_time_seconds",
+                            "Histogram of time spent in WAITING phase for request.",
+                            REQUEST_LATENCY_BUCKETS)
+        self.h_prefill = hist("vllm:request_prefill_time_seconds",
+                              "Histogram of time spent in PREFILL phase for request.",
+                              REQUEST_LATENCY_BUCKETS)
+        self.h_decode = hist("vllm:request_decode_time_seconds",
+                             "Histogram of time spent in DECODE phase for request.",
+                             REQUEST_LATENCY_BUCKETS)
+        self.h_prompt_tokens = hist("vllm:request_prompt_tokens",
+                                    "Number of prefill tokens processed.", token_buckets)
+        self.h_generation_tokens = hist("vllm:request_generation_tokens",
+                                        "Number of generation tokens processed.", token_buckets)
+        self.c_steps = counter("sloserve:engine_steps", "Number of engine steps (model forwards).")
+        self.h_batched_tokens = hist("sloserve:batched_tokens_per_step",
+                                     "Tokens in the forward pass per engine step.",
+                                     build_1_2_5_buckets(max(self.max_num_batched_tokens, 1)))
+        self.g_kv_peak = gauge("sloserve:kv_cache_usage_peak_perc",
+                               "Peak KV-cache usage since start. 1 means 100 percent usage.")
+
+    # ------------------------------------------------------------------------------ recording
+    def record(self, it: IterationStats, finished: list[FinishedRequestStats]) -> None:
+        """Record one engine step and the requests that finished in it (engine thread)."""
+        if not self._bound:
+            self.bind()
+        self.g_running.set(it.num_running)
+        self.g_waiting.set(it.num_waiting)
+        self.set_kv_usage(it.kv_cache_usage)
+        if it.num_preemptions:
+            self.c_preemptions.inc(it.num_preemptions)
+        if it.num_prompt_tokens:
+            self.c_prompt_tokens.inc(it.num_prompt_tokens)
+        if it.num_generation_tokens:
+            self.c_generation_tokens.inc(it.num_generation_tokens)
+        self.c_steps.inc()
+        self.h_batched_tokens.observe(it.num_batched_tokens)
+        for t in it.ttfts:
+            self.h_ttft.observe(t)
+        for t in it.itls:
+            self.h_itl.observe(t)
+        for f in finished:
+            reason = f.finish_reason or "abort"
+            if reason not in self.c_request_success:
+                self.c_request_success[reason] = self._request_success.labels(self.model_name,
+                                                                              reason)
+            self.c_request_success[reason].inc()
+            self.h_e2e.observe(f.e2e_latency)
+            self.h_queue.observe(f.queue_time)
+            self.h_prompt_tokens.observe(f.num_prompt_tokens)
+            self.h_generation_tokens.observe(f.num_generation_tokens)
+            if f.tpot is not None:
+                self.h_tpot.observe(f.tpot)
+            if f.prefill_time is not None:
+                self.h_prefill.observe(f.prefill_time)
+            if f.decode_time is not None:
+                self.h_decode.observe(f.decode_time)
+
+    def set_kv_usage(self, usage: float) -> None:
+        """Set the KV usage gauge (fraction 0..1) and raise the peak gauge if needed."""
+        if not self._bound:
+            self.bind()
+        self.g_kv_usage.set(usage)
+        if usage > self._peak_kv:
+            self._peak_kv = usage
+            self.g_kv_peak.set(usage)
+
+    def set_queue_sizes(self, num_running: int, num_waiting: int) -> None:
+        """Refresh the running / waiting gauges (e.g. at scrape time, after aborts)."""
+        if not self._bound:
+            self.bind()
+        self.g_running.set(num_running)
+        self.g_waiting.set(num_waiting)
+
+    def render(self) -> bytes:
+        """The registry in Prometheus text exposition format (content type CONTENT_TYPE_LATEST)."""
+        if not self._bound:
+            self.bind()
+        return generate_latest(self.registry)

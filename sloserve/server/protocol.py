@@ -1,0 +1,315 @@
+"""OpenAI-compatible request and response bodies (pydantic v2).
+
+Field names, defaults and extensions follow the OpenAI API and vLLM's OpenAI server:
+``top_k``, ``stop_token_ids``, ``ignore_eos`` and ``skip_special_tokens`` are vLLM extensions.
+Unknown fields are ignored (like vLLM); known-but-unsupported ones are rejected by
+:meth:`CompletionRequest.unsupported` / :meth:`ChatCompletionRequest.unsupported` so a client never
+silently gets different semantics than it asked for.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from sloserve.sampling_params import ParamError, SamplingParams
+
+
+def random_id(prefix: str) -> str:
+    """``<prefix>-<uuid4 hex>``, e.g. ``cmpl-3f2a...`` (OpenAI-style response / request id)."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    """Current Unix time in whole seconds (the ``created`` field)."""
+    return int(time.time())
+
+
+# ---------------------------------------------------------------------------------------- errors
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo
+
+
+# ----------------------------------------------------------------------------------------- common
+class StreamOptions(BaseModel):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class UsageInfo(BaseModel):
+    """Token counts of one request (tokens)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by both endpoints (OpenAI names; vLLM extensions marked)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    temperature: float | None = None        # None -> 1.0 (OpenAI / vLLM default)
+    top_p: float | None = None              # None -> 1.0
+    top_k: int | None = None                # extension; None / 0 / -1: disabled
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension
+    ignore_eos: bool = False                  # extension
+    skip_special_tokens: bool = True          # extension
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None                   # accepted, ignored
+    # accepted only at their "off" values
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def _common_unsupported(self) -> None:
+        if self.n is not None and self.n != 1:
+            raise ParamError(f"n must be 1 (several choices per request are not supported), "
+                             f"got {self.n}", "n")
+        if self.presence_penalty:
+            raise ParamError("presence_penalty is not supported", "presence_penalty")
+        if self.frequency_penalty:
+            raise ParamError("frequency_penalty is not supported", "frequency_penalty")
+        if self.logit_bias:
+            raise ParamError("logit_bias is not supported", "logit_bias")
+
+    def _sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """Raises ParamError (e.g. temperature < 0, top_p outside (0, 1], max_tokens < 1)."""
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+# ------------------------------------------------------------------------------------ completions
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions`` body.
+
+    ``prompt``: a string, a list of token ids, or a list holding exactly one of those.
+    ``max_tokens`` defaults to 16 (OpenAI); null means "up to max_model_len".
+    """
+
+    prompt: Union[list[int], list[list[int]], str, list[str]]
+    max_tokens: int | None = 16
+    echo: bool | None = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request. Raises ParamError for several prompts."""
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        if p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise ParamError(f"only one prompt per request is supported, got {len(p)}",
+                                 "prompt")
+            return p[0]
+        return p  # list[int] (possibly empty: rejected by the engine as 0 tokens)
+
+    def unsupported(self) -> None:
+        """Raise ParamError for fields this server does not implement."""
+        self._common_unsupported()
+        if self.echo:
+            raise ParamError("echo is not supported", "echo")
+        if self.logprobs is not None:
+            raise ParamError("logprobs is not supported", "logprobs")
+        if self.best_of is not None and self.best_of != 1:
+            raise ParamError("best_of must be 1", "best_of")
+        if self.suffix:
+            raise ParamError("suffix is not supported", "suffix")
+
+    def to_sampling_params(self) -> SamplingParams:
+        """Raises ParamError for out-of-range values."""
+        return self._sampling_params(self.max_tokens)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+# ------------------------------------------------------------------------------------------- chat
+class ChatMessage(BaseModel):
+    """One input message. ``content`` may be a string or OpenAI content parts (text only)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def to_template_dict(self) -> dict[str, Any]:
+        """The message as the chat template expects it (content parts joined into one string).
+
+        Raises:
+            ParamError: a non-text content part.
+        """
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ParamError(f"only text content parts are supported, got "
+                                     f"{part.get('type')!r}", "messages")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        d: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            d["name"] = self.name
+        return d
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions`` body.
+
+    ``max_completion_tokens`` (preferred) or ``max_tokens``; None means "up to max_model_len".
+    """
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True  # extension
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def unsupported(self) -> None:
+        """Raise ParamError for fields this server does not implement."""
+        self._common_unsupported()
+        if not self.messages:
+            raise ParamError("messages must contain at least one message", "messages")
+        if self.logprobs or self.top_logprobs:
+            raise ParamError("logprobs is not supported", "logprobs")
+        if self.tools:
+            raise ParamError("tools are not supported", "tools")
+
+    def to_sampling_params(self) -> SamplingParams:
+        """Raises ParamError for out-of-range values."""
+        mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        try:
+            return self._sampling_params(mt)
+        except ParamError as e:
+            if e.param == "max_tokens":
+                e.param = self.max_tokens_param
+            raise
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int = 0
+    message: ChatResponseMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    """A streamed chat delta; unset (None) fields are left out of the JSON."""
+
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ----------------------------------------------------------------------------------------- models
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now_s)
+    owned_by: str = "sloserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,132 @@
+"""A real uvicorn server on 127.0.0.1 (free port) in a background thread, serving the embedded
+SmolLM2-135M-Instruct in float32; driven with the official `openai` client and httpx."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from sloserve.config import EngineConfig
+from sloserve.engine.async_engine import AsyncLLM
+from sloserve.engine.outputs import RequestOutput
+from sloserve.sampling_params import SamplingParams
+from sloserve.server.app import create_engine_and_app
+
+
+@dataclass
+class LiveServer:
+    engine: AsyncLLM
+    server: uvicorn.Server
+    thread: threading.Thread
+    port: int
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def model(self) -> str:
+        return self.engine.model_name
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.engine.shutdown()
+
+
+def start_server(config: EngineConfig) -> LiveServer:
+    """Build engine + app and serve it with uvicorn on a free port in a daemon thread."""
+    engine, app = create_engine_and_app(config)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
+                              name=f"uvicorn-{port}")
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            engine.shutdown()
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    return LiveServer(engine, server, thread, port)
+
+
+@pytest.fixture(scope="session")
+def live_server():
+    srv = start_server(EngineConfig(model=None, dtype="float32", num_kv_blocks=512,
+                                    max_model_len=2048, max_num_batched_tokens=512))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def engine(live_server) -> AsyncLLM:
+    return live_server.engine
+
+
+@pytest.fixture(scope="session")
+def client(live_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="x", max_retries=0,
+                         timeout=120)
+
+
+@pytest.fixture(scope="session")
+def http(live_server):
+    with httpx.Client(base_url=live_server.base_url, timeout=120) as c:
+        yield c
+
+
+def engine_generate(engine: AsyncLLM, prompt: str | list[int],
+                    params: SamplingParams) -> list[RequestOutput]:
+    """Run one request straight through the AsyncLLM (from the test thread); all its outputs."""
+
+    async def go():
+        req = engine.make_request(prompt, params)
+        return [o async for o in engine.generate(req)]
+
+    return asyncio.run(go())
+
+
+def wait_all_blocks_free(engine: AsyncLLM, timeout: float = 1.0) -> float:
+    """Poll until every KV block is free and no request is left; returns the seconds it took.
+
+    Raises AssertionError on timeout (with the numbers)."""
+    core = engine.engine
+    t0 = time.monotonic()
+    while True:
+        free = core.kv.num_free_blocks
+        if free == core.num_kv_blocks and not core.has_unfinished_requests():
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(
+                f"after {timeout}s: {free}/{core.num_kv_blocks} KV blocks free, "
+                f"{len(core.scheduler.running)} running, {len(core.scheduler.waiting)} waiting")
+        time.sleep(0.01)
+
+
+def sse_events(lines) -> list[str]:
+    """The `data:` payloads of an SSE line iterator (httpx iter_lines)."""
+    return [ln[len("data: "):] for ln in lines if ln.startswith("data: ")]
+
+
+@pytest.fixture(scope="session")
+def helpers():
+    """The helper functions above, as a fixture (test modules need not import conftest)."""
+
+    class H:
+        generate = staticmethod(engine_generate)
+        wait_all_blocks_free = staticmethod(wait_all_blocks_free)
+        sse_events = staticmethod(sse_events)
+        start_server = staticmethod(start_server)
+
+    return H

@@ -1,0 +1,237 @@
+"""Error bodies (OpenAI shape), engine-side failures, and client disconnects freeing KV blocks."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from sloserve.config import EngineConfig
+
+MAX_LEN = 2048  # the session server's max_model_len
+
+
+def _assert_error(r: httpx.Response, status: int, param: str | None = "__any__",
+                  types=("BadRequestError", "invalid_request_error")) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    assert err["code"] == status and err["type"] in types and err["message"]
+    if param != "__any__":
+        assert err["param"] == param, err
+    return err
+
+
+COMPLETION_400 = [
+    ({"prompt": "", "max_tokens": 4}, "prompt"),
+    ({"prompt": [], "max_tokens": 4}, "prompt"),
+    ({"prompt": "Hi", "temperature": -0.5}, "temperature"),
+    ({"prompt": "Hi", "top_p": 0}, "top_p"),
+    ({"prompt": "Hi", "top_p": 1.5}, "top_p"),
+    ({"prompt": "Hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "Hi", "n": 2}, "n"),
+    ({"prompt": "Hi", "echo": True}, "echo"),
+    ({"prompt": ["Hi", "there"]}, "prompt"),
+    ({"prompt": "Hi", "top_k": -5}, "top_k"),
+    ({"prompt": [10 ** 9]}, "prompt"),
+    ({"prompt": "Hi", "temperature": "hot"}, "temperature"),   # pydantic validation
+    ({"max_tokens": 3}, "prompt"),                             # missing field
+    ({"prompt": "Hi", "stream": True, "top_p": 2}, "top_p"),   # streamed: still a plain 400
+]
+
+
+@pytest.mark.parametrize("body,param", COMPLETION_400)
+def test_completion_bad_params_400(http, body, param):
+    _assert_error(http.post("/v1/completions", json=body), 400, param)
+
+
+def test_prompt_plus_max_tokens_over_max_model_len(http, engine):
+    n = len(engine.tokenizer.encode("Hello there"))
+    err = _assert_error(http.post("/v1/completions",
+                                  json={"prompt": "Hello there", "max_tokens": MAX_LEN}),
+                        400, "max_tokens")
+    assert str(MAX_LEN) in err["message"] and str(n) in err["message"]
+    assert str(n + MAX_LEN) in err["message"]
+
+
+CHAT_400 = [
+    ({"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 0},
+     "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": MAX_LEN * 2}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "Hi"}], "temperature": -1}, "temperature"),
+    ({"messages": [{"role": "user", "content": "Hi"}], "n": 3}, "n"),
+    ({"messages": []}, "messages"),
+    ({"messages": "Hi"}, "messages"),
+    ({}, "messages"),
+]
+
+
+@pytest.mark.parametrize("body,param", CHAT_400)
+def test_chat_bad_params_400(http, body, param):
+    _assert_error(http.post("/v1/chat/completions", json=body), 400, param)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_malformed_json_400(http, path):
+    r = http.post(path, content=b'{"prompt": "Hi", ', headers={"content-type": "application/json"})
+    err = _assert_error(r, 400)
+    assert "JSON" in err["message"] or "json" in err["message"]
+
+
+def test_missing_chat_template_400(http, engine, monkeypatch):
+    monkeypatch.setattr(engine.tokenizer.hf, "chat_template", None)
+    err = _assert_error(http.post("/v1/chat/completions",
+                                  json={"messages": [{"role": "user", "content": "Hi"}]}),
+                        400, "messages")
+    assert "chat template" in err["message"]
+
+
+def test_unknown_model_404(http, client):
+    r = http.post("/v1/completions", json={"model": "gpt-17", "prompt": "Hi"})
+    err = _assert_error(r, 404, "model", types=("NotFoundError",))
+    assert "gpt-17" in err["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-17", messages=[{"role": "user", "content": "x"}])
+
+
+def test_openai_client_sees_bad_request(client, live_server):
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model=live_server.model, prompt="Hi", max_tokens=MAX_LEN + 1)
+    assert ei.value.status_code == 400
+    assert str(MAX_LEN) in str(ei.value)
+
+
+@pytest.fixture
+def failing_step(engine, monkeypatch):
+    """Make the next model forward raise (once), as an engine-side bug would."""
+    runner = engine.engine.runner
+    original = runner.execute
+    calls = {"n": 0}
+
+    def execute(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected failure")
+        return original(*a, **kw)
+
+    monkeypatch.setattr(runner, "execute", execute)
+    return calls
+
+
+def test_engine_failure_nonstream_500(http, failing_step, engine, helpers):
+    r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
+    err = _assert_error(r, 500, types=("InternalServerError",))
+    assert "injected failure" in err["message"]
+    helpers.wait_all_blocks_free(engine)
+
+
+def test_engine_failure_stream_error_event(http, failing_step, engine, helpers):
+    with http.stream("POST", "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+            "stream": True}) as r:
+        assert r.status_code == 200
+        events = helpers.sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == 500 and "injected failure" in err["message"]
+    helpers.wait_all_blocks_free(engine)
+
+
+def test_engine_survives_errors(http, client, live_server, engine, helpers):
+    """Runs after the error tests above (file order): the loop is alive and serves requests."""
+    assert http.get("/health").status_code == 200
+    resp = client.completions.create(model=live_server.model, prompt="Hi", max_tokens=2)
+    assert resp.usage.completion_tokens >= 1
+    helpers.wait_all_blocks_free(engine)
+
+
+# ------------------------------------------------------------------------------- disconnects
+LONG = {"prompt": "Count to a thousand: 1, 2, 3,", "max_tokens": 400, "temperature": 0,
+        "ignore_eos": True}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_disconnect_mid_stream_frees_blocks(live_server, engine, helpers, path):
+    body = dict(LONG, stream=True)
+    if "chat" in path:
+        body["messages"] = [{"role": "user", "content": body.pop("prompt")}]
+    core = engine.engine
+    with httpx.Client(base_url=live_server.base_url, timeout=60) as c:
+        with c.stream("POST", path, json=body) as r:
+            assert r.status_code == 200
+            got = 0
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    got += 1
+                    if got == 3:
+                        break
+            assert core.kv.num_free_blocks < core.num_kv_blocks  # it holds blocks while running
+    # leaving both `with` blocks closed the connection
+    helpers.wait_all_blocks_free(engine, timeout=1.0)
+    assert http_ok(live_server)
+
+
+def http_ok(live_server) -> bool:
+    return httpx.get(live_server.base_url + "/health").status_code == 200
+
+
+def test_disconnect_nonstream_running_frees_blocks(live_server, engine, helpers):
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live_server.base_url + "/v1/completions", json=LONG, timeout=1.5)
+    helpers.wait_all_blocks_free(engine, timeout=1.0)
+    assert http_ok(live_server)
+
+
+@pytest.fixture(scope="module")
+def one_seq_server(helpers):
+    """A second server that runs one request at a time, so a second one must queue."""
+    srv = helpers.start_server(EngineConfig(model=None, dtype="float32", num_kv_blocks=64,
+                                            max_model_len=512, max_num_seqs=1))
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_disconnect_while_queued_frees_blocks(one_seq_server, helpers, stream):
+    srv = one_seq_server
+    core = srv.engine.engine
+    victim_body = {"prompt": "Hello", "max_tokens": 8, "stream": stream}
+    with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=dict(LONG, stream=True)) as long_r:
+            # keep the line iterator referenced: dropping it would close the connection
+            lines = long_r.iter_lines()
+            first = next(ln for ln in lines if ln.startswith("data: "))
+            assert len(core.scheduler.running) == 1, first  # the long request is running
+
+            def victim():
+                try:
+                    if stream:
+                        with httpx.stream("POST", srv.base_url + "/v1/completions",
+                                          json=victim_body, timeout=1.5) as vr:
+                            for _ in vr.iter_lines():
+                                pass
+                    else:
+                        httpx.post(srv.base_url + "/v1/completions", json=victim_body,
+                                   timeout=1.5)
+                except httpx.TimeoutException:
+                    pass
+
+            t = threading.Thread(target=victim)
+            t.start()
+            deadline = time.monotonic() + 5
+            while len(core.scheduler.waiting) != 1:  # the victim is queued
+                assert time.monotonic() < deadline, "victim never queued"
+                time.sleep(0.01)
+            t.join(timeout=10)  # the client gave up (timeout) and closed its connection
+            assert not t.is_alive()
+            deadline = time.monotonic() + 1.0
+            while len(core.scheduler.waiting):
+                assert time.monotonic() < deadline, "queued request was not aborted"
+                time.sleep(0.01)
+            assert len(core.scheduler.running) == 1  # the long one keeps running
+            assert next(ln for ln in lines if ln.startswith("data: "))
+    helpers.wait_all_blocks_free(srv.engine, timeout=1.0)
+    assert http_ok(srv)

@@ -1,0 +1,118 @@
+"""Prometheus exporter: vLLM metric names, counters and histogram counts after real requests, and
+the StatLogger on synthetic records."""
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from sloserve.engine.metrics import FinishedRequestStats, IterationStats
+from sloserve.server.metrics import PrometheusStatLogger, build_1_2_5_buckets
+
+VLLM_NAMES = [
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    "vllm:request_success_total",
+    "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+    "vllm:request_time_per_output_token_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
+    "vllm:request_queue_time_seconds_bucket", "vllm:request_prefill_time_seconds_bucket",
+    "vllm:request_decode_time_seconds_bucket", "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket",
+    "sloserve:engine_steps_total", "sloserve:batched_tokens_per_step_bucket",
+    "sloserve:kv_cache_usage_peak_perc",
+]
+
+
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _get(samples, name, **labels) -> float:
+    """Sum of the samples called `name` whose labels include `labels` (le buckets excluded)."""
+    return sum(v for (n, lbl), v in samples.items()
+               if n == name and all(dict(lbl).get(k) == x for k, x in labels.items())
+               and "le" not in dict(lbl))
+
+
+def test_metrics_after_requests(http, client, live_server):
+    model = live_server.model
+    r0 = http.get("/metrics")
+    assert r0.status_code == 200 and r0.headers["content-type"].startswith("text/plain")
+    before = _samples(r0.text)
+
+    usages = []
+    for prompt, n in (("The sky is", 3), ("Two plus two equals", 4)):
+        resp = client.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        usages.append(resp.usage)
+    chunks = list(client.completions.create(model=model, prompt="Hello", max_tokens=2,
+                                            temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+    text = http.get("/metrics").text
+    for name in VLLM_NAMES:
+        assert name in text, name
+    after = _samples(text)
+
+    def delta(name, **labels):
+        return _get(after, name, model_name=model, **labels) - _get(before, name, model_name=model,
+                                                                     **labels)
+
+    n_req = 3
+    prompt_tokens = sum(u.prompt_tokens for u in usages) + len(live_server.engine.tokenizer.encode("Hello"))
+    gen_tokens = sum(u.completion_tokens for u in usages) + 2
+    assert _get(after, "vllm:prompt_tokens_total", model_name=model) > 0
+    assert _get(after, "vllm:generation_tokens_total", model_name=model) > 0
+    assert delta("vllm:prompt_tokens_total") == prompt_tokens
+    assert delta("vllm:generation_tokens_total") == gen_tokens
+    assert delta("vllm:request_success_total", finished_reason="length") == n_req
+    for h in ("vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+              "vllm:time_to_first_token_seconds", "vllm:request_prefill_time_seconds",
+              "vllm:request_decode_time_seconds", "vllm:request_time_per_output_token_seconds",
+              "vllm:request_prompt_tokens", "vllm:request_generation_tokens"):
+        assert delta(h + "_count") == n_req, h
+    assert delta("vllm:request_prompt_tokens_sum") == prompt_tokens
+    assert delta("vllm:request_generation_tokens_sum") == gen_tokens
+    assert delta("vllm:inter_token_latency_seconds_count") == gen_tokens - n_req
+    # over the server's whole life: every finished request is in every per-request histogram
+    finished = _get(after, "vllm:request_success_total", model_name=model)
+    assert _get(after, "vllm:e2e_request_latency_seconds_count", model_name=model) == finished
+    assert _get(after, "vllm:request_generation_tokens_count", model_name=model) == finished
+    steps = _get(after, "sloserve:engine_steps_total", model_name=model)
+    assert steps > 0
+    assert _get(after, "sloserve:batched_tokens_per_step_count", model_name=model) == steps
+    assert 0 < _get(after, "sloserve:kv_cache_usage_peak_perc", model_name=model) <= 1
+    assert 0 <= _get(after, "vllm:kv_cache_usage_perc", model_name=model) <= 1
+    assert _get(after, "vllm:num_requests_running", model_name=model) == 0
+    assert _get(after, "vllm:num_requests_waiting", model_name=model) == 0
+
+
+def test_stat_logger_unit():
+    a, b = PrometheusStatLogger(), PrometheusStatLogger()  # own registries: no name clash
+    a.bind("m", max_model_len=100, max_num_batched_tokens=50)
+    b.bind("other")
+    it = IterationStats(num_running=2, num_waiting=1, kv_cache_usage=0.25, num_prompt_tokens=7,
+                        num_generation_tokens=2, num_batched_tokens=9, num_preemptions=1,
+                        ttfts=[0.1], itls=[0.02])
+    fin = FinishedRequestStats(finish_reason="stop", num_prompt_tokens=7, num_generation_tokens=3,
+                               e2e_latency=0.5, queue_time=0.01, ttft=0.1, tpot=0.2,
+                               prefill_time=0.09, decode_time=0.4)
+    a.record(it, [fin])
+    a.record(IterationStats(kv_cache_usage=0.1), [])
+    s = _samples(a.render().decode())
+    assert s[("vllm:num_requests_running", (("model_name", "m"),))] == 0
+    assert _get(s, "vllm:num_preemptions_total") == 1
+    assert _get(s, "vllm:prompt_tokens_total") == 7
+    assert _get(s, "vllm:request_success_total", finished_reason="stop") == 1
+    assert _get(s, "vllm:request_success_total", finished_reason="length") == 0
+    assert _get(s, "vllm:kv_cache_usage_perc") == 0.1
+    assert _get(s, "sloserve:kv_cache_usage_peak_perc") == 0.25
+    assert _get(s, "sloserve:engine_steps_total") == 2
+    assert _get(s, "vllm:request_time_per_output_token_seconds_sum") == 0.2
+    assert ("vllm:request_prompt_tokens_bucket", (("le", "100.0"), ("model_name", "m"))) in s
+    assert _get(_samples(b.render().decode()), "vllm:prompt_tokens_total") == 0
+    assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
+    assert build_1_2_5_buckets(2048)[-1] == 2000
