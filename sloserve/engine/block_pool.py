@@ -48,9 +48,17 @@ class BlockPool:
         return out
 
     def incref(self, block_ids: list[int]) -> None:
+        """Add one reference to each (allocated) block.
+
+        Raises:
+            BlockPoolError: an unknown or free block id (nothing is changed then).
+        """
         for b in block_ids:
+            if not 0 <= b < self.num_blocks:
+                raise BlockPoolError(f"unknown block id {b}")
             if self._ref_cnt[b] <= 0:
                 raise BlockPoolError(f"incref of free block {b}")
+        for b in block_ids:
             self._ref_cnt[b] += 1
 
     def free(self, block_ids: list[int]) -> None:

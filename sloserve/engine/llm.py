@@ -34,6 +34,8 @@ class LLM:
             prompts = [prompts]
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling_params")
         reqs = [self.engine.make_request(p, sp) for p, sp in zip(prompts, sampling_params)]
         for r in reqs:
             self.engine.add(r)

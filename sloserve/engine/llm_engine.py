@@ -67,10 +67,19 @@ class LLMEngine:
             num_blocks = config.num_kv_blocks
         else:
             num_blocks = int(config.kv_cache_memory * GiB // block_bytes)
-            if num_blocks < 1:
-                raise ValueError(
-                    f"kv_cache_memory={config.kv_cache_memory} GiB holds no block of "
-                    f"{block_bytes} bytes")
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache must hold at least one block of {block_bytes} bytes "
+                             f"(num_kv_blocks={config.num_kv_blocks}, "
+                             f"kv_cache_memory={config.kv_cache_memory} GiB)")
+        kv_tokens = num_blocks * config.block_size
+        if config.max_model_len is None:
+            # a request that can never fit the cache would preempt itself for ever
+            self.max_model_len = min(self.max_model_len, kv_tokens)
+        elif self.max_model_len > kv_tokens:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} tokens does not fit the KV cache of "
+                f"{num_blocks} blocks x {config.block_size} = {kv_tokens} tokens; raise "
+                f"--kv-cache-memory / --num-kv-blocks or lower --max-model-len")
         self.num_kv_blocks = num_blocks
         self.kv_cache_bytes = num_blocks * block_bytes
         self.kv = KVCacheManager(num_blocks, config.block_size)
@@ -88,6 +97,7 @@ class LLMEngine:
         self.summary = EngineSummary()
         self.stat_loggers: list[StatLogger] = [self.summary, *(stat_loggers or [])]
         self._counter = 0
+        self._aborted_stats: list[FinishedRequestStats] = []
         logger.info("engine: %s, %d layers, dtype %s, %d KV blocks x %d tokens (%.2f GiB), "
                     "max_model_len %d, policy %s", self.model_name,
                     self.model_config.num_hidden_layers, self.dtype, num_blocks, config.block_size,
@@ -159,8 +169,10 @@ class LLMEngine:
         if req is None:
             return None
         req.finished_time = time.monotonic()
+        out = self._output(req, "", [])
         self._release(request_id)
-        return self._output(req, "", [])
+        self._aborted_stats.append(self._finished_stats(req))  # reported with the next step
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -202,7 +214,7 @@ class LLMEngine:
                             num_preemptions=len(out.preempted_request_ids),
                             kv_cache_usage=kv_usage, step_s=now - t0,
                             forward_s=self.runner.last_timings.forward_s)
-        finished_stats: list[FinishedRequestStats] = []
+        finished_stats, self._aborted_stats = self._aborted_stats, []
         outputs: list[RequestOutput] = []
         for sr in out.scheduled:
             if not sr.samples:
@@ -220,9 +232,11 @@ class LLMEngine:
             if detok is not None:
                 hidden = req.status is RequestStatus.FINISHED_STOPPED  # EOS / stop token id
                 delta = detok.add_token(None if hidden else tok, finished=req.is_finished)
-                if detok.stopped and not req.is_finished:
-                    self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-                    req.finished_time = now
+                if detok.stopped:  # a stop string matched (maybe on the last allowed token)
+                    if not req.is_finished:
+                        self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+                        req.finished_time = now
+                    req.status = RequestStatus.FINISHED_STOPPED
             outputs.append(self._output(req, delta, [tok]))
             if req.is_finished:
                 finished_stats.append(self._finished_stats(req))
@@ -238,8 +252,9 @@ class LLMEngine:
         for sr in out.scheduled:
             req = self.scheduler.finish_request(sr.request_id, RequestStatus.FINISHED_ABORTED)
             if req is not None:
-                self._release(req.request_id)
+                req.finished_time = time.monotonic()
                 outputs.append(self._output(req, "", [], error=message))
+                self._release(req.request_id)
         return outputs
 
     @staticmethod

@@ -132,16 +132,20 @@ class Scheduler:
         """Queue a request (FCFS).
 
         Raises:
-            ValueError: empty prompt, prompt longer than max_model_len, or a duplicate id.
+            ValueError: empty prompt, prompt longer than max_model_len, prompt + max_tokens over
+                the KV cache capacity, or a duplicate id.
         """
         n = request.num_prompt_tokens
         if n < 1:
             raise ValueError("prompt must contain at least 1 token, got 0")
         if n > self.config.max_model_len:
             raise ValueError(f"prompt has {n} tokens, over max_model_len={self.config.max_model_len}")
-        max_blocks = self.kv.pool.num_blocks * self.kv.block_size
-        if n > max_blocks:
-            raise ValueError(f"prompt has {n} tokens, over the KV cache capacity of {max_blocks} tokens")
+        capacity = self.kv.pool.num_blocks * self.kv.block_size
+        mt = request.sampling_params.max_tokens
+        need = min(n + mt, self.config.max_model_len) if mt is not None else self.config.max_model_len
+        if need > capacity:  # it would end up preempting itself for ever
+            raise ValueError(f"request needs up to {need} tokens of KV cache (prompt {n} + "
+                             f"max_tokens {mt}), over the cache capacity of {capacity} tokens")
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         request.status = RequestStatus.WAITING
