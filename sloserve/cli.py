@@ -1,4 +1,4 @@
-"""The `sloserve` command: serve, generate (and later bench, roofline, sim)."""
+"""The `sloserve` command: `serve` (OpenAI-compatible server) and `generate` (one prompt offline)."""
 from __future__ import annotations
 
 import argparse

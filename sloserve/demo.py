@@ -132,6 +132,7 @@ async def drive(base: str, model: str, n: int, max_tokens: int, console: Console
             live.update(render(streams))
             await asyncio.sleep(0.12)
         live.update(render(streams))
+    console.line()  # piped output: keep the next table off the last border line
     await client.close()
     return streams
 

@@ -20,10 +20,11 @@ def smollm2_weights(gguf_path):
 def smollm2_hf_model(gguf_path):
     """transformers' own ``LlamaForCausalLM`` loaded from the embedded GGUF (float32, eval).
 
-    The independent reference for the dequantize + un-permute path; needs ``accelerate`` (skips
-    without it). Slow (~15-20 s on CPU, transformers parses the GGUF with gguf.GGUFReader twice).
+    The independent reference for the dequantize + un-permute path; needs ``accelerate``
+    (in the project's test extra; a missing one fails loudly instead of skipping). Slow (~15-20 s on CPU,
+    transformers parses the GGUF with gguf.GGUFReader twice).
     """
-    pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF model")
+    import accelerate  # noqa: F401  (transformers needs it to load a GGUF model)
     import torch
     from transformers import AutoModelForCausalLM
 
