@@ -315,6 +315,21 @@ def build_app(engine: AsyncLLM, metrics: PrometheusStatLogger, *,
         return ModelList(data=[ModelCard(id=model_name, root=model_name,
                                          max_model_len=engine.max_model_len)])
 
+    async def respond_whole(req: EngineRequest, raw: Request,
+                            build: Callable[[RequestOutput, str], Any]) -> Response:
+        """Run a non-streamed request to the end; `build(final_output, text)` makes the body.
+
+        Raises APIError(500) when the engine failed the request; a client that went away gets
+        no body (the request is aborted)."""
+        try:
+            final, text = await _generate_all(engine, req, raw)
+        except ClientDisconnected:
+            logger.info("client disconnected, aborted %s", req.request_id)
+            return Response(status_code=_CLIENT_CLOSED)
+        if final.error:
+            raise APIError(500, final.error)
+        return JSONResponse(build(final, text).model_dump())
+
     @app.post("/v1/completions", response_model=None)
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
         """OpenAI text completion. Errors: 400 (parameters), 404 (model), 500 (engine), 503."""
@@ -340,17 +355,10 @@ def build_app(engine: AsyncLLM, metrics: PrometheusStatLogger, *,
 
             return _SSEResponse(stream_events(req, body.include_usage, [], chunk, usage_chunk))
 
-        try:
-            final, text = await _generate_all(engine, req, raw)
-        except ClientDisconnected:
-            logger.info("client disconnected, aborted %s", rid)
-            return Response(status_code=_CLIENT_CLOSED)
-        if final.error:
-            raise APIError(500, final.error)
-        return JSONResponse(CompletionResponse(
+        return await respond_whole(req, raw, lambda final, text: CompletionResponse(
             id=rid, created=created, model=model_name,
             choices=[CompletionChoice(text=text, finish_reason=final.finish_reason)],
-            usage=UsageInfo.of(final.num_prompt_tokens, final.num_output_tokens)).model_dump())
+            usage=UsageInfo.of(final.num_prompt_tokens, final.num_output_tokens)))
 
     @app.post("/v1/chat/completions", response_model=None)
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
@@ -390,18 +398,11 @@ def build_app(engine: AsyncLLM, metrics: PrometheusStatLogger, *,
             return _SSEResponse(stream_events(req, body.include_usage, [first], chunk,
                                               usage_chunk))
 
-        try:
-            final, text = await _generate_all(engine, req, raw)
-        except ClientDisconnected:
-            logger.info("client disconnected, aborted %s", rid)
-            return Response(status_code=_CLIENT_CLOSED)
-        if final.error:
-            raise APIError(500, final.error)
-        return JSONResponse(ChatCompletionResponse(
+        return await respond_whole(req, raw, lambda final, text: ChatCompletionResponse(
             id=rid, created=created, model=model_name,
             choices=[ChatCompletionChoice(message=ChatResponseMessage(content=text),
                                           finish_reason=final.finish_reason)],
-            usage=UsageInfo.of(final.num_prompt_tokens, final.num_output_tokens)).model_dump())
+            usage=UsageInfo.of(final.num_prompt_tokens, final.num_output_tokens)))
 
     return app
 
