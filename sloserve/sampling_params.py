@@ -1,7 +1,12 @@
 """Per-request sampling and stopping parameters (OpenAI / vLLM semantics)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+
+_GREEDY_EPS = 1e-5
+_SEED_MIN, _SEED_MAX = -(2 ** 63), 2 ** 64 - 1  # what torch.Generator.manual_seed accepts
 
 
 class ParamError(ValueError):
@@ -17,7 +22,7 @@ class SamplingParams:
     """How to pick each next token and when to stop.
 
     Attributes:
-        temperature: 0 means greedy (argmax); > 0 scales the logits before softmax.
+        temperature: 0 (below 1e-5) means greedy (argmax); > 0 scales the logits before softmax.
         top_p: nucleus sampling mass in (0, 1].
         top_k: keep the k most likely tokens; -1 (or 0) disables.
         seed: per-request RNG seed; the same seed gives the same tokens whatever the batch-mates.
@@ -49,15 +54,19 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ParamError naming the field, its value and the allowed range."""
-        if self.temperature is None or self.temperature < 0:
-            raise ParamError(f"temperature must be >= 0, got {self.temperature}", "temperature")
-        if self.top_p is None or not (0.0 < self.top_p <= 1.0):
+        if self.temperature is None or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ParamError(f"temperature must be a finite number >= 0, got {self.temperature}",
+                             "temperature")
+        if self.top_p is None or not (0.0 < self.top_p <= 1.0):  # NaN fails this too
             raise ParamError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k < -1:
             raise ParamError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}", "top_k")
+        if self.seed is not None and not _SEED_MIN <= self.seed <= _SEED_MAX:
+            raise ParamError(f"seed must be in [-2**63, 2**64 - 1], got {self.seed}", "seed")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ParamError(f"max_tokens must be >= 1, got {self.max_tokens}", "max_tokens")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below 1e-5 are greedy (dividing logits by them overflows; vLLM does the same)."""
+        return self.temperature < _GREEDY_EPS

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import replace
 
@@ -48,6 +49,8 @@ class LLMEngine:
         from sloserve.model.sampler import Sampler
 
         self.config = config
+        if config.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {config.block_size}")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.dtype = parse_dtype(config.dtype)
@@ -71,6 +74,11 @@ class LLMEngine:
             raise ValueError(f"the KV cache must hold at least one block of {block_bytes} bytes "
                              f"(num_kv_blocks={config.num_kv_blocks}, "
                              f"kv_cache_memory={config.kv_cache_memory} GiB)")
+        phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if num_blocks * block_bytes > 0.9 * phys:
+            raise ValueError(f"a KV cache of {num_blocks} blocks needs "
+                             f"{num_blocks * block_bytes / GiB:.1f} GiB, more than 90% of this "
+                             f"machine's {phys / GiB:.1f} GiB of memory")
         kv_tokens = num_blocks * config.block_size
         if config.max_model_len is None:
             # a request that can never fit the cache would preempt itself for ever
@@ -108,8 +116,11 @@ class LLMEngine:
         """Prompt text -> token ids (token id lists pass through). Raises ValueError without a tokenizer."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass token ids")
-            return self.tokenizer.encode(prompt)
+                raise ParamError("this model has no tokenizer; pass token ids", "prompt")
+            try:
+                return self.tokenizer.encode(prompt)
+            except (TypeError, ValueError) as e:  # e.g. lone surrogates
+                raise ParamError(f"cannot tokenize the prompt: {e}", "prompt") from e
         return list(prompt)
 
     def make_request(self, prompt: str | list[int], params: SamplingParams,

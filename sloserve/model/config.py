@@ -51,6 +51,11 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"model config: {name} must be a positive integer, got {v!r}")
         if not self.head_dim:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
@@ -82,6 +87,9 @@ class ModelConfig:
             if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
                 rope_scaling = rope_params
         n_heads = cfg["num_attention_heads"]
+        if not isinstance(n_heads, int) or not isinstance(cfg["hidden_size"], int) or n_heads < 1:
+            raise ValueError(f"model config: hidden_size and num_attention_heads must be positive "
+                             f"integers, got {cfg['hidden_size']!r} and {n_heads!r}")
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],

@@ -140,3 +140,20 @@ def test_top_p_restricts_support_and_renormalizes():
     assert abs(freq[2] - p) < 0.035
     freq = _frequencies(logits, SamplingParams(temperature=1.0, top_p=0.6, seed=8), n=300)
     assert freq == [0.0, 0.0, 1.0]          # the top token alone holds 0.665 >= 0.6
+
+
+def test_tiny_temperature_is_greedy_and_never_nan():
+    """1e-45 would overflow logits / T to inf and NaN probabilities; below 1e-5 is greedy."""
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.9]])
+    sp = SamplingParams(temperature=1e-45, seed=3)
+    assert sp.greedy
+    assert Sampler(0)(logits, ["r"], [sp]) == [1]
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=float("nan")), dict(temperature=float("inf")),
+                                dict(top_p=float("nan")), dict(seed=2 ** 64)])
+def test_non_finite_or_out_of_range_params_rejected(kw):
+    from sloserve.sampling_params import ParamError
+    with pytest.raises(ParamError) as e:
+        SamplingParams(**kw)
+    assert e.value.param == next(iter(kw))
