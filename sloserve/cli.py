@@ -44,6 +44,13 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**kw)
 
 
+def _port(v: str) -> int:
+    p = int(v)
+    if not 0 <= p <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0-65535, got {p}")
+    return p
+
+
 def _serve(a: argparse.Namespace) -> int:
     from sloserve.server.api_server import run_server
     run_server(engine_config_from_args(a), host=a.host, port=a.port, log_level=a.log_level)
@@ -61,6 +68,9 @@ def _generate(a: argparse.Namespace) -> int:
         out = llm.chat([{"role": "user", "content": a.prompt}], sp)
     else:
         out = llm.generate(a.prompt, sp)[0]
+    if out.error:
+        print(f"sloserve: error: {out.error}", file=sys.stderr)
+        return 1
     print(out.text)
     print(f"[{out.num_prompt_tokens} prompt tokens, {out.num_output_tokens} output tokens, "
           f"finish_reason={out.finish_reason}]", file=sys.stderr)
@@ -74,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=_port, default=8000)
     s.add_argument("--log-level", default="info")
     s.set_defaults(func=_serve)
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 
 _GREEDY_EPS = 1e-5
+#: stop strings are matched on every new token in the engine thread: bound the work per request
+MAX_STOP_STRINGS, MAX_STOP_LEN = 32, 1024
 _SEED_MIN, _SEED_MAX = -(2 ** 63), 2 ** 64 - 1  # what torch.Generator.manual_seed accepts
 
 
@@ -59,6 +61,17 @@ class SamplingParams:
                              "temperature")
         if self.top_p is None or not (0.0 < self.top_p <= 1.0):  # NaN fails this too
             raise ParamError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        for name in ("top_k", "seed", "max_tokens"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ParamError(f"{name} must be an integer, got {v!r}", name)
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LEN for s in self.stop):
+            raise ParamError(f"stop takes at most {MAX_STOP_STRINGS} strings of at most "
+                             f"{MAX_STOP_LEN} characters, got {len(self.stop)} strings, longest "
+                             f"{max(len(s) for s in self.stop)}", "stop")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ParamError(f"stop_token_ids must be non-negative integers, got "
+                             f"{self.stop_token_ids[:8]}", "stop_token_ids")
         if self.top_k < -1:
             raise ParamError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}", "top_k")
         if self.seed is not None and not _SEED_MIN <= self.seed <= _SEED_MAX:

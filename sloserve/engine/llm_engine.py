@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import replace
@@ -51,6 +52,11 @@ class LLMEngine:
         self.config = config
         if config.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {config.block_size}")
+        if not (math.isfinite(config.kv_cache_memory) and config.kv_cache_memory > 0):
+            raise ValueError(f"kv_cache_memory must be a positive number of GiB, got "
+                             f"{config.kv_cache_memory}")
+        if config.num_threads is not None and config.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {config.num_threads}")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.dtype = parse_dtype(config.dtype)
@@ -58,7 +64,8 @@ class LLMEngine:
         self.model_config = weights.config
         self.tokenizer = weights.tokenizer
         self.model_name = config.served_model_name or weights.name
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.max_model_len = (self.model_config.max_position_embeddings
+                              if config.max_model_len is None else config.max_model_len)
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_model_len > self.model.rope.cos.shape[0]:
@@ -138,8 +145,10 @@ class LLMEngine:
         if n == 0:
             raise ParamError("prompt must contain at least 1 token, got 0", "prompt")
         vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise ParamError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ParamError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ParamError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
         mt = params.max_tokens
         if mt is None:
             if n >= self.max_model_len:
@@ -238,16 +247,16 @@ class LLMEngine:
                 it.ttfts.append(now - req.arrival_time)
             else:
                 it.itls.append(now - prev)
-            delta = ""
-            detok = self.detoks.get(rid)
-            if detok is not None:
-                hidden = req.status is RequestStatus.FINISHED_STOPPED  # EOS / stop token id
-                delta = detok.add_token(None if hidden else tok, finished=req.is_finished)
-                if detok.stopped:  # a stop string matched (maybe on the last allowed token)
-                    if not req.is_finished:
-                        self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-                        req.finished_time = now
-                    req.status = RequestStatus.FINISHED_STOPPED
+            try:
+                delta = self._detokenize(req, self.detoks.get(rid), tok, now)
+            except Exception as e:  # one request's failure must not lose the others' outputs
+                logger.exception("detokenization failed for %s", rid)
+                if not req.is_finished:
+                    self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+                req.finished_time = now
+                outputs.append(self._output(req, "", [tok], error=f"{type(e).__name__}: {e}"))
+                self._release(rid)
+                continue
             outputs.append(self._output(req, delta, [tok]))
             if req.is_finished:
                 finished_stats.append(self._finished_stats(req))
@@ -257,6 +266,20 @@ class LLMEngine:
         for lg in self.stat_loggers:
             lg.record(it, finished_stats)
         return outputs
+
+    def _detokenize(self, req: Request, detok: IncrementalDetokenizer | None, tok: int,
+                    now: float) -> str:
+        """New visible text for `tok`; finishes the request when a stop string matches."""
+        if detok is None:
+            return ""
+        hidden = req.status is RequestStatus.FINISHED_STOPPED  # EOS / stop token id: not shown
+        delta = detok.add_token(None if hidden else tok, finished=req.is_finished)
+        if detok.stopped:  # a stop string matched (maybe on the last allowed token)
+            if not req.is_finished:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+                req.finished_time = now
+            req.status = RequestStatus.FINISHED_STOPPED
+        return delta
 
     def _fail(self, out: SchedulerOutput, message: str) -> list[RequestOutput]:
         outputs = []

@@ -70,6 +70,10 @@ class ModelConfig:
         Raises:
             ValueError: the architecture is neither Llama-family nor Qwen2.
         """
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
+                               "num_hidden_layers", "num_attention_heads") if k not in cfg]
+        if missing:
+            raise ValueError(f"model config: missing {', '.join(missing)}")
         model_type = cfg.get("model_type", "llama")
         if model_type in ("llama", "mistral"):
             arch = "llama"

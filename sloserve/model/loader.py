@@ -231,6 +231,8 @@ def load_weights(path: str | None, dtype: str | torch.dtype = "bfloat16",
         raise ValueError(f"unknown load_format {load_format!r}; allowed: {', '.join(LOAD_FORMATS)}")
     torch_dtype = parse_dtype(dtype)
     if path is None:
+        if load_format == "dummy":
+            raise ValueError("load_format 'dummy' needs a folder with config.json (or a config.json file)")
         path = default_model_path()
     source = os.path.abspath(os.path.expanduser(os.fspath(path)))
     if not os.path.exists(source):

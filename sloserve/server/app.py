@@ -293,7 +293,7 @@ def build_app(engine: AsyncLLM, metrics: PrometheusStatLogger, *,
         yield "data: [DONE]\n\n"
 
     # ------------------------------------------------------------------------------ routes
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         """200 while the engine thread is alive, 503 otherwise."""
         if engine.is_running:

@@ -226,3 +226,42 @@ def test_failed_model_step_aborts_its_requests_and_engine_recovers(engine, monke
     rid2 = engine.add_request(PROMPTS[0], greedy(2, ignore_eos=True))
     final = [o for _ in range(10) for o in engine.step() if o.finished]
     assert [o.request_id for o in final] == [rid2] and len(final[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("prompt,params,param", [
+    ([1.0, 2.0], greedy(2), "prompt"),                      # float ids: rejected, nothing queued
+    ([True, 5], greedy(2), "prompt"),
+    ("Hi", greedy(2, stop_token_ids=[10 ** 9]), "stop_token_ids"),
+])
+def test_bad_ids_are_param_errors_and_leave_the_engine_clean(llm, engine, prompt, params, param):
+    with pytest.raises(ParamError) as ei:
+        llm.generate([prompt], params)
+    assert ei.value.param == param
+    assert not engine.has_unfinished_requests()
+    assert llm.generate(["Hello"], greedy(3))[0].num_output_tokens == 3
+
+
+def test_stop_string_limits():
+    with pytest.raises(ParamError, match="at most 32 strings") as ei:
+        SamplingParams(stop=[f"s{i}" for i in range(33)])
+    assert ei.value.param == "stop"
+    with pytest.raises(ParamError, match="at most 1024 characters"):
+        SamplingParams(stop=["x" * 1025])
+    SamplingParams(stop=[f"s{i}" for i in range(32)])  # at the limit: fine
+
+
+def test_a_failing_detokenizer_fails_only_its_request(llm, engine, monkeypatch):
+    """An exception while processing one request's output ends that request with an error and
+    keeps the step's other outputs."""
+    a = engine.add_request("Hello", greedy(4), request_id="a")
+    b = engine.add_request("Hello", greedy(4), request_id="b")
+    boom = engine.detoks["a"]
+    monkeypatch.setattr(boom, "add_token", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("x")))
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    assert outs[a][-1].error == "RuntimeError: x" and outs[a][-1].finish_reason == "abort"
+    assert outs[b][-1].finish_reason == "length" and outs[b][-1].error is None
+    assert len(outs[b]) == 4
+    assert engine.kv.num_free_blocks == engine.num_kv_blocks

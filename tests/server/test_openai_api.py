@@ -22,6 +22,7 @@ def test_models_and_health(client, http, live_server):
     raw = http.get("/v1/models").json()
     assert raw["object"] == "list" and raw["data"][0]["object"] == "model"
     assert http.get("/health").status_code == 200
+    assert http.head("/health").status_code == 200  # load balancers probe with HEAD
 
 
 def test_completion_greedy_stream_equals_nonstream(client, live_server, engine):
