@@ -36,6 +36,7 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from parsed flags (the positional MODEL or --model)."""
     names = {f.name for f in fields(EngineConfig)}
     kw = {k: v for k, v in vars(a).items() if k in names}
     kw["model"] = a.model_flag or getattr(a, "model", None)
@@ -78,6 +79,7 @@ def _generate(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of `sloserve`; returns the exit code (2 for bad settings, with one line)."""
     parser = argparse.ArgumentParser(prog="sloserve", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
 

@@ -36,6 +36,8 @@ QUESTIONS = [
 
 @dataclass
 class Stream:
+    """One streamed chat request as the client sees it (times: time.perf_counter seconds)."""
+
     question: str
     text: str = ""
     sent: float = 0.0
@@ -48,6 +50,7 @@ class Stream:
 
     @property
     def ttft_ms(self) -> float | None:
+        """First content chunk minus send time (ms)."""
         return None if self.first is None else (self.first - self.sent) * 1e3
 
     @property
@@ -65,6 +68,7 @@ def free_port() -> int:
 
 
 def wait_healthy(base: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Poll GET /health until 200. Raises RuntimeError if the server exits, TimeoutError."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -79,6 +83,7 @@ def wait_healthy(base: str, proc: subprocess.Popen, timeout_s: float) -> None:
 
 
 async def chat_stream(client, model: str, s: Stream, max_tokens: int) -> None:
+    """Send one streamed greedy chat request and fill `s` as chunks arrive (errors go to s.error)."""
     s.sent = time.perf_counter()
     try:
         stream = await client.chat.completions.create(
@@ -113,6 +118,7 @@ def render(streams: list[Stream]) -> Table:
 
 
 def metrics_summary(base: str) -> dict[str, float]:
+    """GET /metrics -> sample name -> value (summed over label sets; histogram buckets dropped)."""
     text = httpx.get(f"{base}/metrics", timeout=5).text
     vals: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
@@ -123,6 +129,7 @@ def metrics_summary(base: str) -> dict[str, float]:
 
 
 async def drive(base: str, model: str, n: int, max_tokens: int, console: Console) -> list[Stream]:
+    """Run `n` concurrent streamed chats, showing the answers live; returns them when all end."""
     from openai import AsyncOpenAI
     client = AsyncOpenAI(base_url=f"{base}/v1", api_key="sloserve")
     streams = [Stream(q) for q in (QUESTIONS * 4)[:n]]

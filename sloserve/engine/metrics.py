@@ -58,6 +58,8 @@ class FinishedRequestStats:
 
 
 class StatLogger(Protocol):
+    """Receives every step's stats and the requests that finished in it (engine thread)."""
+
     def record(self, it: IterationStats, finished: list[FinishedRequestStats]) -> None: ...
 
 

@@ -8,6 +8,8 @@ from sloserve.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
+    """Lifecycle: WAITING -> RUNNING (-> PREEMPTED -> RUNNING ...) -> one FINISHED_* state."""
+
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
@@ -68,6 +70,7 @@ class Request:
 
     @property
     def num_tokens_to_compute(self) -> int:
+        """Tokens not yet in the KV cache: the rest of the prompt while prefilling, 1 in decode."""
         return self.num_tokens - self.num_computed_tokens
 
     @property

@@ -30,6 +30,8 @@ from sloserve.engine.request import Request, RequestStatus
 
 
 class SchedulingPolicy(str, enum.Enum):
+    """`--scheduling-policy`: chunked (default), naive (no chunking) or static batching."""
+
     CHUNKED = "chunked"
     NAIVE = "naive"
     STATIC = "static"

@@ -42,6 +42,8 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). [T, d] -> [T, d]."""
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -55,6 +57,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """Embeddings, the decoder layers and the final norm (HF's `model.` prefix)."""
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -76,11 +80,8 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
+        """[vocab_size, hidden_size]: the embedding matrix when tied, else lm_head's."""
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        # the rotary tables are derived, not loaded
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
