@@ -68,12 +68,10 @@ class ModelConfig:
         """Build from a Hugging Face config.json dict (LlamaConfig, MistralConfig, Qwen2Config).
 
         Raises:
-            ValueError: the architecture is neither Llama-family nor Qwen2.
+            ValueError: the architecture is neither Llama-family nor Qwen2, or a required key
+                (vocab_size, hidden_size, intermediate_size, num_hidden_layers,
+                num_attention_heads) is missing or not a positive integer.
         """
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
-                               "num_hidden_layers", "num_attention_heads") if k not in cfg]
-        if missing:
-            raise ValueError(f"model config: missing {', '.join(missing)}")
         model_type = cfg.get("model_type", "llama")
         if model_type in ("llama", "mistral"):
             arch = "llama"
@@ -81,6 +79,10 @@ class ModelConfig:
             arch = "qwen2"
         else:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: llama, mistral, qwen2")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
+                               "num_hidden_layers", "num_attention_heads") if k not in cfg]
+        if missing:
+            raise ValueError(f"model config: missing {', '.join(missing)}")
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         rope_scaling = cfg.get("rope_scaling")
