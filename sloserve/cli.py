@@ -1,4 +1,5 @@
-"""The `sloserve` command: `serve` (OpenAI-compatible server) and `generate` (one prompt offline)."""
+"""The `sloserve` command: `serve` (OpenAI-compatible server), `generate` (one prompt offline),
+`roofline` (roofline / KV-cache / capacity calculator)."""
 from __future__ import annotations
 
 import argparse
@@ -100,6 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--stop", action="append")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.set_defaults(func=_generate)
+
+    sub.add_parser("roofline", add_help=False,
+                   help="roofline, KV-cache and capacity calculator (its own --help)")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["roofline"]:  # its own parser takes every flag after the word
+        from sloserve.roofline.cli import main as roofline_main
+        return roofline_main(argv[1:])
 
     a = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,210 @@
+"""Accelerator table (peak FLOP/s per dtype, memory bandwidth and size, interconnect) and ``local``.
+
+Roofline inputs after Williams, Waterman & Patterson, "Roofline: an insightful visual performance
+model for multicore architectures", CACM 52(4), 2009: a machine is its peak compute rate
+(FLOP/s) and its peak memory bandwidth (bytes/s).
+
+All figures are *dense* (no 2:4 sparsity), vendor datasheet peaks, decimal units:
+FLOP/s in 10**12 (TFLOP/s), bandwidth in 10**12 bytes/s (TB/s). ``fp32`` is the non-tensor-core
+FP32 rate on NVIDIA parts (TF32 is listed separately); ``int8`` is in OP/s. Interconnect bandwidths
+are per direction (NVLink's "900 GB/s" is 450 GB/s each way); NIC presets are 100/200/400 Gbit/s.
+
+``local`` is this machine's CPU measured on the spot with numpy (STREAM-style copy bandwidth, after
+McCalpin's STREAM: a copy moves 2 x array bytes; fp32 matmul peak = 2 n**3 FLOP / best time) and
+cached as JSON under ``~/.cache/sloserve/``. numpy has no bf16 matmul, so ``bf16`` is left out of
+``local`` (the engine-side ``--measure`` mode is where torch's bf16 kernels get timed).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+
+from sloserve.roofline.units import GB, GBPS_NET, TB, TFLOPS, GiB
+
+
+@dataclass(frozen=True)
+class Link:
+    """An interconnect. ``bandwidth``: bytes/s in one direction."""
+
+    name: str
+    bandwidth: float
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator.
+
+    Attributes:
+        name: table key, e.g. ``"H100-SXM"``.
+        peak_flops: dtype -> dense peak FLOP/s (int8: OP/s). Keys among fp32, tf32, bf16, fp16,
+            fp8, int8.
+        mem_bandwidth: peak memory bandwidth, bytes/s.
+        mem_bytes: memory capacity, bytes (see ``mem_note`` for the vendor's unit).
+        link: the scale-up interconnect (NVLink, Infinity Fabric, PCIe), per direction.
+        source: where the numbers come from.
+        mem_note: how the capacity was quoted.
+    """
+
+    name: str
+    peak_flops: dict[str, float]
+    mem_bandwidth: float
+    mem_bytes: float
+    link: Link | None = None
+    source: str = ""
+    mem_note: str = ""
+
+    def peak(self, dtype: str = "bf16") -> float:
+        """Dense peak FLOP/s for ``dtype`` (fp16 and bf16 are interchangeable aliases).
+
+        Raises:
+            KeyError: the part has no such rate (e.g. fp8 on A100).
+        """
+        if dtype in self.peak_flops:
+            return self.peak_flops[dtype]
+        alias = {"fp16": "bf16", "bf16": "fp16"}.get(dtype)
+        if alias in self.peak_flops:
+            return self.peak_flops[alias]
+        raise KeyError(f"{self.name} has no {dtype} peak; has {', '.join(self.peak_flops)}")
+
+    def balance_point(self, dtype: str = "bf16") -> float:
+        """Machine balance (ridge point), FLOP/byte = peak FLOP/s / bandwidth (Williams et al.)."""
+        return self.peak(dtype) / self.mem_bandwidth
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+NIC_PRESETS: dict[str, Link] = {
+    f"nic-{g}g": Link(f"{g} Gbit/s NIC", g * GBPS_NET, "line rate, one direction")
+    for g in (100, 200, 400)
+}
+
+_NV = "NVIDIA datasheet"
+HARDWARE: dict[str, Hardware] = {
+    "A100-SXM-80GB": Hardware(
+        "A100-SXM-80GB",
+        {"fp32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS, "bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS,
+         "int8": 624 * TFLOPS},
+        2.039 * TB, 80 * GiB, Link("NVLink 3 (600 GB/s total)", 300 * GB, _NV),
+        "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM), dense", "80 GB HBM2e = 81,920 MiB"),
+    "H100-SXM": Hardware(
+        "H100-SXM",
+        {"fp32": 67 * TFLOPS, "tf32": 494.5 * TFLOPS, "bf16": 989 * TFLOPS, "fp16": 989 * TFLOPS,
+         "fp8": 1979 * TFLOPS, "int8": 1979 * TFLOPS},
+        3.35 * TB, 80 * GiB, Link("NVLink 4 (900 GB/s total)", 450 * GB, _NV),
+        "NVIDIA H100 Tensor Core GPU datasheet (SXM5), dense (989.4 quoted as 989)",
+        "80 GB HBM3 (binary)"),
+    "H200-SXM": Hardware(
+        "H200-SXM",
+        {"fp32": 67 * TFLOPS, "tf32": 494.5 * TFLOPS, "bf16": 989 * TFLOPS, "fp16": 989 * TFLOPS,
+         "fp8": 1979 * TFLOPS, "int8": 1979 * TFLOPS},
+        4.8 * TB, 141 * GB, Link("NVLink 4 (900 GB/s total)", 450 * GB, _NV),
+        "NVIDIA H200 Tensor Core GPU datasheet (SXM), dense", "141 GB HBM3e (vendor, decimal)"),
+    "B200": Hardware(
+        "B200",
+        {"fp32": 75 * TFLOPS, "tf32": 1125 * TFLOPS, "bf16": 2250 * TFLOPS, "fp16": 2250 * TFLOPS,
+         "fp8": 4500 * TFLOPS, "int8": 4500 * TFLOPS},
+        8 * TB, 180 * GB, Link("NVLink 5 (1.8 TB/s total)", 900 * GB, _NV),
+        "NVIDIA HGX B200 datasheet (8-GPU sparse figures / 8 / 2), dense", "180 GB HBM3e (vendor)"),
+    "L40S": Hardware(
+        "L40S",
+        {"fp32": 91.6 * TFLOPS, "tf32": 183 * TFLOPS, "bf16": 362.05 * TFLOPS,
+         "fp16": 362.05 * TFLOPS, "fp8": 733 * TFLOPS, "int8": 733 * TFLOPS},
+        0.864 * TB, 48 * GiB, Link("PCIe Gen4 x16", 32 * GB, "PCI-SIG, one direction"),
+        "NVIDIA L40S datasheet, dense", "48 GB GDDR6 (binary)"),
+    "MI300X": Hardware(
+        "MI300X",
+        {"fp32": 163.4 * TFLOPS, "tf32": 653.7 * TFLOPS, "bf16": 1307.4 * TFLOPS,
+         "fp16": 1307.4 * TFLOPS, "fp8": 2614.9 * TFLOPS, "int8": 2614.9 * TFLOPS},
+        5.3 * TB, 192 * GiB, Link("Infinity Fabric (896 GB/s total)", 448 * GB, "AMD datasheet"),
+        "AMD Instinct MI300X datasheet, dense", "192 GB HBM3 (binary)"),
+}
+
+DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "sloserve", "roofline_local.json")
+
+
+def list_hardware() -> list[str]:
+    """Names accepted by :func:`get_hardware` (``local`` included)."""
+    return [*HARDWARE, "local"]
+
+
+def get_hardware(name: str, cache_path: str | None = None, remeasure: bool = False) -> Hardware:
+    """Look up a table entry (case-insensitive) or measure/load ``local``.
+
+    Raises:
+        KeyError: unknown name.
+    """
+    if name.lower() == "local":
+        return measure_local(cache_path or DEFAULT_CACHE, remeasure=remeasure)
+    for k, hw in HARDWARE.items():
+        if k.lower() == name.lower():
+            return hw
+    raise KeyError(f"unknown hardware {name!r}; known: {', '.join(list_hardware())}")
+
+
+def get_link(name: str, hw: Hardware | None = None) -> Link:
+    """``nic-100g`` / ``nic-200g`` / ``nic-400g``, or ``nvlink`` (the hardware's own link)."""
+    if name in NIC_PRESETS:
+        return NIC_PRESETS[name]
+    if name in ("nvlink", "scale-up") and hw is not None and hw.link is not None:
+        return hw.link
+    raise KeyError(f"unknown link {name!r}; known: {', '.join([*NIC_PRESETS, 'nvlink'])}")
+
+
+def measure_local(cache_path: str = DEFAULT_CACHE, remeasure: bool = False,
+                  stream_bytes: int = 256 * 2**20, matmul_n: int = 1024, repeats: int = 5) -> Hardware:
+    """Measure this CPU with numpy, or load the cached result.
+
+    Bandwidth: best of ``repeats`` ``np.copyto`` of a ``stream_bytes`` float64 array, counted as
+    2 x ``stream_bytes`` moved (STREAM "Copy"). Peak: best of ``repeats`` fp32 ``n x n @ n x n``,
+    counted as 2 n**3 FLOP. The result is written to ``cache_path`` (JSON).
+    """
+    import numpy as np
+
+    key = {"machine": platform.machine(), "node": platform.node(), "cpus": os.cpu_count()}
+    if not remeasure and os.path.isfile(cache_path):
+        try:
+            with open(cache_path) as f:
+                d = json.load(f)
+            if d.get("key") == key:
+                return _local_from_dict(d)
+        except (OSError, ValueError, KeyError):
+            pass
+    n_el = stream_bytes // 8
+    a, b = np.ones(n_el), np.empty(n_el)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        best = min(best, time.perf_counter() - t0)
+    bw = 2 * n_el * 8 / best
+    x = np.random.default_rng(0).standard_normal((matmul_n, matmul_n), dtype=np.float32)
+    y = x.copy()
+    x @ y  # warm up BLAS threads
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x @ y
+        best = min(best, time.perf_counter() - t0)
+    fp32 = 2 * matmul_n**3 / best
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        mem = 0
+    d = {"key": key, "fp32": fp32, "mem_bandwidth": bw, "mem_bytes": mem,
+         "method": f"numpy copyto {stream_bytes} B x{repeats}; fp32 matmul n={matmul_n} x{repeats}",
+         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
+    with open(cache_path, "w") as f:
+        json.dump(d, f, indent=1)
+    return _local_from_dict(d)
+
+
+def _local_from_dict(d: dict) -> Hardware:
+    return Hardware("local", {"fp32": float(d["fp32"])}, float(d["mem_bandwidth"]),
+                    float(d["mem_bytes"]), None,
+                    f"measured {d['measured_at']}: {d['method']}", "physical RAM (bytes)")
