@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from sloserve.roofline.hardware import NIC_PRESETS, get_hardware, get_link, list_hardware
@@ -21,8 +22,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sloserve roofline",
                                 description="Roofline, KV-cache and capacity calculator.")
     p.add_argument("--hardware", default="H100-SXM", help=f"one of {', '.join(list_hardware())}")
-    p.add_argument("--model", default="Llama-3-8B",
-                   help=f"preset ({', '.join(list_models())}), config.json / folder, or .gguf")
+    p.add_argument("--model", nargs="?", const=EMBEDDED, default=None,
+                   help=f"preset ({', '.join(list_models())}), config.json / folder, .gguf, or "
+                        f"'{EMBEDDED}' (the engine's embedded SmolLM2-135M GGUF; also what --model "
+                        f"without a value means). Default: Llama-3-8B, or {EMBEDDED} with --measure")
     p.add_argument("--batch", type=int, default=1, help="decode batch (sequences)")
     p.add_argument("--context-len", type=int, default=4096, help="decode context length (tokens)")
     p.add_argument("--prompt-len", type=int, default=1024, help="prefill prompt length (tokens)")
@@ -46,7 +49,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--textbook", action="store_true",
                    help="print the lecture's worked numbers and 7-row table instead")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    g = p.add_argument_group("measure mode (runs the engine's forward pass; imports torch)")
+    g.add_argument("--measure", action="store_true",
+                   help="time the engine's model forward for decode batches and prefill chunks "
+                        "and compare with the roofline")
+    g.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="engine dtype for --measure (weights, activations and KV counted in it)")
+    g.add_argument("--load-format", default="auto",
+                   help="engine load format for --measure (auto, gguf, safetensors, dummy)")
+    g.add_argument("--measure-batches", type=_int_list, default=[1, 4, 16, 64],
+                   help="decode batches, comma-separated (default 1,4,16,64)")
+    g.add_argument("--measure-context-len", type=int, default=256,
+                   help="decode context length for --measure (tokens, default 256)")
+    g.add_argument("--measure-chunks", type=_int_list, default=[64, 256, 1024],
+                   help="prefill chunk sizes, comma-separated (default 64,256,1024)")
+    g.add_argument("--warmup", type=int, default=2, help="untimed decode steps per point")
+    g.add_argument("--repeats", type=int, default=5, help="timed decode steps per point (median)")
+    g.add_argument("--prefill-repeats", type=int, default=3, help="timed prefills per chunk (median)")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="draw the log-log roofline chart (with --measure: the measured points too)")
     return p
+
+
+EMBEDDED = "embedded"
+
+
+def _int_list(s: str) -> list[int]:
+    try:
+        v = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+    if not v or min(v) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {s!r}")
+    return v
+
+
+def _resolve_model(name: str | None, measure: bool) -> tuple[str, str | None]:
+    """(spec source, engine model) for ``--model``; engine model None = the embedded GGUF."""
+    if name is None:
+        name = EMBEDDED if measure else "Llama-3-8B"
+    if name.lower() == EMBEDDED:
+        from sloserve.model.loader import default_model_path
+
+        return default_model_path(), None
+    return name, name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')} must be in (0, 1]")
     if a.reserve_gib < 0:
         p.error("--reserve-gib must be >= 0")
+    if a.measure_context_len < 2 or a.warmup < 0 or a.repeats < 1 or a.prefill_repeats < 1:
+        p.error("--measure-context-len must be >= 2, --warmup >= 0, --repeats/--prefill-repeats >= 1")
     if a.textbook:
         out = {"golden": golden_numbers(), "lecture_table": [r.to_dict() for r in lecture_table()],
                "unit_slips": unit_slips()}
@@ -68,7 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         hw = get_hardware(a.hardware, remeasure=a.remeasure)
-        spec = get_model(a.model)
+        spec_src, engine_model = _resolve_model(a.model, a.measure)
+        spec = get_model(spec_src)
+        if a.measure and engine_model is not None and not os.path.exists(engine_model):
+            raise ValueError(f"--measure needs a model the engine can load ('{EMBEDDED}', a .gguf "
+                             f"or a Hugging Face folder), not the preset {engine_model!r}")
         links = {n: get_link(n, hw) for n in (a.link or ["nic-400g", "nvlink"])
                  if not (n == "nvlink" and hw.link is None and not a.link)}
     except (KeyError, ValueError, FileNotFoundError) as e:
@@ -79,7 +131,33 @@ def main(argv: list[str] | None = None) -> int:
               tp=a.tp, memory_efficiency=a.memory_efficiency,
               compute_efficiency=a.compute_efficiency, memory_fraction=a.memory_fraction,
               reserve_gib=a.reserve_gib, links=links)
-    print(json.dumps(pl.to_dict(), indent=1) if a.json else format_plan(pl))
+    m = None
+    if a.measure:
+        from sloserve.config import EngineConfig
+        from sloserve.roofline.measure import format_measurement, measure
+
+        try:
+            m = measure(EngineConfig(model=engine_model, dtype=a.dtype, load_format=a.load_format), spec,
+                        hw, decode_batches=a.measure_batches, context_len=a.measure_context_len,
+                        prefill_chunks=a.measure_chunks, warmup=a.warmup, repeats=a.repeats,
+                        prefill_repeats=a.prefill_repeats)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
+            return 2
+    if a.plot:
+        from sloserve.roofline.plot import plot_from_plan
+
+        plot_from_plan(a.plot, pl, m)
+    if a.json:
+        d = pl.to_dict()
+        if m is not None:
+            d["measure"] = m.to_dict()
+        if a.plot:
+            d["plot"] = a.plot
+        print(json.dumps(d, indent=1))
+    else:
+        print(format_plan(pl) + (("\n" + format_measurement(m)) if m is not None else "")
+              + (f"\nplot written to {a.plot}" if a.plot else ""))
     return 0
 
 

@@ -9,10 +9,10 @@ FLOP/s in 10**12 (TFLOP/s), bandwidth in 10**12 bytes/s (TB/s). ``fp32`` is the 
 FP32 rate on NVIDIA parts (TF32 is listed separately); ``int8`` is in OP/s. Interconnect bandwidths
 are per direction (NVLink's "900 GB/s" is 450 GB/s each way); NIC presets are 100/200/400 Gbit/s.
 
-``local`` is this machine's CPU measured on the spot with numpy (STREAM-style copy bandwidth, after
-McCalpin's STREAM: a copy moves 2 x array bytes; fp32 matmul peak = 2 n**3 FLOP / best time) and
-cached as JSON under ``~/.cache/sloserve/``. numpy has no bf16 matmul, so ``bf16`` is left out of
-``local`` (the engine-side ``--measure`` mode is where torch's bf16 kernels get timed).
+``local`` is this machine's CPU measured on the spot (STREAM-style copy bandwidth with numpy, after
+McCalpin's STREAM: a copy moves 2 x array bytes; fp32 and bf16 matmul peaks = 2 n**3 FLOP / best
+time with torch, the engine's own kernels, or fp32 only with numpy where torch is missing) and
+cached as JSON under ``~/.cache/sloserve/`` (``--remeasure`` refreshes it).
 """
 from __future__ import annotations
 
@@ -157,11 +157,12 @@ def get_link(name: str, hw: Hardware | None = None) -> Link:
 
 def measure_local(cache_path: str = DEFAULT_CACHE, remeasure: bool = False,
                   stream_bytes: int = 256 * 2**20, matmul_n: int = 1024, repeats: int = 5) -> Hardware:
-    """Measure this CPU with numpy, or load the cached result.
+    """Measure this CPU, or load the cached result.
 
     Bandwidth: best of ``repeats`` ``np.copyto`` of a ``stream_bytes`` float64 array, counted as
-    2 x ``stream_bytes`` moved (STREAM "Copy"). Peak: best of ``repeats`` fp32 ``n x n @ n x n``,
-    counted as 2 n**3 FLOP. The result is written to ``cache_path`` (JSON).
+    2 x ``stream_bytes`` moved (STREAM "Copy", McCalpin). Peaks: best of ``repeats``
+    ``n x n @ n x n`` counted as 2 n**3 FLOP, in fp32 and bf16 with torch (the engine's kernels)
+    when torch is installed, else fp32 with numpy. The result is written to ``cache_path`` (JSON).
     """
     import numpy as np
 
@@ -182,21 +183,15 @@ def measure_local(cache_path: str = DEFAULT_CACHE, remeasure: bool = False,
         np.copyto(b, a)
         best = min(best, time.perf_counter() - t0)
     bw = 2 * n_el * 8 / best
-    x = np.random.default_rng(0).standard_normal((matmul_n, matmul_n), dtype=np.float32)
-    y = x.copy()
-    x @ y  # warm up BLAS threads
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x @ y
-        best = min(best, time.perf_counter() - t0)
-    fp32 = 2 * matmul_n**3 / best
+    peaks = _matmul_peaks(matmul_n, repeats)
     try:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         mem = 0
-    d = {"key": key, "fp32": fp32, "mem_bandwidth": bw, "mem_bytes": mem,
-         "method": f"numpy copyto {stream_bytes} B x{repeats}; fp32 matmul n={matmul_n} x{repeats}",
+    lib = "torch" if "bf16" in peaks else "numpy"
+    d = {"key": key, **peaks, "mem_bandwidth": bw, "mem_bytes": mem,
+         "method": f"numpy copyto {stream_bytes} B x{repeats}; {lib} "
+                   f"{'/'.join(sorted(peaks))} matmul n={matmul_n} x{repeats}",
          "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
     with open(cache_path, "w") as f:
@@ -204,7 +199,38 @@ def measure_local(cache_path: str = DEFAULT_CACHE, remeasure: bool = False,
     return _local_from_dict(d)
 
 
+def _matmul_peaks(n: int, repeats: int) -> dict[str, float]:
+    """Best-of-`repeats` n x n @ n x n FLOP/s (2 n**3 FLOP each): fp32 and bf16 with torch (the
+    engine's own kernels) when it is installed, else fp32 with numpy."""
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    out = {}
+    if torch is not None:
+        for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            x = torch.randn(n, n, generator=torch.Generator().manual_seed(0)).to(dt)
+            x @ x  # warm up the thread pool and the kernel choice
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                x @ x
+                best = min(best, time.perf_counter() - t0)
+            out[name] = 2 * n**3 / best
+        return out
+    import numpy as np
+    x = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    x @ x
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x @ x
+        best = min(best, time.perf_counter() - t0)
+    return {"fp32": 2 * n**3 / best}
+
+
 def _local_from_dict(d: dict) -> Hardware:
-    return Hardware("local", {"fp32": float(d["fp32"])}, float(d["mem_bandwidth"]),
+    peaks = {k: float(d[k]) for k in ("fp32", "bf16") if k in d}
+    return Hardware("local", peaks, float(d["mem_bandwidth"]),
                     float(d["mem_bytes"]), None,
                     f"measured {d['measured_at']}: {d['method']}", "physical RAM (bytes)")

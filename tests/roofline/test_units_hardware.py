@@ -48,5 +48,4 @@ def test_local_measurement_is_cached(tmp_path, monkeypatch):
     cache.write_text(json.dumps(d))
     assert measure_local(str(cache)).peak("fp32") == 123.0
     assert get_hardware("local", cache_path=str(cache)).peak("fp32") == 123.0
-    with pytest.raises(KeyError):
-        hw.peak("bf16")  # numpy has no bf16 matmul
+    assert hw.peak("bf16") > 0  # measured with torch, the engine's own kernels

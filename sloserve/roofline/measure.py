@@ -1,0 +1,251 @@
+"""``sloserve roofline --measure``: time the engine's own forward pass against the roofline.
+
+For each point the engine runs one real step of a given composition and the model forward is
+timed (``runner.last_timings.forward_s``: the ``model(...)`` call alone, not input preparation or
+sampling); the reported time is the median of ``repeats`` steps after ``warmup`` untimed ones.
+
+- decode batch ``B`` at context ``C``: ``B`` requests are prefilled first in one untimed step (the
+  token budget is raised to ``B x C``), then every timed step is decode-only with exactly ``B``
+  sequences, all at the same context. The context grows by one per step, so
+  the prompt length is chosen to centre the timed steps on ``C``: with ``repeats`` = 5 they run at
+  contexts C-2 .. C+2 (context = tokens in the cache after the step, the new one included, as
+  :class:`~sloserve.roofline.ops.Workload` counts it) and the theory is taken at ``C``.
+- prefill chunk ``N``: one request of ``N`` prompt tokens scheduled in a single step (batch 1, no
+  cached prefix), ``warmup`` + ``repeats`` fresh requests.
+
+Theory for the same composition comes from :func:`sloserve.roofline.ops.operator_costs` with
+weights, activations and KV in the engine's dtype. Bound time = ``max(FLOP / peak, bytes /
+bandwidth)`` on the given hardware; where it has no peak for the engine's dtype (``local`` only has
+a numpy fp32 matmul peak) the fp32 peak is used and a note says so. Achieved FLOP/s = FLOP /
+measured, achieved bytes/s = bytes / measured, efficiency = bound / measured (1 = on the roof).
+
+This module imports torch and the engine; the rest of :mod:`sloserve.roofline` does not, and
+``cli.py`` imports this one only for ``--measure``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from sloserve.config import EngineConfig
+from sloserve.engine.llm_engine import LLMEngine
+from sloserve.roofline.hardware import Hardware
+from sloserve.roofline.models import ModelSpec
+from sloserve.roofline.ops import Workload, operator_costs
+from sloserve.roofline.roofline import roofline_point
+from sloserve.roofline.units import fmt_bandwidth, fmt_bytes, fmt_flops, fmt_flops_rate
+from sloserve.sampling_params import SamplingParams
+
+ENGINE_TO_OPS_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+DECODE_BATCHES = (1, 4, 16, 64)
+PREFILL_CHUNKS = (64, 256, 1024)
+CONTEXT_LEN = 256
+
+
+@dataclass(frozen=True)
+class MeasuredPoint:
+    """One measured step and its theory.
+
+    Attributes: phase ("decode"/"prefill"), batch (sequences), seq_len (decode: context, prefill:
+    chunk tokens), measured_s (median forward seconds), samples_s (all timed forwards), flops (FLOP),
+    bytes (B), intensity (FLOP/B), achieved_flops_per_s, achieved_bytes_per_s, bound_s (roofline
+    lower bound, s), bound ("memory"/"compute"), efficiency (bound_s / measured_s), contexts (decode:
+    the context of each timed step).
+    """
+
+    phase: str
+    batch: int
+    seq_len: int
+    measured_s: float
+    samples_s: list[float]
+    flops: float
+    bytes: float
+    intensity: float
+    achieved_flops_per_s: float
+    achieved_bytes_per_s: float
+    bound_s: float
+    bound: str
+    efficiency: float
+    contexts: list[int] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"decode B={self.batch}" if self.phase == "decode" else f"prefill {self.seq_len}"
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "label": self.label}
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """All measured points plus what they were measured against."""
+
+    model: str
+    engine_dtype: str
+    ops_dtype: str
+    peak_dtype: str
+    hardware: str
+    peak: float
+    bandwidth: float
+    context_len: int
+    warmup: int
+    repeats: int
+    torch_threads: int
+    points: list[MeasuredPoint]
+    notes: list[str]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["points"] = [p.to_dict() for p in self.points]
+        return d
+
+
+def theory(spec: ModelSpec, wl: Workload, hw: Hardware, peak_dtype: str, measured_s: float,
+           samples: list[float], contexts: list[int] | None = None) -> MeasuredPoint:
+    """Combine a measured time with ops.py's FLOPs/bytes for ``wl`` and the roofline bound."""
+    ops = operator_costs(spec, wl)
+    flops = sum(o.flops for o in ops)
+    nbytes = sum(o.bytes for o in ops)
+    rp = roofline_point(flops, nbytes, hw, peak_dtype)
+    return MeasuredPoint(wl.phase, wl.batch, wl.seq_len, measured_s, list(samples), flops, nbytes,
+                         rp.intensity, flops / measured_s, nbytes / measured_s, rp.time, rp.bound,
+                         rp.time / measured_s, list(contexts or []))
+
+
+def _tokens(n: int, seed: int, vocab: int) -> list[int]:
+    hi = max(2, min(vocab, 1000) - 10)
+    return [(7 * seed + 13 * j) % hi + 10 if hi > 10 else (seed + j) % hi for j in range(n)]
+
+
+def _decode_point(eng: LLMEngine, batch: int, context_len: int, warmup: int, repeats: int,
+                  vocab: int) -> tuple[list[float], list[int]]:
+    prompt = context_len - 1 - warmup - (repeats - 1) // 2
+    if prompt < 1:
+        raise ValueError(f"context length {context_len} too short for warmup {warmup} + {repeats} repeats")
+    sp = SamplingParams(temperature=0.0, max_tokens=warmup + repeats + 4, ignore_eos=True)
+    ids = [eng.add_request(_tokens(prompt, 1000 * batch + i, vocab), sp) for i in range(batch)]
+    while eng.scheduler.waiting or any(r.is_prefilling for r in eng.scheduler.running):
+        eng.step()
+    times, contexts = [], []
+    for k in range(warmup + repeats):
+        running = eng.scheduler.running
+        if len(running) != batch or any(r.is_prefilling for r in running):
+            raise RuntimeError(f"decode batch {batch}: step {k} is not a pure decode of {batch} sequences")
+        ctx = {r.num_tokens for r in running}  # = context after this step (the new token included)
+        if len(ctx) != 1:
+            raise RuntimeError(f"decode batch {batch}: sequences at different contexts {sorted(ctx)}")
+        eng.step()
+        if k >= warmup:
+            times.append(eng.runner.last_timings.forward_s)
+            contexts.append(ctx.pop())
+    for rid in ids:
+        eng.abort_request(rid)
+    return times, contexts
+
+
+def _prefill_point(eng: LLMEngine, n: int, warmup: int, repeats: int, vocab: int) -> list[float]:
+    times = []
+    for r in range(warmup + repeats):
+        rid = eng.add_request(_tokens(n, 7919 * n + r, vocab), SamplingParams(temperature=0.0, max_tokens=1))
+        req = eng.scheduler.requests[rid]
+        eng.step()
+        if req.num_computed_tokens < n:
+            raise RuntimeError(f"prefill {n}: the prompt was not run in one step")
+        if r >= warmup:
+            times.append(eng.runner.last_timings.forward_s)
+        while eng.has_unfinished_requests():
+            eng.step()
+    return times
+
+
+def engine_config_for(config: EngineConfig, decode_batches, context_len: int, prefill_chunks,
+                      warmup: int, repeats: int) -> EngineConfig:
+    """``config`` with the token budget, sequence limit and KV blocks the points need."""
+    bs = config.block_size
+    max_b = max(decode_batches, default=1)
+    max_n = max(prefill_chunks, default=1)
+    blocks = max(max_b * math.ceil((context_len + warmup + repeats + 2) / bs),
+                 math.ceil((max_n + 2) / bs)) + 4
+    if config.num_kv_blocks is not None and config.num_kv_blocks < blocks:
+        raise ValueError(f"num_kv_blocks={config.num_kv_blocks} is too few for these points; need {blocks}")
+    return dataclasses.replace(
+        config, num_kv_blocks=config.num_kv_blocks or blocks,
+        # every decode batch's prompts go through in one step, so all its sequences start decoding
+        # together at the same context (a smaller budget would interleave their decodes and prefills)
+        max_num_batched_tokens=max(config.max_num_batched_tokens, max_n, max_b * context_len),
+        max_num_seqs=max(config.max_num_seqs, max_b),
+        max_model_len=config.max_model_len or max(max_n + 2, context_len + warmup + repeats + 4),
+        scheduling_policy="chunked")
+
+
+def measure(config: EngineConfig, spec: ModelSpec, hw: Hardware, *,
+            decode_batches=DECODE_BATCHES, context_len: int = CONTEXT_LEN,
+            prefill_chunks=PREFILL_CHUNKS, warmup: int = 2, repeats: int = 5,
+            prefill_warmup: int = 1, prefill_repeats: int = 3) -> Measurement:
+    """Build an engine from ``config`` and measure every point (see module docstring).
+
+    ``spec`` must describe the same model (its shapes give the theory); ``hw`` gives the roof.
+
+    Raises:
+        ValueError: bad parameters or an engine dtype ops.py cannot count.
+    """
+    if min(warmup, prefill_warmup) < 0 or min(repeats, prefill_repeats) < 1:
+        raise ValueError("warmup must be >= 0 and repeats >= 1")
+    if config.dtype not in ENGINE_TO_OPS_DTYPE:
+        raise ValueError(f"engine dtype {config.dtype!r}; known: {', '.join(ENGINE_TO_OPS_DTYPE)}")
+    dt = ENGINE_TO_OPS_DTYPE[config.dtype]
+    notes: list[str] = []
+    peak_dtype = dt
+    try:
+        hw.peak(dt)
+    except KeyError:
+        peak_dtype = "fp32"
+        notes.append(f"{hw.name} has no {dt} peak measured; the bound uses the fp32 peak "
+                     f"({fmt_flops_rate(hw.peak('fp32'))})")
+    if hw.name != "local":
+        notes.append(f"timed on this machine's CPU, bound taken on {hw.name}")
+    eng = LLMEngine(engine_config_for(config, decode_batches, context_len, prefill_chunks, warmup, repeats))
+    vocab = eng.model_config.vocab_size
+    points: list[MeasuredPoint] = []
+    for b in decode_batches:
+        t, ctx = _decode_point(eng, b, context_len, warmup, repeats, vocab)
+        points.append(theory(spec, Workload("decode", b, context_len, dt, dt, dt), hw, peak_dtype,
+                             statistics.median(t), t, ctx))
+    for n in prefill_chunks:
+        t = _prefill_point(eng, n, prefill_warmup, prefill_repeats, vocab)
+        points.append(theory(spec, Workload("prefill", 1, n, dt, dt, dt), hw, peak_dtype,
+                             statistics.median(t), t))
+    notes.append(f"decode: timed steps at contexts {context_len - (repeats - 1) // 2}.."
+                 f"{context_len + repeats // 2}, theory at {context_len}; prefill: batch 1, "
+                 f"one step per chunk, median of {prefill_repeats} after {prefill_warmup} warm-up")
+    over = [p.label for p in points if p.efficiency > 1]
+    if over:
+        notes.append(f"efficiency above 100 % ({', '.join(over)}): the engine ran faster than this roof "
+                     f"allows, so the roof is too low for it (e.g. the {peak_dtype} peak standing in for "
+                     f"faster {dt} kernels); those bound times are not lower bounds")
+    return Measurement(eng.model_name, config.dtype, dt, peak_dtype, hw.name, hw.peak(peak_dtype),
+                       hw.mem_bandwidth, context_len, warmup, repeats, torch.get_num_threads(),
+                       points, notes)
+
+
+def format_measurement(m: Measurement) -> str:
+    """The measured-vs-roofline table."""
+    L = [f"== measured: {m.model}, engine dtype {m.engine_dtype} (weights/activations/KV {m.ops_dtype}), "
+         f"{m.torch_threads} torch threads, model forward only, median after {m.warmup} warm-up",
+         f"  roof: {m.hardware}, peak {m.peak_dtype} {fmt_flops_rate(m.peak)}, bandwidth "
+         f"{fmt_bandwidth(m.bandwidth)}, balance {m.peak / m.bandwidth:.1f} FLOP/byte",
+         f"  {'point':<16} {'measured':>11} {'FLOP':>12} {'bytes':>22} {'FLOP/byte':>10} "
+         f"{'achieved FLOP/s':>16} {'achieved B/s':>14} {'bound':>10} {'':>7} {'efficiency':>10}"]
+    for p in m.points:
+        L.append(f"  {p.label:<16} {p.measured_s * 1e3:>8.3f} ms {fmt_flops(p.flops):>12} "
+                 f"{fmt_bytes(p.bytes):>22} {p.intensity:>10.1f} {fmt_flops_rate(p.achieved_flops_per_s):>16} "
+                 f"{fmt_bandwidth(p.achieved_bytes_per_s):>14} {p.bound_s * 1e3:>7.3f} ms {p.bound:>7} "
+                 f"{100 * p.efficiency:>8.1f} %")
+    L.append("  efficiency = bound time / measured time; achieved = theoretical FLOP (bytes) / measured time")
+    for n in m.notes:
+        L.append(f"note: {n}")
+    return "\n".join(L)
