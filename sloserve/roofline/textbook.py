@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from sloserve.roofline.hardware import HARDWARE
 from sloserve.roofline.kv import kv_bytes_per_token
 from sloserve.roofline.models import PRESETS
+from sloserve.roofline.roofline import roofline_point
 from sloserve.roofline.units import GB, TB, GiB, MiB
 
 
@@ -86,13 +87,10 @@ def lecture_table() -> list[LectureRow]:
     """The 7-row table: 8B on one H100, Llama-3-70B split 8 ways (TP=8) on A100s, fp16 weights."""
     rows = []
     for label, hw_name, p, phase, t in LECTURE_ROWS:
-        hw = HARDWARE[hw_name]
-        peak, bw = hw.peak("fp16"), hw.mem_bandwidth
-        i = float(t)  # 2 P t / (2 P): decode t = batch, prefill t = prompt tokens
-        att = min(peak, i * bw)
-        time = max(2 * p * t / peak, 2 * p / bw)
-        rows.append(LectureRow(label, hw_name, p, phase, t, i, att, att / peak,
-                               "compute" if i >= peak / bw else "memory", time))
+        # 2 P t FLOP over 2 P bytes of fp16 weights: intensity t (decode: batch, prefill: tokens)
+        rp = roofline_point(2 * p * t, 2 * p, HARDWARE[hw_name], "fp16")
+        rows.append(LectureRow(label, hw_name, p, phase, t, rp.intensity, rp.attainable, rp.mfu,
+                               rp.bound, rp.time))
     return rows
 
 
