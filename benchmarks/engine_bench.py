@@ -12,56 +12,32 @@ import argparse
 import json
 import platform
 import statistics
-import time
 
 import torch
 
 from sloserve.config import EngineConfig
 from sloserve.engine.llm_engine import LLMEngine
-from sloserve.sampling_params import SamplingParams
+from sloserve.engine.step_profile import time_decode_steps, time_prefill_steps
 
 
-def decode_rate(eng: LLMEngine, batch: int, prompt_len: int, steps: int) -> dict:
-    """Run `batch` requests to steady decode, then time `steps` decode-only steps."""
-    sp = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
-    for i in range(batch):
-        eng.add_request([(7 * i + j) % 1000 + 10 for j in range(prompt_len)], sp)
-    while any(r.is_prefilling for r in eng.scheduler.running) or eng.scheduler.waiting:
-        eng.step()
-    walls, fwds, prep, samp = [], [], [], []
-    for _ in range(steps):
-        t = time.perf_counter()
-        eng.step()
-        walls.append(time.perf_counter() - t)
-        tm = eng.runner.last_timings
-        fwds.append(tm.forward_s)
-        prep.append(tm.prepare_s)
-        samp.append(tm.sample_s)
-    while eng.has_unfinished_requests():
-        eng.step()
-    w = statistics.median(walls)
-    f = statistics.median(fwds)
-    return {"batch": batch, "context_len": prompt_len, "step_ms": w * 1e3, "forward_ms": f * 1e3,
-            "prepare_ms": statistics.median(prep) * 1e3, "sample_ms": statistics.median(samp) * 1e3,
+def decode_rate(eng: LLMEngine, batch: int, context_len: int, steps: int) -> dict:
+    """Median of `steps` pure-decode steps of `batch` sequences around `context_len`."""
+    ss = time_decode_steps(eng, batch, context_len, warmup=2, repeats=steps)
+    w = statistics.median(s.wall_s for s in ss)
+    f = statistics.median(s.forward_s for s in ss)
+    return {"batch": batch, "context_len": context_len, "step_ms": w * 1e3, "forward_ms": f * 1e3,
+            "prepare_ms": statistics.median(s.prepare_s for s in ss) * 1e3,
+            "sample_ms": statistics.median(s.sample_s for s in ss) * 1e3,
             "decode_tok_per_s": batch / w, "outside_forward_share": 1 - f / w}
 
 
 def prefill_time(eng: LLMEngine, n: int, reps: int) -> dict:
-    times, fwd = [], []
-    for r in range(reps + 1):
-        eng.add_request([(11 * j + r) % 1000 + 10 for j in range(n)],
-                        SamplingParams(temperature=0.0, max_tokens=1))
-        t = time.perf_counter()
-        eng.step()
-        dt = time.perf_counter() - t
-        if r:  # first one warms up
-            times.append(dt)
-            fwd.append(eng.runner.last_timings.forward_s)
-        while eng.has_unfinished_requests():
-            eng.step()
-    return {"prompt_tokens": n, "step_ms": statistics.median(times) * 1e3,
-            "forward_ms": statistics.median(fwd) * 1e3,
-            "prefill_tok_per_s": n / statistics.median(times)}
+    """Median of `reps` steps that each prefill one `n`-token prompt (after one warm-up)."""
+    ss = time_prefill_steps(eng, n, warmup=1, repeats=reps)
+    w = statistics.median(s.wall_s for s in ss)
+    return {"prompt_tokens": n, "step_ms": w * 1e3,
+            "forward_ms": statistics.median(s.forward_s for s in ss) * 1e3,
+            "prefill_tok_per_s": n / w}
 
 
 def main() -> None:
@@ -73,7 +49,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     eng = LLMEngine(EngineConfig(model=a.model, load_format=a.load_format, dtype=a.dtype,
-                                 max_num_batched_tokens=512, num_kv_blocks=1024))
+                                 # a decode batch's prompts prefill in one step: budget 16 x 128
+                                 max_num_batched_tokens=2048, num_kv_blocks=1024))
     res = {"model": eng.model_name, "dtype": a.dtype, "torch_threads": torch.get_num_threads(),
            "machine": platform.processor() or platform.machine(),
            "decode": [decode_rate(eng, b, 128, a.steps) for b in (1, 16)],

@@ -33,12 +33,12 @@ import torch
 
 from sloserve.config import EngineConfig
 from sloserve.engine.llm_engine import LLMEngine
+from sloserve.engine.step_profile import time_decode_steps, time_prefill_steps
 from sloserve.roofline.hardware import Hardware
 from sloserve.roofline.models import ModelSpec
 from sloserve.roofline.ops import Workload, operator_costs
 from sloserve.roofline.roofline import roofline_point
 from sloserve.roofline.units import fmt_bandwidth, fmt_bytes, fmt_flops, fmt_flops_rate
-from sloserve.sampling_params import SamplingParams
 
 ENGINE_TO_OPS_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 DECODE_BATCHES = (1, 4, 16, 64)
@@ -116,52 +116,6 @@ def theory(spec: ModelSpec, wl: Workload, hw: Hardware, peak_dtype: str, measure
                          rp.time / measured_s, list(contexts or []))
 
 
-def _tokens(n: int, seed: int, vocab: int) -> list[int]:
-    hi = max(2, min(vocab, 1000) - 10)
-    return [(7 * seed + 13 * j) % hi + 10 if hi > 10 else (seed + j) % hi for j in range(n)]
-
-
-def _decode_point(eng: LLMEngine, batch: int, context_len: int, warmup: int, repeats: int,
-                  vocab: int) -> tuple[list[float], list[int]]:
-    prompt = context_len - 1 - warmup - (repeats - 1) // 2
-    if prompt < 1:
-        raise ValueError(f"context length {context_len} too short for warmup {warmup} + {repeats} repeats")
-    sp = SamplingParams(temperature=0.0, max_tokens=warmup + repeats + 4, ignore_eos=True)
-    ids = [eng.add_request(_tokens(prompt, 1000 * batch + i, vocab), sp) for i in range(batch)]
-    while eng.scheduler.waiting or any(r.is_prefilling for r in eng.scheduler.running):
-        eng.step()
-    times, contexts = [], []
-    for k in range(warmup + repeats):
-        running = eng.scheduler.running
-        if len(running) != batch or any(r.is_prefilling for r in running):
-            raise RuntimeError(f"decode batch {batch}: step {k} is not a pure decode of {batch} sequences")
-        ctx = {r.num_tokens for r in running}  # = context after this step (the new token included)
-        if len(ctx) != 1:
-            raise RuntimeError(f"decode batch {batch}: sequences at different contexts {sorted(ctx)}")
-        eng.step()
-        if k >= warmup:
-            times.append(eng.runner.last_timings.forward_s)
-            contexts.append(ctx.pop())
-    for rid in ids:
-        eng.abort_request(rid)
-    return times, contexts
-
-
-def _prefill_point(eng: LLMEngine, n: int, warmup: int, repeats: int, vocab: int) -> list[float]:
-    times = []
-    for r in range(warmup + repeats):
-        rid = eng.add_request(_tokens(n, 7919 * n + r, vocab), SamplingParams(temperature=0.0, max_tokens=1))
-        req = eng.scheduler.requests[rid]
-        eng.step()
-        if req.num_computed_tokens < n:
-            raise RuntimeError(f"prefill {n}: the prompt was not run in one step")
-        if r >= warmup:
-            times.append(eng.runner.last_timings.forward_s)
-        while eng.has_unfinished_requests():
-            eng.step()
-    return times
-
-
 def engine_config_for(config: EngineConfig, decode_batches, context_len: int, prefill_chunks,
                       warmup: int, repeats: int) -> EngineConfig:
     """``config`` with the token budget, sequence limit and KV blocks the points need."""
@@ -209,14 +163,14 @@ def measure(config: EngineConfig, spec: ModelSpec, hw: Hardware, *,
     if hw.name != "local":
         notes.append(f"timed on this machine's CPU, bound taken on {hw.name}")
     eng = LLMEngine(engine_config_for(config, decode_batches, context_len, prefill_chunks, warmup, repeats))
-    vocab = eng.model_config.vocab_size
     points: list[MeasuredPoint] = []
     for b in decode_batches:
-        t, ctx = _decode_point(eng, b, context_len, warmup, repeats, vocab)
+        steps = time_decode_steps(eng, b, context_len, warmup, repeats)
+        t, ctx = [x.forward_s for x in steps], [x.context for x in steps]
         points.append(theory(spec, Workload("decode", b, context_len, dt, dt, dt), hw, peak_dtype,
                              statistics.median(t), t, ctx))
     for n in prefill_chunks:
-        t = _prefill_point(eng, n, prefill_warmup, prefill_repeats, vocab)
+        t = [x.forward_s for x in time_prefill_steps(eng, n, prefill_warmup, prefill_repeats)]
         points.append(theory(spec, Workload("prefill", 1, n, dt, dt, dt), hw, peak_dtype,
                              statistics.median(t), t))
     notes.append(f"decode: timed steps at contexts {context_len - (repeats - 1) // 2}.."

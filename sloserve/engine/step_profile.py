@@ -1,0 +1,101 @@
+"""Time engine steps of a known composition: pure decode batches and single-step prefills.
+
+One place for the step-driving logic that `benchmarks/engine_bench.py`, `sloserve roofline
+--measure` (and later the profiled cost model of the simulator) need. Times are seconds
+(perf_counter); `forward_s`/`prepare_s`/`sample_s` are the model runner's own timings.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from sloserve.engine.llm_engine import LLMEngine
+from sloserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One timed engine step.
+
+    Attributes:
+        wall_s: the whole `step()` (schedule, prepare, forward, sample, update, detokenize).
+        prepare_s, forward_s, sample_s: the runner's phases.
+        context: decode only: tokens in each sequence's cache after the step (new one included).
+    """
+
+    wall_s: float
+    prepare_s: float
+    forward_s: float
+    sample_s: float
+    context: int | None = None
+
+
+def synthetic_prompt(n: int, seed: int, vocab: int) -> list[int]:
+    """`n` deterministic token ids in [10, min(vocab, 1000)) (no special tokens for real vocabularies)."""
+    hi = max(2, min(vocab, 1000) - 10)
+    return [(7 * seed + 13 * j) % hi + 10 if hi > 10 else (seed + j) % hi for j in range(n)]
+
+
+def _timed_step(eng: LLMEngine, context: int | None = None) -> StepSample:
+    t0 = time.perf_counter()
+    eng.step()
+    wall = time.perf_counter() - t0
+    tm = eng.runner.last_timings
+    return StepSample(wall, tm.prepare_s, tm.forward_s, tm.sample_s, context)
+
+
+def time_decode_steps(eng: LLMEngine, batch: int, context_len: int, warmup: int,
+                      repeats: int) -> list[StepSample]:
+    """`repeats` timed pure-decode steps of exactly `batch` sequences, centred on `context_len`.
+
+    The prompts are prefilled first (untimed); for all sequences to start decoding together the
+    engine's token budget must hold batch x context_len tokens. The requests are aborted after.
+
+    Raises:
+        ValueError: context_len too short for warmup + repeats.
+        RuntimeError: a timed step was not a pure decode of `batch` sequences at one context.
+    """
+    prompt = context_len - 1 - warmup - (repeats - 1) // 2
+    if prompt < 1:
+        raise ValueError(f"context length {context_len} too short for warmup {warmup} + {repeats} repeats")
+    vocab = eng.model_config.vocab_size
+    sp = SamplingParams(temperature=0.0, max_tokens=warmup + repeats + 4, ignore_eos=True)
+    ids = [eng.add_request(synthetic_prompt(prompt, 1000 * batch + i, vocab), sp) for i in range(batch)]
+    while eng.scheduler.waiting or any(r.is_prefilling for r in eng.scheduler.running):
+        eng.step()
+    out = []
+    for k in range(warmup + repeats):
+        running = eng.scheduler.running
+        if len(running) != batch or any(r.is_prefilling for r in running):
+            raise RuntimeError(f"decode batch {batch}: step {k} is not a pure decode of {batch} sequences")
+        ctx = {r.num_tokens for r in running}
+        if len(ctx) != 1:
+            raise RuntimeError(f"decode batch {batch}: sequences at different contexts {sorted(ctx)}")
+        s = _timed_step(eng, ctx.pop())
+        if k >= warmup:
+            out.append(s)
+    for rid in ids:
+        eng.abort_request(rid)
+    return out
+
+
+def time_prefill_steps(eng: LLMEngine, n: int, warmup: int, repeats: int) -> list[StepSample]:
+    """`repeats` timed steps that each prefill one fresh `n`-token prompt whole (batch 1).
+
+    Raises:
+        RuntimeError: the prompt did not fit one step (token budget below `n`).
+    """
+    vocab = eng.model_config.vocab_size
+    out = []
+    for r in range(warmup + repeats):
+        rid = eng.add_request(synthetic_prompt(n, 7919 * n + r, vocab),
+                              SamplingParams(temperature=0.0, max_tokens=1))
+        req = eng.scheduler.requests[rid]
+        s = _timed_step(eng)
+        if req.num_computed_tokens < n:
+            raise RuntimeError(f"prefill {n}: the prompt was not run in one step")
+        if r >= warmup:
+            out.append(s)
+        while eng.has_unfinished_requests():
+            eng.step()
+    return out
