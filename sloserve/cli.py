@@ -1,5 +1,5 @@
 """The `sloserve` command: `serve` (OpenAI-compatible server), `generate` (one prompt offline),
-`roofline` (roofline / KV-cache / capacity calculator)."""
+`bench` (SLO load tester, `bench sweep`), `roofline` (roofline / KV-cache / capacity calculator)."""
 from __future__ import annotations
 
 import argparse
@@ -104,7 +104,12 @@ def main(argv: list[str] | None = None) -> int:
 
     sub.add_parser("roofline", add_help=False,
                    help="roofline, KV-cache and capacity calculator (its own --help)")
+    sub.add_parser("bench", add_help=False,
+                   help="SLO load tester for OpenAI-compatible servers; `bench sweep` (own --help)")
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from sloserve.bench.cli import main as bench_main
+        return bench_main(argv[1:])
     if argv[:1] == ["roofline"]:  # its own parser takes every flag after the word
         from sloserve.roofline.cli import main as roofline_main
         return roofline_main(argv[1:])

@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+
+from sloserve.bench.server_proc import scrape_metrics, sloserve_server
 
 QUESTIONS = [
     "What is the capital of France? Answer in one sentence.",
@@ -61,27 +58,6 @@ class Stream:
         return (self.last - self.first) * 1e3 / (self.output_tokens - 1)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(base: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    """Poll GET /health until 200. Raises RuntimeError if the server exits, TimeoutError."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode}")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"server not healthy after {timeout_s} s")
-
-
 async def chat_stream(client, model: str, s: Stream, max_tokens: int) -> None:
     """Send one streamed greedy chat request and fill `s` as chunks arrive (errors go to s.error)."""
     s.sent = time.perf_counter()
@@ -117,17 +93,6 @@ def render(streams: list[Stream]) -> Table:
     return t
 
 
-def metrics_summary(base: str) -> dict[str, float]:
-    """GET /metrics -> sample name -> value (summed over label sets; histogram buckets dropped)."""
-    text = httpx.get(f"{base}/metrics", timeout=5).text
-    vals: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for smp in fam.samples:
-            if not smp.name.endswith("_bucket"):  # sum over label sets
-                vals[smp.name] = vals.get(smp.name, 0.0) + smp.value
-    return vals
-
-
 async def drive(base: str, model: str, n: int, max_tokens: int, console: Console) -> list[Stream]:
     """Run `n` concurrent streamed chats, showing the answers live; returns them when all end."""
     from openai import AsyncOpenAI
@@ -144,65 +109,69 @@ async def drive(base: str, model: str, n: int, max_tokens: int, console: Console
     return streams
 
 
+def chat_demo(base: str, a: argparse.Namespace, console: Console) -> bool:
+    """Part 1: concurrent streamed chats, per-request TTFT/TPOT, scheduler summary. True if all ok."""
+    model = httpx.get(f"{base}/v1/models", timeout=5).json()["data"][0]["id"]
+    console.print(f"model [bold]{model}")
+    t1 = time.perf_counter()
+    streams = asyncio.run(drive(base, model, a.num_requests, a.max_tokens, console))
+    wall = time.perf_counter() - t1
+
+    t = Table(title=f"per request (client-side; {a.num_requests} concurrent chats, greedy)")
+    for col in ("#", "TTFT ms", "TPOT ms", "output tokens", "finish_reason"):
+        t.add_column(col, justify="right")
+    for i, s in enumerate(streams):
+        t.add_row(str(i), f"{s.ttft_ms:.0f}" if s.ttft_ms else "-",
+                  f"{s.tpot_ms:.1f}" if s.tpot_ms else "-", str(s.output_tokens),
+                  s.finish_reason or (s.error or "-"))
+    console.print(t)
+    total_out = sum(s.output_tokens for s in streams)
+    console.print(f"{total_out} output tokens in {wall:.1f} s = {total_out / wall:.1f} tok/s")
+
+    m = scrape_metrics(base)
+    steps = m.get("sloserve:engine_steps_total", 0)
+    tok_sum = m.get("sloserve:batched_tokens_per_step_sum", 0)
+    st = Table(title="scheduler summary (from /metrics)")
+    st.add_column("metric")
+    st.add_column("value", justify="right")
+    st.add_row("engine steps", f"{steps:.0f}")
+    st.add_row("tokens per step (mean)", f"{tok_sum / steps:.1f}" if steps else "-")
+    st.add_row("prompt tokens", f"{m.get('vllm:prompt_tokens_total', 0):.0f}")
+    st.add_row("generation tokens", f"{m.get('vllm:generation_tokens_total', 0):.0f}")
+    st.add_row("preemptions", f"{m.get('vllm:num_preemptions_total', 0):.0f}")
+    st.add_row("peak KV cache usage", f"{100 * m.get('sloserve:kv_cache_usage_peak_perc', 0):.2f} %")
+    console.print(st)
+    return not any(s.error or not s.text for s in streams)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--num-requests", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--skip-experiment", action="store_true",
+                    help="only the chat demo, not the three-policy chunked-prefill experiment")
+    ap.add_argument("--out-dir", default="demo-results", help="experiment results and plots")
     ap.add_argument("server_args", nargs="*", help="extra flags for `sloserve serve` (after --)")
     a = ap.parse_args(argv)
     console = Console()
-    port = a.port or free_port()
-    base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "sloserve.cli", "serve", "--port", str(port),
-           "--log-level", "warning", *a.server_args]
-    console.rule("[bold]sloserve demo")
-    console.print(f"starting: {' '.join(cmd[1:])}")
+    console.rule("[bold]sloserve demo, part 1: streamed chats")
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        wait_healthy(base, proc, timeout_s=300)
-        models = httpx.get(f"{base}/v1/models", timeout=5).json()["data"]
-        model = models[0]["id"]
-        console.print(f"server healthy after {time.perf_counter() - t0:.1f} s; model [bold]{model}")
-        t1 = time.perf_counter()
-        streams = asyncio.run(drive(base, model, a.num_requests, a.max_tokens, console))
-        wall = time.perf_counter() - t1
-
-        t = Table(title=f"per request (client-side; {a.num_requests} concurrent chats, greedy)")
-        for col in ("#", "TTFT ms", "TPOT ms", "output tokens", "finish_reason"):
-            t.add_column(col, justify="right")
-        for i, s in enumerate(streams):
-            t.add_row(str(i), f"{s.ttft_ms:.0f}" if s.ttft_ms else "-",
-                      f"{s.tpot_ms:.1f}" if s.tpot_ms else "-", str(s.output_tokens),
-                      s.finish_reason or (s.error or "-"))
-        console.print(t)
-        total_out = sum(s.output_tokens for s in streams)
-        console.print(f"{total_out} output tokens in {wall:.1f} s = {total_out / wall:.1f} tok/s")
-
-        m = metrics_summary(base)
-        steps = m.get("sloserve:engine_steps_total", 0)
-        tok_sum = m.get("sloserve:batched_tokens_per_step_sum", 0)
-        st = Table(title="scheduler summary (from /metrics)")
-        st.add_column("metric")
-        st.add_column("value", justify="right")
-        st.add_row("engine steps", f"{steps:.0f}")
-        st.add_row("tokens per step (mean)", f"{tok_sum / steps:.1f}" if steps else "-")
-        st.add_row("prompt tokens", f"{m.get('vllm:prompt_tokens_total', 0):.0f}")
-        st.add_row("generation tokens", f"{m.get('vllm:generation_tokens_total', 0):.0f}")
-        st.add_row("preemptions", f"{m.get('vllm:num_preemptions_total', 0):.0f}")
-        st.add_row("peak KV cache usage", f"{100 * m.get('sloserve:kv_cache_usage_peak_perc', 0):.2f} %")
-        console.print(st)
-        failed = [s for s in streams if s.error or not s.text]
-        return 1 if failed else 0
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        console.print(f"server stopped (exit code {proc.returncode}); demo took "
-                      f"{time.perf_counter() - t0:.1f} s")
+    console.print(f"starting: sloserve serve {' '.join(a.server_args)}")
+    with sloserve_server(a.server_args, port=a.port) as base:
+        console.print(f"server healthy after {time.perf_counter() - t0:.1f} s")
+        ok = chat_demo(base, a, console)
+    console.print(f"server stopped; part 1 took {time.perf_counter() - t0:.1f} s")
+    if not ok:
+        return 1
+    if a.skip_experiment:
+        return 0
+    from sloserve.bench.experiment import ExperimentConfig, run_experiment
+    console.rule("[bold]part 2: chunked prefill vs naive vs static, same mixed workload")
+    cfg = ExperimentConfig(server_args=tuple(a.server_args))
+    rows = run_experiment(cfg, a.out_dir, console)
+    console.print(f"demo took {time.perf_counter() - t0:.1f} s in all")
+    return 0 if all(r["failed"] == 0 for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -51,6 +51,10 @@ class AsyncLLM:
         return self.engine.model_name
 
     @property
+    def model_path(self) -> str:
+        return self.engine.model_path
+
+    @property
     def tokenizer(self):
         return self.engine.tokenizer
 

@@ -45,7 +45,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None):
         from sloserve.model.attention import get_attention_backend
         from sloserve.model.layers import RotaryEmbedding
-        from sloserve.model.loader import load_model
+        from sloserve.model.loader import default_model_path, load_model
         from sloserve.model.runner import ModelRunner, kv_bytes_per_block
         from sloserve.model.sampler import Sampler
 
@@ -64,6 +64,9 @@ class LLMEngine:
         self.model_config = weights.config
         self.tokenizer = weights.tokenizer
         self.model_name = config.served_model_name or weights.name
+        #: local path the weights came from (``/v1/models`` ``root``; bench clients read the
+        #: tokenizer from it)
+        self.model_path = os.path.abspath(config.model) if config.model else default_model_path()
         self.max_model_len = (self.model_config.max_position_embeddings
                               if config.max_model_len is None else config.max_model_len)
         if self.max_model_len < 1:

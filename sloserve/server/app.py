@@ -269,9 +269,11 @@ def build_app(engine: AsyncLLM, metrics: PrometheusStatLogger, *,
     async def stream_events(req: EngineRequest, include_usage: bool,
                             first: list[str], chunk: Callable[[str, str | None], str],
                             usage_chunk: Callable[[UsageInfo], str]) -> AsyncIterator[str]:
-        """SSE events of one request: `first`, content chunks, optional usage, [DONE]."""
-        for ev in first:
-            yield ev
+        """SSE events of one request: `first`, content chunks, optional usage, [DONE].
+
+        `first` (the chat role chunk) goes out with the first engine output, as vLLM sends it,
+        so a client that times the first event with choices measures the real TTFT.
+        """
         usage: UsageInfo | None = None
         try:
             async with contextlib.aclosing(engine.generate(req)) as outs:
@@ -280,6 +282,9 @@ def build_app(engine: AsyncLLM, metrics: PrometheusStatLogger, *,
                         logger.error("request %s failed: %s", req.request_id, out.error)
                         yield _stream_error_event(APIError(500, out.error))
                         break
+                    for ev in first:
+                        yield ev
+                    first = []
                     if out.finished:
                         yield chunk(out.new_text, out.finish_reason)
                         usage = UsageInfo.of(out.num_prompt_tokens, out.num_output_tokens)
@@ -312,7 +317,7 @@ def build_app(engine: AsyncLLM, metrics: PrometheusStatLogger, *,
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
         """The served model (one entry)."""
-        return ModelList(data=[ModelCard(id=model_name, root=model_name,
+        return ModelList(data=[ModelCard(id=model_name, root=engine.model_path,
                                          max_model_len=engine.max_model_len)])
 
     async def respond_whole(req: EngineRequest, raw: Request,

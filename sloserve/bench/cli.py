@@ -1,0 +1,197 @@
+"""``sloserve bench`` (one run) and ``sloserve bench sweep`` (a series of rates or concurrencies)
+against any OpenAI-compatible server. Flags follow ``vllm bench serve``."""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from datetime import datetime
+from typing import Any
+
+from sloserve.bench.datasets import PromptFactory
+from sloserve.bench.metrics import parse_goodput
+from sloserve.bench.workload_args import _pos_int, _rate, add_workload_args, arrival_process, build_workload
+
+
+def _floats(v: str) -> list[float]:
+    try:
+        return [float(x) for x in v.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {v!r}") from None
+
+
+def add_client_args(p: argparse.ArgumentParser) -> None:
+    """Server, request and output flags."""
+    s = p.add_argument_group("server")
+    s.add_argument("--base-url", default=None, help="server root (default http://HOST:PORT)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--endpoint", default=None,
+                   choices=["/v1/completions", "/v1/chat/completions"])
+    s.add_argument("--backend", default="openai", choices=["openai", "openai-chat"],
+                   help="openai = /v1/completions, openai-chat = /v1/chat/completions")
+    s.add_argument("--model", default=None, help="model name sent (default: the server's first)")
+    s.add_argument("--tokenizer", default=None,
+                   help="GGUF file or HF folder (default: the served model's path, else the "
+                        "embedded SmolLM2)")
+    r = p.add_argument_group("requests")
+    r.add_argument("--ignore-eos", action="store_true", help="every output runs to max_tokens")
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--skip-initial-test", action="store_true")
+    o = p.add_argument_group("metrics and output")
+    o.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
+                   help="metrics printed with percentiles (all four are always in the JSON)")
+    o.add_argument("--metric-percentiles", type=_floats, default=[50.0, 90.0, 95.0, 99.0])
+    o.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS",
+                   help="SLOs for goodput, e.g. ttft:2000 tpot:200 e2el:10000")
+    o.add_argument("--save-result", action="store_true")
+    o.add_argument("--save-detailed", action="store_true", help="per-request arrays in the JSON")
+    o.add_argument("--result-dir", default=".")
+    o.add_argument("--result-filename", default=None)
+    o.add_argument("--label", default=None)
+    o.add_argument("--plot-dir", default=None, help="write CDF and ITL-timeline PNGs here")
+    o.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+def _setup(a: argparse.Namespace):
+    """(BenchConfig template, workload, tokenizer id) from flags. Raises ValueError etc."""
+    from sloserve.bench.runner import BenchConfig
+    from sloserve.bench.tokenizer import resolve_tokenizer, server_models
+    base = a.base_url or f"http://{a.host}:{a.port}"
+    endpoint = a.endpoint or ("/v1/chat/completions" if a.backend == "openai-chat"
+                              else "/v1/completions")
+    models = server_models(base)
+    model = a.model or (models[0]["id"] if models else None)
+    if not model:
+        raise ValueError(f"{base}/v1/models lists no model; pass --model")
+    tok, tok_id = resolve_tokenizer(a.tokenizer, models, model)
+    factory = PromptFactory(tok, seed=a.seed)
+    reqs = build_workload(a, factory)
+    slos = parse_goodput(a.goodput)
+    if not (math.isfinite(a.temperature) and a.temperature >= 0):
+        raise ValueError(f"--temperature must be a finite number >= 0, got {a.temperature}")
+    cfg = BenchConfig(base_url=base, model=model, endpoint=endpoint, request_rate=a.request_rate,
+                      burstiness=a.burstiness, arrival=arrival_process(a),
+                      max_concurrency=a.max_concurrency, seed=a.seed, ignore_eos=a.ignore_eos,
+                      percentiles=tuple(a.metric_percentiles), goodput=slos,
+                      extra_body={"temperature": a.temperature},
+                      initial_test=not a.skip_initial_test, progress=not a.disable_tqdm)
+    count = lambda text: len(tok.encode(text, add_special_tokens=False))  # noqa: E731
+    return cfg, reqs, tok_id, count
+
+
+def _backend(cfg) -> str:
+    return "openai-chat" if cfg.endpoint.endswith("chat/completions") else "openai"
+
+
+def _shown_metrics(a: argparse.Namespace) -> tuple[str, ...]:
+    """--percentile-metrics as a tuple. Raises ValueError for unknown names."""
+    from sloserve.bench.metrics import METRICS
+    shown = tuple(m.strip() for m in a.percentile_metrics.split(",") if m.strip())
+    bad = [m for m in shown if m not in METRICS]
+    if bad or not shown:
+        raise ValueError(f"--percentile-metrics: unknown {bad or a.percentile_metrics!r}; "
+                         f"choose from {','.join(METRICS)}")
+    return shown
+
+
+def _bench(a: argparse.Namespace) -> int:
+    from sloserve.bench.results import format_summary, result_json, save_json
+    from sloserve.bench.runner import run_benchmark
+    shown = _shown_metrics(a)
+    cfg, reqs, tok_id, count = _setup(a)
+    print(f"bench: {len(reqs)} {a.dataset_name} requests to {cfg.url} (model {cfg.model}), "
+          f"rate {cfg.request_rate:g} req/s ({cfg.arrival}), max concurrency "
+          f"{cfg.max_concurrency or 'unlimited'}, tokenizer {tok_id}", file=sys.stderr)
+    run = run_benchmark(cfg, reqs, count)
+    print(format_summary(run.metrics, metrics=shown))
+    detailed = a.save_detailed or bool(a.plot_dir)
+    res = result_json(run, label=a.label, backend=_backend(cfg), tokenizer_id=tok_id,
+                      detailed=detailed, metrics=shown)
+    if a.save_result or a.save_detailed:
+        name = a.result_filename or (f"{_backend(cfg)}-{cfg.request_rate:g}qps-"
+                                     f"{cfg.model.replace('/', '_')}-"
+                                     f"{datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
+        saved = res if a.save_detailed else result_json(run, label=a.label, backend=_backend(cfg),
+                                                        tokenizer_id=tok_id, metrics=shown)
+        print(f"result: {save_json(saved, os.path.join(a.result_dir, name))}")
+    if a.plot_dir:
+        from sloserve.bench.plots import plot_cdfs, plot_itl_timeline
+        label = a.label or cfg.model
+        print("plots:", plot_cdfs({label: res}, os.path.join(a.plot_dir, "cdf.png")),
+              plot_itl_timeline({label: res}, os.path.join(a.plot_dir, "itl_timeline.png")))
+    return 0 if run.metrics.completed else 1
+
+
+def _sweep(a: argparse.Namespace) -> int:
+    from sloserve.bench.plots import plot_pareto
+    from sloserve.bench.results import metrics_dict, result_json, save_json
+    from sloserve.bench.runner import BenchConfig, run_benchmark
+    from sloserve.bench.sweep import format_table, operating_point
+    if bool(a.request_rates) == bool(a.max_concurrencies):
+        raise ValueError("give exactly one of --request-rates and --max-concurrencies")
+    shown = _shown_metrics(a)
+    cfg0, reqs, tok_id, count = _setup(a)
+    axis = "request_rate" if a.request_rates else "max_concurrency"
+    points = a.request_rates or a.max_concurrencies
+    rows: list[dict[str, Any]] = []
+    os.makedirs(a.result_dir, exist_ok=True)
+    for pt in points:
+        kw = dict(cfg0.__dict__)
+        kw[axis] = pt
+        if axis == "max_concurrency":
+            kw["request_rate"] = a.request_rate
+        cfg = BenchConfig(**kw)
+        print(f"--- sweep point {axis}={pt:g}", file=sys.stderr)
+        run = run_benchmark(cfg, reqs, count)
+        res = result_json(run, label=a.label, backend=_backend(cfg), tokenizer_id=tok_id,
+                          detailed=a.save_detailed, metrics=shown)
+        save_json(res, os.path.join(a.result_dir, f"sweep-{axis}-{pt:g}.json"))
+        rows.append({"point": pt, **metrics_dict(run.metrics)})
+        cfg0 = BenchConfig(**{**cfg0.__dict__, "initial_test": False})
+    slos = parse_goodput(a.goodput)
+    op = operating_point(rows, slos) if slos else None
+    table = format_table(rows, axis, slos)
+    print(table)
+    if slos:
+        print(f"operating point: {axis} = {op:g}" if op is not None
+              else "operating point: no point meets the SLO")
+    with open(os.path.join(a.result_dir, "sweep.md"), "w") as f:
+        f.write(table + "\n")
+    save_json({"axis": axis, "slos": slos, "operating_point": op, "rows": rows},
+              os.path.join(a.result_dir, "sweep.json"))
+    png = plot_pareto(rows, os.path.join(a.result_dir, "pareto.png"), op,
+                      title=f"{cfg0.model}: sweep over {axis}")
+    print(f"table: {os.path.join(a.result_dir, 'sweep.md')}; plot: {png}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``sloserve bench [sweep] ...``; returns the exit code (2: bad settings)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    sweep = argv[:1] == ["sweep"]
+    p = argparse.ArgumentParser(prog="sloserve bench sweep" if sweep else "sloserve bench",
+                                description=(__doc__ if not sweep else
+                                             "Benchmarks at a series of request rates or "
+                                             "concurrencies; writes the table, the Pareto "
+                                             "frontier and the operating point."))
+    add_client_args(p)
+    add_workload_args(p)
+    if sweep:
+        p.add_argument("--request-rates", type=lambda v: [_rate(x) for x in v.split(",")],
+                       default=None, help="e.g. 0.5,1,2,4")
+        p.add_argument("--max-concurrencies", type=lambda v: [_pos_int(x) for x in v.split(",")],
+                       default=None, help="e.g. 1,4,16")
+        argv = argv[1:]
+    a = p.parse_args(argv)
+    if sweep and a.result_dir == ".":
+        a.result_dir = "sweep-results"
+    try:
+        return _sweep(a) if sweep else _bench(a)
+    except (ValueError, FileNotFoundError, ConnectionError, OSError) as e:
+        print(f"sloserve bench: error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # BenchmarkError
+        print(f"sloserve bench: error: {e}", file=sys.stderr)
+        return 1

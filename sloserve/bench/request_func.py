@@ -1,0 +1,175 @@
+"""One streamed request to an OpenAI-compatible server, timed chunk by chunk.
+
+Timing follows the definitions in ``docs/bench.md``: the send time is taken just before the
+request is written; a *content chunk* is an SSE event whose choice carries non-empty text
+(``choices[0].text`` for completions, ``choices[0].delta.content`` for chat); role-only, empty
+and usage-only events are not content. TTFT = first content chunk - send; ITL = gaps between
+consecutive content chunks; E2E = last content chunk - send. The output length comes from the
+final ``usage`` event (``stream_options.include_usage``); without one it is counted with the
+tokenizer (or, lacking that, as the number of content chunks).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import httpx
+
+
+@dataclass
+class RequestInput:
+    """What to send.
+
+    Attributes:
+        url: full endpoint URL (``.../v1/completions`` or ``.../v1/chat/completions``).
+        model: the ``model`` field.
+        prompt: prompt text (the user message for chat).
+        prompt_len: prompt tokens (for the record).
+        max_tokens: ``max_tokens`` (tokens).
+        chat: True for the chat endpoint's request body.
+        ignore_eos: send ``ignore_eos`` (vLLM / sloserve extension) so every request runs to
+            ``max_tokens``.
+        extra_body: more fields merged into the JSON body (e.g. ``temperature``).
+        tag: workload label, carried to the record.
+    """
+
+    url: str
+    model: str
+    prompt: str
+    prompt_len: int
+    max_tokens: int
+    chat: bool = False
+    ignore_eos: bool = False
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    tag: str | None = None
+
+    def body(self) -> dict[str, Any]:
+        """The JSON request body (streaming, usage requested, greedy unless overridden)."""
+        b: dict[str, Any] = {"model": self.model, "max_tokens": self.max_tokens, "stream": True,
+                             "stream_options": {"include_usage": True}, "temperature": 0.0}
+        if self.chat:
+            b["messages"] = [{"role": "user", "content": self.prompt}]
+        else:
+            b["prompt"] = self.prompt
+        if self.ignore_eos:
+            b["ignore_eos"] = True
+        b.update(self.extra_body)
+        return b
+
+
+@dataclass
+class RequestRecord:
+    """What one request measured (times in s, from ``time.perf_counter``).
+
+    Attributes:
+        success: HTTP 200, no error event, and at least one content chunk.
+        error: the error message when not successful ("" otherwise).
+        prompt_len: prompt tokens: ``usage.prompt_tokens`` when the server reports it (for chat
+            that includes the template's tokens, as in vLLM's bench), else the workload's count.
+        output_tokens: output tokens from usage (see module docstring).
+        send_time: perf_counter at send.
+        ttft: first content chunk - send (s); 0.0 when there was none.
+        itl: gaps between consecutive content chunks (s); len = content chunks - 1.
+        latency: E2E, last content chunk - send (s).
+        chunk_times: perf_counter of every content chunk.
+        generated_text: the concatenated text.
+        server_prompt_tokens: ``usage.prompt_tokens`` (None without usage).
+        queue_time: time spent waiting client-side for a ``max_concurrency`` slot before the
+            send (s); not part of TTFT or E2E.
+        tag: workload label.
+    """
+
+    success: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    send_time: float = 0.0
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)
+    generated_text: str = ""
+    server_prompt_tokens: int | None = None
+    queue_time: float = 0.0
+    tag: str | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        """(E2E - TTFT) / (output tokens - 1) in s; None when output <= 1 or not successful."""
+        if not self.success or self.output_tokens <= 1:
+            return None
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+def _chunk_text(data: dict[str, Any], chat: bool) -> str:
+    choices = data.get("choices") or []
+    if not choices:
+        return ""
+    c = choices[0]
+    if chat:
+        return (c.get("delta") or {}).get("content") or ""
+    return c.get("text") or ""
+
+
+async def send_request(client: httpx.AsyncClient, inp: RequestInput,
+                       count_tokens: Callable[[str], int] | None = None) -> RequestRecord:
+    """POST ``inp`` with streaming and time its SSE events.
+
+    Never raises for server or network errors: they end up in ``record.error`` (HTTP status and
+    body for non-200 answers, the event's message for an in-stream error event).
+
+    Args:
+        client: an httpx client (timeouts are the client's).
+        inp: the request.
+        count_tokens: counts output tokens from text when the server sends no usage.
+    """
+    rec = RequestRecord(prompt_len=inp.prompt_len, tag=inp.tag)
+    rec.send_time = time.perf_counter()
+    text_parts: list[str] = []
+    usage_tokens: int | None = None
+    try:
+        async with client.stream("POST", inp.url, json=inp.body()) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode(errors="replace")
+                rec.error = f"HTTP {resp.status_code}: {body[:500]}"
+                return rec
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    break
+                now = time.perf_counter()
+                data = json.loads(payload)
+                if "error" in data:
+                    err = data["error"]
+                    rec.error = err.get("message", str(err)) if isinstance(err, dict) else str(err)
+                    break
+                if data.get("usage"):
+                    usage_tokens = data["usage"].get("completion_tokens")
+                    rec.server_prompt_tokens = data["usage"].get("prompt_tokens")
+                text = _chunk_text(data, inp.chat)
+                if text:
+                    rec.chunk_times.append(now)
+                    text_parts.append(text)
+    except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
+        rec.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    rec.generated_text = "".join(text_parts)
+    if rec.chunk_times:
+        rec.ttft = rec.chunk_times[0] - rec.send_time
+        rec.latency = rec.chunk_times[-1] - rec.send_time
+        rec.itl = [b - a for a, b in zip(rec.chunk_times, rec.chunk_times[1:])]
+    if rec.server_prompt_tokens is not None:  # as vLLM: the server's count (chat: + template)
+        rec.prompt_len = int(rec.server_prompt_tokens)
+    if usage_tokens is not None:
+        rec.output_tokens = int(usage_tokens)
+    elif count_tokens is not None:
+        rec.output_tokens = count_tokens(rec.generated_text)
+    else:
+        rec.output_tokens = len(rec.chunk_times)
+    if not rec.error and not rec.chunk_times:
+        rec.error = "the stream ended without any content"
+    rec.success = not rec.error
+    return rec

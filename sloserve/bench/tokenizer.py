@@ -1,0 +1,59 @@
+"""Finding the tokenizer a benchmark builds its prompts with."""
+from __future__ import annotations
+
+import os
+
+import httpx
+
+from sloserve.model.tokenizer import Tokenizer
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """A tokenizer from a GGUF file or a Hugging Face folder (``tokenizer.json`` etc.).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+    """
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"tokenizer path {path!r} does not exist")
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return Tokenizer.from_gguf(path)
+    return Tokenizer.from_pretrained(path)
+
+
+def server_models(base_url: str, timeout_s: float = 10.0) -> list[dict]:
+    """``GET /v1/models`` -> its ``data`` list.
+
+    Raises:
+        ConnectionError: the server cannot be reached or answers with an error status.
+    """
+    url = base_url.rstrip("/") + "/v1/models"
+    try:
+        r = httpx.get(url, timeout=timeout_s, trust_env=False)
+        r.raise_for_status()
+        return list(r.json().get("data") or [])
+    except (httpx.HTTPError, ValueError) as e:
+        raise ConnectionError(f"cannot list models at {url}: {e}") from e
+
+
+def resolve_tokenizer(tokenizer: str | None, models: list[dict], model: str) -> tuple[Tokenizer, str]:
+    """The tokenizer to use and where it came from.
+
+    Order: ``--tokenizer``; else the served model's ``root`` when it is a local path (sloserve and
+    vLLM report the model path there); else the embedded SmolLM2 GGUF.
+
+    Raises:
+        FileNotFoundError: ``tokenizer`` given but missing.
+    """
+    if tokenizer:
+        return load_tokenizer(tokenizer), tokenizer
+    for m in models:
+        root = m.get("root")
+        if m.get("id") == model and isinstance(root, str) and os.path.exists(root):
+            try:
+                return load_tokenizer(root), root
+            except (OSError, ValueError):  # e.g. a dummy-weights folder without tokenizer files
+                break
+    from sloserve.model.loader import default_model_path
+    path = default_model_path()
+    return load_tokenizer(path), path
