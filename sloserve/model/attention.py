@@ -24,13 +24,14 @@ class PrefillChunk:
     Attributes:
         q_start, q_end: token range [q_start, q_end) of the chunk in the flattened batch.
         start_pos: position of the chunk's first token in its request (= tokens already cached).
-        context_slots: [start_pos + n] int64 cache slots of positions 0 .. start_pos + n - 1.
+        context_blocks: [ceil((start_pos + n) / block_size)] int64 ids of the KV blocks that hold
+            positions 0 .. start_pos + n - 1 (None when start_pos == 0: the chunk is the context).
     """
 
     q_start: int
     q_end: int
     start_pos: int
-    context_slots: torch.Tensor
+    context_blocks: torch.Tensor | None
 
 
 @dataclass
@@ -41,15 +42,16 @@ class AttentionMetadata:
         slot_mapping: [T] int64, the cache slot (block * block_size + offset) each token's K/V
             is written to.
         num_decodes: the first `num_decodes` tokens are decodes, one per request.
-        decode_slots: [B_d, L_max] int64 cache slots of each decode request's context (padded
-            with slot 0).
-        decode_mask: [B_d, L_max] bool, True where a padded slot is real context.
+        decode_block_tables: [B_d, N_max] int64 block ids of each decode request's context,
+            padded with block 0 (N_max = most blocks any decode request holds).
+        decode_mask: [B_d, N_max * block_size] bool, True at positions < the request's context
+            length (its new token included).
         prefills: the prefill chunks, in flattened order after the decodes.
     """
 
     slot_mapping: torch.Tensor
     num_decodes: int
-    decode_slots: torch.Tensor | None
+    decode_block_tables: torch.Tensor | None
     decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
 
@@ -78,56 +80,56 @@ class AttentionBackend(abc.ABC):
 
 
 class TorchReferenceBackend(AttentionBackend):
-    """PyTorch reference: scatter K/V by slot mapping, gather each request's context by slots.
+    """PyTorch reference: scatter K/V by slot mapping, gather each request's context by its
+    block table (whole blocks, one contiguous copy each) and run ``scaled_dot_product_attention``
+    (its CPU flash kernel; GQA/MQA through ``enable_gqa``, K/V never copied per query head).
 
-    Decodes are batched in one padded masked attention (scores [B_d, H_kv, G, L_max] with
-    G = H / H_kv query heads per KV head, so GQA/MQA never copies K/V per query head).
-    Each prefill chunk runs scaled_dot_product_attention with a causal mask offset by start_pos.
+    Decodes are batched in one call with a key-padding mask over [B_d, N_max * block_size];
+    each prefill chunk is one call with a causal mask offset by start_pos.
     """
 
     name = "torch-ref"
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         n_kv, d = k.shape[1], k.shape[2]
-        k_flat = k_cache.view(-1, n_kv, d)
-        v_flat = v_cache.view(-1, n_kv, d)
-        k_flat.index_copy_(0, meta.slot_mapping, k)
-        v_flat.index_copy_(0, meta.slot_mapping, v)
+        k_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, v)
 
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], k_flat, v_flat, meta, scale)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
         for c in meta.prefills:
             out[c.q_start:c.q_end] = self._prefill(q[c.q_start:c.q_end], k[c.q_start:c.q_end],
-                                                   v[c.q_start:c.q_end], k_flat, v_flat, c, scale)
+                                                   v[c.q_start:c.q_end], k_cache, v_cache, c, scale)
         return out
 
     @staticmethod
-    def _decode(q, k_flat, v_flat, meta, scale):
-        b, h, d = q.shape
-        n_kv = k_flat.shape[1]
-        g = h // n_kv
-        # float32 math: CPU bf16 batched GEMV is several times slower than fp32 here
-        kc = k_flat[meta.decode_slots].float()  # [B, L, H_kv, D]
-        vc = v_flat[meta.decode_slots].float()
-        qg = q.view(b, n_kv, g, d).float()      # [B, H_kv, G, D]
-        scores = torch.einsum("bkgd,blkd->bkgl", qg, kc) * scale
-        scores.masked_fill_(~meta.decode_mask[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        o = torch.einsum("bkgl,blkd->bkgd", probs, vc)
-        return o.reshape(b, h, d).to(q.dtype)
+    def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """[*blocks.shape, block_size, H_kv, D] -> flattened to [..., N * block_size, H_kv, D]."""
+        g = cache.index_select(0, blocks.reshape(-1))
+        return g.view(*blocks.shape[:-1], -1, cache.shape[2], cache.shape[3])
 
-    @staticmethod
-    def _prefill(q, k, v, k_flat, v_flat, c: PrefillChunk, scale):
+    @classmethod
+    def _decode(cls, q, k_cache, v_cache, meta, scale):
+        b, h, d = q.shape
+        kc = cls._gather(k_cache, meta.decode_block_tables).transpose(1, 2)  # [B, H_kv, L, D]
+        vc = cls._gather(v_cache, meta.decode_block_tables).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.view(b, h, 1, d), kc, vc,
+                                           attn_mask=meta.decode_mask[:, None, None, :],
+                                           scale=scale, enable_gqa=True)
+        return o.view(b, h, d)
+
+    @classmethod
+    def _prefill(cls, q, k, v, k_cache, v_cache, c: PrefillChunk, scale):
         n = q.shape[0]
         if c.start_pos == 0:
             kc, vc = k, v                        # the chunk is the whole context
             mask, causal = None, True
         else:
-            kc = k_flat[c.context_slots]         # [L, H_kv, D]
-            vc = v_flat[c.context_slots]
             total = c.start_pos + n
+            kc = cls._gather(k_cache, c.context_blocks)[:total]   # [L, H_kv, D]
+            vc = cls._gather(v_cache, c.context_blocks)[:total]
             qpos = torch.arange(c.start_pos, total).unsqueeze(1)
             mask = torch.arange(total).unsqueeze(0) <= qpos      # [n, L]
             causal = False

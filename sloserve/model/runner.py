@@ -62,8 +62,10 @@ class ModelRunner:
         slots: list[int] = []
         logits_idx: list[int] = []
         samplers = []
-        decode_ctx: list[list[int]] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
+        bs = self.block_size
         for sr in out.scheduled:
             req = sr.request
             table = block_tables[sr.request_id]
@@ -71,26 +73,26 @@ class ModelRunner:
             input_ids += req.token_ids_range(sr.start_pos, sr.end_pos)
             positions += range(sr.start_pos, sr.end_pos)
             slots += self._slots(table, sr.start_pos, sr.end_pos)
+            nblocks = -(-sr.end_pos // bs)
             if sr.is_decode:
-                decode_ctx.append(self._slots(table, 0, sr.end_pos))
+                decode_tables.append(table[:nblocks])
+                decode_lens.append(sr.end_pos)
             else:
-                ctx = (torch.tensor(self._slots(table, 0, sr.end_pos), dtype=torch.long)
-                       if sr.start_pos else None)
+                ctx = torch.tensor(table[:nblocks], dtype=torch.long) if sr.start_pos else None
                 prefills.append(PrefillChunk(t0, len(input_ids), sr.start_pos, ctx))
             if sr.samples:
                 logits_idx.append(len(input_ids) - 1)
                 samplers.append(sr)
-        decode_slots = decode_mask = None
-        if decode_ctx:
-            lmax = max(len(c) for c in decode_ctx)
-            decode_slots = torch.zeros(len(decode_ctx), lmax, dtype=torch.long)
-            decode_mask = torch.zeros(len(decode_ctx), lmax, dtype=torch.bool)
-            for i, c in enumerate(decode_ctx):
-                decode_slots[i, :len(c)] = torch.tensor(c, dtype=torch.long)
-                decode_mask[i, :len(c)] = True
+        decode_bt = decode_mask = None
+        if decode_tables:
+            nmax = max(len(t) for t in decode_tables)
+            decode_bt = torch.tensor([t + [0] * (nmax - len(t)) for t in decode_tables],
+                                     dtype=torch.long)
+            decode_mask = (torch.arange(nmax * bs).unsqueeze(0)
+                           < torch.tensor(decode_lens).unsqueeze(1))
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
-            num_decodes=len(decode_ctx), decode_slots=decode_slots, decode_mask=decode_mask,
+            num_decodes=len(decode_tables), decode_block_tables=decode_bt, decode_mask=decode_mask,
             prefills=prefills)
         return (torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
                 meta, torch.tensor(logits_idx, dtype=torch.long), samplers)
