@@ -54,10 +54,24 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
+def _check_flags(a: argparse.Namespace) -> dict[str, float]:
+    """Validate the flags that need no server; returns the goodput SLOs. Raises ValueError."""
+    slos = parse_goodput(a.goodput)
+    if not (math.isfinite(a.temperature) and a.temperature >= 0):
+        raise ValueError(f"--temperature must be a finite number >= 0, got {a.temperature}")
+    bad = [p for p in a.metric_percentiles if not 0 <= p <= 100]
+    if bad or not a.metric_percentiles:
+        raise ValueError(f"--metric-percentiles must be numbers in [0, 100], got "
+                         f"{a.metric_percentiles}")
+    _shown_metrics(a)
+    return slos
+
+
 def _setup(a: argparse.Namespace):
     """(BenchConfig template, workload, tokenizer id) from flags. Raises ValueError etc."""
     from sloserve.bench.runner import BenchConfig
     from sloserve.bench.tokenizer import resolve_tokenizer, server_models
+    slos = _check_flags(a)
     base = a.base_url or f"http://{a.host}:{a.port}"
     endpoint = a.endpoint or ("/v1/chat/completions" if a.backend == "openai-chat"
                               else "/v1/completions")
@@ -68,9 +82,6 @@ def _setup(a: argparse.Namespace):
     tok, tok_id = resolve_tokenizer(a.tokenizer, models, model)
     factory = PromptFactory(tok, seed=a.seed)
     reqs = build_workload(a, factory)
-    slos = parse_goodput(a.goodput)
-    if not (math.isfinite(a.temperature) and a.temperature >= 0):
-        raise ValueError(f"--temperature must be a finite number >= 0, got {a.temperature}")
     cfg = BenchConfig(base_url=base, model=model, endpoint=endpoint, request_rate=a.request_rate,
                       burstiness=a.burstiness, arrival=arrival_process(a),
                       max_concurrency=a.max_concurrency, seed=a.seed, ignore_eos=a.ignore_eos,
@@ -159,7 +170,9 @@ def _sweep(a: argparse.Namespace) -> int:
               else "operating point: no point meets the SLO")
     with open(os.path.join(a.result_dir, "sweep.md"), "w") as f:
         f.write(table + "\n")
-    save_json({"axis": axis, "slos": slos, "operating_point": op, "rows": rows},
+    finite = lambda v: "inf" if v == float("inf") else v  # noqa: E731  (strict JSON, as vLLM)
+    save_json({"axis": axis, "slos": slos, "operating_point": finite(op),
+               "rows": [{**r, "point": finite(r["point"])} for r in rows]},
               os.path.join(a.result_dir, "sweep.json"))
     png = plot_pareto(rows, os.path.join(a.result_dir, "pareto.png"), op,
                       title=f"{cfg0.model}: sweep over {axis}")

@@ -255,8 +255,11 @@ def trace_workload(path: str, factory: PromptFactory, num_prompts: int | None = 
             try:
                 d = json.loads(line)
                 t = float(d["arrival_time"]) if "arrival_time" in d else float(d["timestamp"]) / 1e3
-                rows.append((t, int(_field(d, "input_len", "input_length")),
-                             int(_field(d, "output_len", "output_length"))))
+                n_in = int(_field(d, "input_len", "input_length"))
+                n_out = int(_field(d, "output_len", "output_length"))
+                if n_in < 1 or n_out < 1:
+                    raise ValueError(f"input and output lengths must be >= 1, got {n_in}, {n_out}")
+                rows.append((t, n_in, n_out))
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{lineno}: bad trace line ({e})") from e
     rows.sort()

@@ -1,0 +1,300 @@
+"""Per-request timing and aggregation through ``run_benchmark`` / ``send_request`` against the
+scripted mock server (tests/bench/mock_server.py).
+
+Scripted times are lower bounds of what the client measures (the server sleeps until each
+offset after it received the request); the upper tolerances absorb scheduling noise on a small
+machine."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from sloserve.bench.datasets import SampleRequest
+from sloserve.bench.metrics import is_good
+from sloserve.bench.request_func import RequestInput, send_request
+from sloserve.bench.results import result_json
+from sloserve.bench.runner import BenchConfig, BenchmarkError, run_benchmark
+
+from .mock_server import MODEL_ID, Script, http_error, steady
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+WORKLOAD_PROMPT_LEN = 7  # the mock's usage reports prompt_tokens=5 unless a script says otherwise
+
+
+def bench(mock, prompts, *, endpoint=COMPLETIONS, max_tokens=10, count_tokens=None, **kw):
+    """run_benchmark over one request per prompt (all at once unless kw says otherwise)."""
+    kw.setdefault("initial_test", False)
+    cfg = BenchConfig(base_url=mock.base_url, model=MODEL_ID, endpoint=endpoint, progress=False, **kw)
+    mts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    reqs = [SampleRequest(p, WORKLOAD_PROMPT_LEN, mt, tag=f"tag{i}") for i, (p, mt) in enumerate(zip(prompts, mts))]
+    return run_benchmark(cfg, reqs, count_tokens)
+
+
+def send_one(mock, prompt, *, chat=False, max_tokens=10, count_tokens=None):
+    async def go():
+        async with httpx.AsyncClient(timeout=30, trust_env=False) as c:
+            inp = RequestInput(url=mock.base_url + (CHAT if chat else COMPLETIONS), model=MODEL_ID,
+                               prompt=prompt, prompt_len=WORKLOAD_PROMPT_LEN, max_tokens=max_tokens,
+                               chat=chat)
+            return await send_request(c, inp, count_tokens)
+
+    return asyncio.run(go())
+
+
+# --- the canonical timing script ---------------------------------------------------------------
+
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+def test_ttft_500ms_then_9_gaps_of_20ms(mock_server, endpoint):
+    prompt = mock_server.add(steady(0.5, 10, 0.02))  # + usage-only chunk, completion_tokens=10
+    run = bench(mock_server, [prompt], endpoint=endpoint, max_tokens=10)
+    (rec,) = run.records
+    assert rec.success and rec.error == ""
+    assert 0.500 <= rec.ttft < 0.560
+    assert len(rec.itl) == 9
+    assert all(0.015 <= x <= 0.040 for x in rec.itl), rec.itl
+    assert rec.output_tokens == 10
+    assert rec.server_prompt_tokens == 5
+    assert rec.prompt_len == 5  # the server's count wins over the workload's (as vLLM)
+    assert rec.latency - rec.ttft >= 0.9 * 0.18  # the last chunk is scripted 180 ms after the first
+    assert rec.tpot == pytest.approx((rec.latency - rec.ttft) / 9, rel=1e-12)
+    assert 0.017 <= rec.tpot <= 0.030
+    assert rec.generated_text == "".join(f" t{i}" for i in range(10))
+    assert len(rec.chunk_times) == 10
+
+    m = run.metrics
+    assert (m.completed, m.failed, m.total_output, m.total_input) == (1, 0, 10, 5)
+    assert m.stats["itl"].count == 9 and m.stats["ttft"].count == 1 and m.stats["tpot"].count == 1
+    assert m.stats["ttft"].mean == pytest.approx(rec.ttft * 1e3, rel=1e-12)
+    assert m.stats["tpot"].mean == pytest.approx(rec.tpot * 1e3, rel=1e-12)
+    assert 15 <= m.stats["itl"].median <= 40
+    assert m.stats["e2el"].mean == pytest.approx(rec.latency * 1e3, rel=1e-12)
+    assert m.max_output_tokens_per_s == 10.0  # all 10 chunks inside one second
+    assert m.max_concurrent_requests == 1
+
+    (path, body), = mock_server.bodies(prompt)
+    assert path == endpoint
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["max_tokens"] == 10 and body["model"] == MODEL_ID and body["temperature"] == 0.0
+    if endpoint == CHAT:
+        assert body["messages"] == [{"role": "user", "content": prompt}] and "prompt" not in body
+    else:
+        assert body["prompt"] == prompt and "messages" not in body
+
+
+def test_early_stop_output_len_from_usage_and_tpot(mock_server):
+    prompt = mock_server.add(steady(0.05, 20, 0.01))  # stops at 20 tokens
+    run = bench(mock_server, [prompt], max_tokens=100)
+    (rec,) = run.records
+    assert rec.success
+    assert rec.output_tokens == 20
+    assert len(rec.itl) == 19
+    assert rec.tpot == (rec.latency - rec.ttft) / 19
+    assert run.metrics.stats["tpot"].mean == pytest.approx((rec.latency - rec.ttft) / 19 * 1e3, rel=1e-12)
+    assert run.metrics.total_output == 20
+    assert mock_server.bodies(prompt)[0][1]["max_tokens"] == 100
+    assert result_json(run, detailed=True)["output_lens"] == [20]
+
+
+# --- failures ----------------------------------------------------------------------------------
+
+def test_http_500_and_in_stream_error_are_failed_not_good(mock_server):
+    p500 = mock_server.add(http_error(500, "mock overloaded: KV cache full"))
+    pstream = mock_server.add(Script(tokens=[(0.0, " a"), (0.01, " b")],
+                                     stream_error=(0.02, "mock in-stream failure")))
+    pok = mock_server.add(steady(0.0, 3, 0.005))
+    run = bench(mock_server, [p500, pstream, pok], goodput={"ttft": 60_000.0, "e2el": 60_000.0})
+    r500, rstream, rok = run.records
+
+    assert not r500.success and r500.error.startswith("HTTP 500: ")
+    assert json.loads(r500.error[len("HTTP 500: "):]) == {
+        "error": {"message": "mock overloaded: KV cache full", "type": "InternalServerError",
+                  "param": None, "code": 500}}
+    assert not rstream.success and rstream.error == "mock in-stream failure"
+    assert rok.success
+    assert not is_good(r500, {"ttft": 60_000.0}) and not is_good(rstream, {"ttft": 60_000.0})
+
+    m = run.metrics
+    assert (m.completed, m.failed) == (1, 2)
+    assert m.num_good == 1
+    assert m.request_goodput == 1 / run.duration
+    assert m.errors == {r500.error: 1, "mock in-stream failure": 1}
+    assert "mock overloaded: KV cache full" in next(iter(k for k in m.errors if k.startswith("HTTP")))
+    # failed requests count for nothing: only the good request's tokens and samples
+    assert (m.total_input, m.total_output) == (5, 3)
+    assert m.request_throughput == 1 / run.duration
+    assert m.stats["ttft"].count == 1 and m.stats["itl"].count == 2
+    d = result_json(run, detailed=True)
+    assert d["errors"] == [r500.error, "mock in-stream failure", ""]
+    assert d["output_lens"] == [0, 0, 3]
+
+
+def test_initial_test_failure_raises_with_server_message(mock_server):
+    p = mock_server.add(http_error(500, "mock says no"))
+    with pytest.raises(BenchmarkError, match="mock says no"):
+        bench(mock_server, [p], initial_test=True)
+    assert len(mock_server.bodies(p)) == 1  # only the test request was sent
+    assert mock_server.bodies(p)[0][1]["max_tokens"] == 2
+
+
+def test_stream_without_content_is_a_failure(mock_server):
+    p = mock_server.add(Script(tokens=[], usage=0))
+    rec = send_one(mock_server, p)
+    assert not rec.success
+    assert rec.error == "the stream ended without any content"
+
+
+# --- goodput -----------------------------------------------------------------------------------
+
+def test_goodput_counts_only_requests_meeting_every_slo(mock_server):
+    slos = {"ttft": 200.0, "tpot": 40.0, "e2el": 300.0}
+    scripts = {
+        "good": steady(0.05, 5, 0.01),           # ttft 50, tpot 10, e2el 90      -> good
+        "slow_ttft": steady(0.40, 5, 0.01),      # ttft 400                        -> bad
+        "slow_tpot": steady(0.05, 4, 0.08),      # tpot 80                         -> bad
+        "one_token": steady(0.05, 1, 0.0),       # tpot undefined, meets its SLO   -> good
+        "failed": http_error(500, "mock goodput failure"),  #                      -> bad
+        "slow_e2el": steady(0.05, 15, 0.02),     # tpot 20 but e2el 330            -> bad
+    }
+    names = {k: mock_server.add(s) for k, s in scripts.items()}
+    order = ["good", "slow_ttft", "good", "slow_tpot", "one_token", "failed", "good", "slow_tpot",
+             "slow_ttft", "slow_e2el"]
+    run = bench(mock_server, [names[k] for k in order], max_tokens=20, goodput=slos)
+    expected_good = [k in ("good", "one_token") for k in order]
+    assert [is_good(r, slos) for r in run.records] == expected_good
+    m = run.metrics
+    assert m.num_good == 4
+    assert m.request_goodput == 4 / run.duration
+    assert (m.completed, m.failed) == (9, 1)
+    assert m.goodput_slos == slos
+    # the undefined TPOT of the 1-token request is no sample
+    assert m.stats["tpot"].count == 8
+    # without SLOs there is no goodput
+    assert bench(mock_server, [names["good"]]).metrics.request_goodput is None
+
+
+# --- what is (not) a content chunk -------------------------------------------------------------
+
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+def test_late_usage_chunk_and_empty_chunks_are_not_content(mock_server, endpoint):
+    p = mock_server.add(steady(0.10, 5, 0.02, usage_at=0.40, empty_at=[0.0, 0.03, 0.13]))
+    run = bench(mock_server, [p], endpoint=endpoint)
+    (rec,) = run.records
+    assert rec.success
+    assert 0.100 <= rec.ttft < 0.160          # the empty chunk at 0 ms is no first token
+    assert len(rec.itl) == 4                  # neither the empty chunk at 130 ms nor usage
+    assert len(rec.chunk_times) == 5
+    assert rec.latency < 0.35                 # E2E ends at the last content chunk (~180 ms),
+    assert run.duration >= 0.40               # not at the usage chunk (400 ms)
+    assert rec.output_tokens == 5
+    assert all(0.010 <= x <= 0.050 for x in rec.itl), rec.itl
+
+
+def test_chat_role_only_first_chunk_is_not_content(mock_server):
+    p = mock_server.add(Script(tokens=[(0.20, "Hel"), (0.22, "lo"), (0.24, "!")], usage=3, role_at=0.0))
+    rec = send_one(mock_server, p, chat=True)
+    assert rec.success
+    assert 0.200 <= rec.ttft < 0.260
+    assert len(rec.itl) == 2 and len(rec.chunk_times) == 3
+    assert rec.generated_text == "Hello!"
+    assert rec.output_tokens == 3
+
+
+# --- output length without usage ---------------------------------------------------------------
+
+def test_without_usage_output_tokens_come_from_count_tokens(mock_server):
+    p = mock_server.add(steady(0.0, 6, 0.005, usage=None))
+    seen = []
+
+    def count(text):
+        seen.append(text)
+        return 17
+
+    rec = send_one(mock_server, p, count_tokens=count)
+    assert rec.success
+    assert rec.output_tokens == 17
+    assert seen == [" t0 t1 t2 t3 t4 t5"]
+    assert rec.server_prompt_tokens is None
+    assert rec.prompt_len == WORKLOAD_PROMPT_LEN  # no usage: the workload's count
+    assert len(rec.itl) == 5
+    # no callback either: the number of content chunks
+    assert send_one(mock_server, p).output_tokens == 6
+
+
+def test_usage_wins_over_count_tokens(mock_server):
+    p = mock_server.add(steady(0.0, 6, 0.005, usage=9))
+    rec = send_one(mock_server, p, count_tokens=lambda t: 17)
+    assert rec.output_tokens == 9
+
+
+# --- the schedule --------------------------------------------------------------------------------
+
+def test_max_concurrency_serialises_requests(mock_server):
+    p = mock_server.add(steady(0.03, 3, 0.02))
+    run = bench(mock_server, [p] * 3, max_concurrency=1)
+    recs = sorted(run.records, key=lambda r: r.send_time)
+    for a, b in zip(recs, recs[1:]):
+        assert b.send_time >= a.chunk_times[-1]
+    assert all(0.030 <= r.ttft < 0.090 for r in run.records)  # TTFT starts at the actual send
+    # the wait for the slot is queue time, not TTFT
+    q = [r.queue_time for r in recs]
+    assert q[0] < 0.02
+    assert 0.07 <= q[1] < 0.20 and 0.14 <= q[2] < 0.40
+    for r in recs:  # all were due at 0, so each waited until its send
+        assert r.queue_time == pytest.approx(r.send_time - run.start_time, abs=0.01)
+    assert result_json(run)["queue_times"] == [r.queue_time for r in run.records]
+    assert run.duration >= 3 * 0.07
+    run = bench(mock_server, [p] * 3)
+    assert [r.queue_time for r in run.records] == [0.0] * 3
+
+
+def test_constant_rate_sends_on_schedule(mock_server):
+    p = mock_server.add(steady(0.0, 2, 0.005))
+    run = bench(mock_server, [p] * 4, request_rate=10.0, arrival="constant")
+    starts = [r.send_time - run.start_time for r in run.records]
+    for got, due in zip(starts, [0.0, 0.1, 0.2, 0.3]):
+        assert due <= got < due + 0.03
+    d = result_json(run, detailed=True)
+    assert d["start_times"] == [r.send_time for r in run.records]  # perf_counter clock, as vLLM
+    assert d["request_rate"] == 10.0
+    assert d["tags"] == ["tag0", "tag1", "tag2", "tag3"]
+
+
+def test_trace_arrival_times_are_replayed(mock_server):
+    p = mock_server.add(steady(0.0, 2, 0.005))
+    cfg = BenchConfig(base_url=mock_server.base_url, model=MODEL_ID, initial_test=False, progress=False,
+                      request_rate=1000.0)  # ignored: the trace has its own times
+    reqs = [SampleRequest(p, 5, 4, arrival_time=t) for t in (0.0, 0.25, 0.1)]
+    run = run_benchmark(cfg, reqs)
+    starts = [r.send_time - run.start_time for r in run.records]
+    for got, due in zip(starts, [0.0, 0.25, 0.1]):
+        assert due <= got < due + 0.03
+
+
+def test_connection_error_is_recorded_not_raised():
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+
+    async def go():
+        async with httpx.AsyncClient(timeout=5, trust_env=False) as c:
+            return await send_request(c, RequestInput(url=f"http://127.0.0.1:{port}/v1/completions",
+                                                      model="m", prompt="x", prompt_len=1, max_tokens=2))
+
+    rec = asyncio.run(go())
+    assert not rec.success
+    assert rec.error.startswith("ConnectError")
+
+
+def test_bench_config_validation(mock_server):
+    with pytest.raises(ValueError, match="endpoint"):
+        BenchConfig(base_url="http://x", model="m", endpoint="/v1/embeddings")
+    with pytest.raises(ValueError, match="max concurrency"):
+        BenchConfig(base_url="http://x", model="m", max_concurrency=0)
+    assert BenchConfig(base_url="http://x:1/", model="m", endpoint=CHAT).url == "http://x:1/v1/chat/completions"
+    with pytest.raises(ValueError, match="no requests"):
+        run_benchmark(BenchConfig(base_url=mock_server.base_url, model=MODEL_ID, progress=False), [])
