@@ -99,3 +99,52 @@ def time_prefill_steps(eng: LLMEngine, n: int, warmup: int, repeats: int) -> lis
         while eng.has_unfinished_requests():
             eng.step()
     return out
+
+
+def time_mixed_steps(eng: LLMEngine, batch: int, context_len: int, chunk: int, warmup: int,
+                     repeats: int) -> list[StepSample]:
+    """`repeats` timed steps of `batch` decodes (at about `context_len`) plus one prefill chunk
+    of exactly `chunk` tokens, as the chunked scheduler builds them (Sarathi-Serve's hybrid
+    batch). `chunk` = 0 times pure decode steps.
+
+    Sets the scheduler's token budget to batch + chunk for the timed steps and restores it.
+
+    Raises:
+        ValueError: the engine is not using the chunked policy.
+        RuntimeError: a timed step had another composition.
+    """
+    from sloserve.engine.scheduler import SchedulingPolicy
+    if eng.scheduler.config.policy is not SchedulingPolicy.CHUNKED:
+        raise ValueError("mixed steps need --scheduling-policy chunked")
+    steps = warmup + repeats
+    vocab = eng.model_config.vocab_size
+    sp = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+    ids = [eng.add_request(synthetic_prompt(context_len, 1000 * batch + i, vocab), sp)
+           for i in range(batch)]
+    while eng.scheduler.waiting or any(r.is_prefilling for r in eng.scheduler.running):
+        eng.step()
+    cfg = eng.scheduler.config
+    old_budget = cfg.max_num_batched_tokens
+    cfg.max_num_batched_tokens = batch + chunk
+    if chunk:
+        ids.append(eng.add_request(synthetic_prompt(chunk * steps + 1, 4242 + chunk, vocab),
+                                   SamplingParams(temperature=0.0, max_tokens=1)))
+    out = []
+    try:
+        for k in range(steps):
+            before = {r.request_id: r.num_computed_tokens for r in eng.scheduler.running}
+            s = _timed_step(eng, context_len + k + 1)
+            done = sum(r.num_computed_tokens - before.get(r.request_id, 0)
+                       for r in eng.scheduler.running)
+            if done != batch + chunk:
+                raise RuntimeError(f"mixed step {k}: {done} tokens computed, expected {batch} "
+                                   f"decodes + {chunk} prefill tokens")
+            if k >= warmup:
+                out.append(s)
+    finally:
+        cfg.max_num_batched_tokens = old_budget
+        for rid in ids:
+            eng.abort_request(rid)
+        while eng.has_unfinished_requests():
+            eng.step()
+    return out

@@ -122,21 +122,58 @@ class TorchReferenceBackend(AttentionBackend):
 
     @classmethod
     def _prefill(cls, q, k, v, k_cache, v_cache, c: PrefillChunk, scale):
-        n = q.shape[0]
-        if c.start_pos == 0:
-            kc, vc = k, v                        # the chunk is the whole context
-            mask, causal = None, True
-        else:
-            total = c.start_pos + n
-            kc = cls._gather(k_cache, c.context_blocks)[:total]   # [L, H_kv, D]
-            vc = cls._gather(v_cache, c.context_blocks)[:total]
-            qpos = torch.arange(c.start_pos, total).unsqueeze(1)
-            mask = torch.arange(total).unsqueeze(0) <= qpos      # [n, L]
-            causal = False
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), kc.transpose(0, 1), vc.transpose(0, 1),
-            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+        if c.start_pos == 0:                     # the chunk is the whole context
+            o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                               v.transpose(0, 1), is_causal=True, scale=scale,
+                                               enable_gqa=True)
+            return o.transpose(0, 1)
+        past_k = cls._gather(k_cache, c.context_blocks)[:c.start_pos]   # [P, H_kv, D]
+        past_v = cls._gather(v_cache, c.context_blocks)[:c.start_pos]
+        if _FLASH_CPU is not None:
+            return _split_prefill(q, k, v, past_k, past_v, scale)
+        total = c.start_pos + q.shape[0]
+        kc, vc = torch.cat([past_k, k]), torch.cat([past_v, v])
+        mask = torch.arange(total).unsqueeze(0) <= torch.arange(c.start_pos, total).unsqueeze(1)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), kc.transpose(0, 1), vc.transpose(0, 1),
+                                           attn_mask=mask, scale=scale, enable_gqa=True)
         return o.transpose(0, 1)
+
+
+#: CPU flash-attention op that also returns the log-sum-exp (a private ATen op; None if absent)
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _split_prefill(q, k, v, past_k, past_v, scale):
+    """Attention of a later prefill chunk as two flash calls merged by their log-sum-exp.
+
+    The chunk's queries see every cached position before it (no mask) and their own chunk
+    causally. An explicit offset-causal mask sends SDPA down a path 10x slower on CPU in bf16
+    (a 512-token chunk at position 3000 took 3.6 s over 30 layers against 0.26 s this way), so
+    the two parts run mask-free / is_causal and are combined as in FlashAttention's split-K
+    (Dao et al. 2022, section 3.1): o = sum_i exp(lse_i - lse) o_i, lse = logsumexp_i lse_i.
+    For the mask-free part the G = H / H_kv query heads of a KV head are folded into the query
+    length, so K/V are never repeated there.
+
+    Args:
+        q: [n, H, D]; k, v: [n, H_kv, D] the chunk's own keys/values; past_k, past_v: [P, H_kv, D].
+
+    Returns:
+        [n, H, D].
+    """
+    n, h, d = q.shape
+    n_kv = k.shape[1]
+    g = h // n_kv
+    qh = q.transpose(0, 1)                                                 # [H, n, D]
+    o1, l1 = _FLASH_CPU(qh.reshape(1, n_kv, g * n, d), past_k.transpose(0, 1).unsqueeze(0),
+                        past_v.transpose(0, 1).unsqueeze(0), 0.0, False, scale=scale)
+    kr = k.transpose(0, 1).repeat_interleave(g, 0).unsqueeze(0)            # [1, H, n, D]
+    vr = v.transpose(0, 1).repeat_interleave(g, 0).unsqueeze(0)
+    o2, l2 = _FLASH_CPU(qh.unsqueeze(0), kr, vr, 0.0, True, scale=scale)
+    l1, l2 = l1.reshape(h, n, 1), l2.reshape(h, n, 1)
+    lse = torch.logaddexp(l1, l2)
+    o = (o1.reshape(h, n, d).float() * torch.exp(l1 - lse)
+         + o2.reshape(h, n, d).float() * torch.exp(l2 - lse))
+    return o.to(q.dtype).transpose(0, 1)
 
 
 def get_attention_backend(name: str = "torch-ref") -> AttentionBackend:

@@ -1,0 +1,30 @@
+"""step_profile drives steps of an exact composition and leaves the engine empty."""
+from __future__ import annotations
+
+import pytest
+
+import sloserve
+from sloserve.engine.step_profile import time_decode_steps, time_mixed_steps
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir):
+    return sloserve.LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64, block_size=4,
+                        max_num_batched_tokens=64).engine
+
+
+@pytest.mark.parametrize("chunk", [0, 5, 12])
+def test_mixed_steps_have_the_asked_composition_and_free_everything(engine, chunk):
+    samples = time_mixed_steps(engine, batch=3, context_len=9, chunk=chunk, warmup=1, repeats=3)
+    assert len(samples) == 3
+    assert [s.context for s in samples] == [11, 12, 13]  # context_len + step index + 1
+    assert all(s.wall_s >= s.forward_s > 0 for s in samples)
+    assert not engine.has_unfinished_requests()
+    assert engine.kv.num_free_blocks == 64
+    assert engine.scheduler.config.max_num_batched_tokens == 64  # budget restored
+
+
+def test_decode_steps_still_pure(engine):
+    samples = time_decode_steps(engine, batch=2, context_len=12, warmup=1, repeats=2)
+    assert len(samples) == 2 and len({s.context for s in samples}) == 2
+    assert engine.kv.num_free_blocks == 64
