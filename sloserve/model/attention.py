@@ -122,11 +122,13 @@ class TorchReferenceBackend(AttentionBackend):
 
     @classmethod
     def _prefill(cls, q, k, v, k_cache, v_cache, c: PrefillChunk, scale):
+        # 4-D [1, H, n, D] inputs: with 3-D ones CPU SDPA takes a path ~15x slower in bf16
+        # (a causal 1024-token prompt: 2.2 s against 0.15 s over 30 layers)
         if c.start_pos == 0:                     # the chunk is the whole context
-            o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                               v.transpose(0, 1), is_causal=True, scale=scale,
-                                               enable_gqa=True)
-            return o.transpose(0, 1)
+            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                               v.transpose(0, 1)[None], is_causal=True,
+                                               scale=scale, enable_gqa=True)
+            return o[0].transpose(0, 1)
         past_k = cls._gather(k_cache, c.context_blocks)[:c.start_pos]   # [P, H_kv, D]
         past_v = cls._gather(v_cache, c.context_blocks)[:c.start_pos]
         if _FLASH_CPU is not None:
@@ -134,9 +136,10 @@ class TorchReferenceBackend(AttentionBackend):
         total = c.start_pos + q.shape[0]
         kc, vc = torch.cat([past_k, k]), torch.cat([past_v, v])
         mask = torch.arange(total).unsqueeze(0) <= torch.arange(c.start_pos, total).unsqueeze(1)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), kc.transpose(0, 1), vc.transpose(0, 1),
-                                           attn_mask=mask, scale=scale, enable_gqa=True)
-        return o.transpose(0, 1)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc.transpose(0, 1)[None],
+                                           vc.transpose(0, 1)[None], attn_mask=mask, scale=scale,
+                                           enable_gqa=True)
+        return o[0].transpose(0, 1)
 
 
 #: CPU flash-attention op that also returns the log-sum-exp (a private ATen op; None if absent)

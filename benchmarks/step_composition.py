@@ -1,0 +1,48 @@
+"""Step time of a hybrid batch: B running decodes plus one prefill chunk of C tokens.
+
+This is the measurement behind the chunked-prefill experiment's result on a CPU. Chunking
+(Sarathi-Serve, Agrawal et al. OSDI'24, section 3) cuts the TPOT tail because on a GPU a decode
+step is memory-bound: prefill tokens added to it ride almost free up to the balance point, so
+the decodes barely slow down while the prompt advances. Where the step's cost grows with every
+token from the start, a chunk costs the decodes about as much time as the whole prefill would,
+only spread over several steps; then chunking shortens the longest gap (max ITL) but not the sum
+a request waits (its TPOT).
+
+    .venv/bin/python benchmarks/step_composition.py [--dtype bfloat16] [--batches 1,8,16]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from sloserve.engine.llm import LLM
+from sloserve.engine.step_profile import time_mixed_steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batches", default="1,8,16")
+    ap.add_argument("--chunks", default="0,16,32,64,128,256,512")
+    ap.add_argument("--context-len", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=5)
+    a = ap.parse_args()
+    eng = LLM(dtype=a.dtype, max_num_batched_tokens=4096).engine
+    print(f"embedded model, {a.dtype}, decodes at context ~{a.context_len}, median of "
+          f"{a.repeats} steps")
+    print("| decodes B | chunk C | step ms | added by the chunk ms | per prefill token ms | "
+          "decode step share of the step |")
+    print("|---|---|---|---|---|---|")
+    for b in (int(x) for x in a.batches.split(",")):
+        base = None
+        for c in (int(x) for x in a.chunks.split(",")):
+            s = time_mixed_steps(eng, b, a.context_len, c, warmup=2, repeats=a.repeats)
+            ms = statistics.median(x.wall_s for x in s) * 1e3
+            base = ms if base is None else base
+            per = f"{(ms - base) / c:.2f}" if c else "-"
+            print(f"| {b} | {c} | {ms:.1f} | {ms - base:.1f} | {per} | {100 * base / ms:.0f} % |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
