@@ -36,11 +36,20 @@ import json, sys
 out, rounds = sys.argv[1], int(sys.argv[2])
 keys = ["mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "p99_itl_ms",
         "output_throughput", "request_throughput"]
+rows = {k: ([], []) for k in keys}
 print("| round | metric | sloserve bench | vllm bench serve | diff |")
 print("|---|---|---|---|---|")
 for r in range(1, rounds + 1):
     a = json.load(open(f"{out}/sloserve_bench_r{r}.json"))
     b = json.load(open(f"{out}/vllm_bench_r{r}.json"))
     for k in keys:
+        rows[k][0].append(a[k]); rows[k][1].append(b[k])
         print(f"| {r} | {k} | {a[k]:.1f} | {b[k]:.1f} | {100 * (a[k] - b[k]) / b[k]:+.1f} % |")
+print()
+print("| metric | sloserve bench, mean of rounds (min-max) | vllm bench serve, mean of rounds (min-max) | diff of means |")
+print("|---|---|---|---|")
+for k, (a, b) in rows.items():
+    ma, mb = sum(a) / len(a), sum(b) / len(b)
+    print(f"| {k} | {ma:.1f} ({min(a):.1f}-{max(a):.1f}) | {mb:.1f} ({min(b):.1f}-{max(b):.1f}) | "
+          f"{100 * (ma - mb) / mb:+.1f} % |")
 PY
