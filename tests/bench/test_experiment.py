@@ -1,0 +1,25 @@
+"""The experiment's reading of its own table."""
+from __future__ import annotations
+
+from sloserve.bench.experiment import reading
+
+
+def row(policy, p99_tpot, max_itl=100.0, ttft=500.0):
+    return {"policy": policy, "p99_tpot_ms": p99_tpot, "max_itl_ms": max_itl, "mean_ttft_ms": ttft}
+
+
+def test_reading_reports_the_changes_and_explains_a_tpot_that_did_not_drop():
+    lines = reading([row("naive", 156, 1339, 437), row("chunked", 176, 410, 651)])
+    assert lines[0] == ("chunked vs naive: max ITL 1339 -> 410 ms (-69 %), P99 TPOT 156 -> 176 ms "
+                        "(+13 %), mean TTFT 437 -> 651 ms (+49 %).")
+    assert len(lines) == 2 and "did not cut P99 TPOT" in lines[1]
+
+
+def test_no_explanation_when_chunking_cuts_p99_tpot():
+    lines = reading([row("naive", 200), row("chunked", 150), row("static", 120, ttft=5000)])
+    assert len(lines) == 2 and "P99 TPOT 200 -> 150 ms (-25 %)" in lines[0]
+    assert lines[1].startswith("static: lowest TPOT (P99 120 ms")
+
+
+def test_nothing_to_read_without_both_policies():
+    assert reading([row("static", 100)]) == []
