@@ -68,26 +68,24 @@ def _row(policy: str, run, m: dict[str, float]) -> dict[str, Any]:
     }
 
 
-def comparison_tables(rows: Sequence[dict[str, Any]], cfg: ExperimentConfig) -> list[Table]:
-    """Two rich tables that fit 80 columns: latencies (ms), then throughput and goodput."""
-    lat = Table(title=f"latency (ms): mixed workload, {rows[0]['requests']} requests, Poisson "
-                      f"{cfg.request_rate:g} req/s, seed {cfg.seed}")
-    lat_cols = [("policy", "policy", "{}"), ("TTFT mean", "mean_ttft_ms", "{:.0f}"),
-                ("TTFT P99", "p99_ttft_ms", "{:.0f}"), ("TPOT P50", "p50_tpot_ms", "{:.0f}"),
-                ("TPOT P90", "p90_tpot_ms", "{:.0f}"), ("TPOT P99", "p99_tpot_ms", "{:.0f}"),
-                ("ITL max", "max_itl_ms", "{:.0f}")]
-    thr = Table(title=f"throughput and goodput (SLO: TTFT <= {cfg.slo_ttft_ms:g} ms and "
-                      f"TPOT <= {cfg.slo_tpot_ms:g} ms)")
-    thr_cols = [("policy", "policy", "{}"), ("output tok/s", "output_throughput", "{:.1f}"),
-                ("goodput req/s", "request_goodput", "{:.3f}"), ("good", "good", "{}"),
-                ("failed", "failed", "{}"), ("engine steps", "engine_steps", "{:.0f}"),
-                ("preemptions", "preemptions", "{:.0f}")]
-    for t, cols in ((lat, lat_cols), (thr, thr_cols)):
-        for head, _, _ in cols:
-            t.add_column(head, justify="right")
-        for r in rows:
-            t.add_row(*(fmt.format(r[k]) for _, k, fmt in cols))
-    return [lat, thr]
+def comparison_table(rows: Sequence[dict[str, Any]], cfg: ExperimentConfig) -> Table:
+    """The side-by-side table (fits 80 columns): latencies in ms, throughput, goodput."""
+    from rich import box
+    t = Table(title=f"mixed workload, {rows[0]['requests']} requests, Poisson {cfg.request_rate:g} "
+                    f"req/s, seed {cfg.seed}\ngoodput SLO: TTFT <= {cfg.slo_ttft_ms:g} ms and "
+                    f"TPOT <= {cfg.slo_tpot_ms:g} ms; latencies in ms",
+              box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+    cols = [("policy", "policy", "{}"), ("TTFT\nmean", "mean_ttft_ms", "{:.0f}"),
+            ("TTFT\nP99", "p99_ttft_ms", "{:.0f}"), ("TPOT\nP50", "p50_tpot_ms", "{:.0f}"),
+            ("TPOT\nP90", "p90_tpot_ms", "{:.0f}"), ("TPOT\nP99", "p99_tpot_ms", "{:.0f}"),
+            ("ITL\nmax", "max_itl_ms", "{:.0f}"), ("output\ntok/s", "output_throughput", "{:.1f}"),
+            ("goodput\nreq/s", "request_goodput", "{:.2f}"), ("good/\nall", None, None)]
+    for head, _, _ in cols:
+        t.add_column(head, justify="right")
+    for r in rows:
+        t.add_row(*(f"{r['good']}/{r['requests']}" if k is None else fmt.format(r[k])
+                    for _, k, fmt in cols))
+    return t
 
 
 def _change(new: float, old: float) -> str:
@@ -162,8 +160,9 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str, console: Console,
         rows.append(_row(policy, run, m))
         console.print(f"{policy}: {run.metrics.completed} ok, {run.metrics.failed} failed, "
                       f"run {run.duration:.1f} s (with server start {time.perf_counter() - t0:.1f} s)")
-    for t in comparison_tables(rows, cfg):
-        console.print(t)
+    console.print(comparison_table(rows, cfg))
+    console.print("engine steps / preemptions (from /metrics): " + ", ".join(
+        f"{r['policy']} {r['engine_steps']:.0f} / {r['preemptions']:.0f}" for r in rows))
     for line in reading(rows):
         console.print(line)
     save_json({"config": cfg.__dict__, "rows": rows}, os.path.join(out_dir, "summary.json"))
