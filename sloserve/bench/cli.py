@@ -11,7 +11,18 @@ from typing import Any
 
 from sloserve.bench.datasets import PromptFactory
 from sloserve.bench.metrics import parse_goodput
-from sloserve.bench.workload_args import _pos_int, _rate, add_workload_args, arrival_process, build_workload
+from sloserve.bench.workload_args import (_pos_float, _pos_int, _rate, add_workload_args,
+                                         arrival_process, build_workload, check_workload_flags)
+
+
+def _port(v: str) -> int:
+    try:
+        p = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"port must be an integer, got {v!r}") from None
+    if not 1 <= p <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 1-65535, got {p}")
+    return p
 
 
 def _floats(v: str) -> list[float]:
@@ -26,7 +37,7 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("server")
     s.add_argument("--base-url", default=None, help="server root (default http://HOST:PORT)")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=_port, default=8000)
     s.add_argument("--endpoint", default=None,
                    choices=["/v1/completions", "/v1/chat/completions"])
     s.add_argument("--backend", default="openai", choices=["openai", "openai-chat"],
@@ -39,9 +50,12 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--ignore-eos", action="store_true", help="every output runs to max_tokens")
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--skip-initial-test", action="store_true")
+    r.add_argument("--request-timeout", type=_pos_float, default=600.0,
+                   help="seconds to wait for the next bytes of a response before the request "
+                        "fails (a stalled server does not hang the run)")
     o = p.add_argument_group("metrics and output")
     o.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
-                   help="metrics printed with percentiles (all four are always in the JSON)")
+                   help="metrics whose statistics are printed and written to the JSON")
     o.add_argument("--metric-percentiles", type=_floats, default=[50.0, 90.0, 95.0, 99.0])
     o.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS",
                    help="SLOs for goodput, e.g. ttft:2000 tpot:200 e2el:10000")
@@ -64,6 +78,13 @@ def _check_flags(a: argparse.Namespace) -> dict[str, float]:
         raise ValueError(f"--metric-percentiles must be numbers in [0, 100], got "
                          f"{a.metric_percentiles}")
     _shown_metrics(a)
+    check_workload_flags(a)
+    for d in (a.result_dir, a.plot_dir):
+        if d:
+            try:
+                os.makedirs(d, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"cannot create output folder {d!r}: {e}") from None
     return slos
 
 
@@ -87,7 +108,8 @@ def _setup(a: argparse.Namespace):
                       max_concurrency=a.max_concurrency, seed=a.seed, ignore_eos=a.ignore_eos,
                       percentiles=tuple(a.metric_percentiles), goodput=slos,
                       extra_body={"temperature": a.temperature},
-                      initial_test=not a.skip_initial_test, progress=not a.disable_tqdm)
+                      initial_test=not a.skip_initial_test, progress=not a.disable_tqdm,
+                      timeout_s=a.request_timeout)
     count = lambda text: len(tok.encode(text, add_special_tokens=False))  # noqa: E731
     return cfg, reqs, tok_id, count
 
@@ -142,6 +164,11 @@ def _sweep(a: argparse.Namespace) -> int:
     from sloserve.bench.sweep import format_table, operating_point
     if bool(a.request_rates) == bool(a.max_concurrencies):
         raise ValueError("give exactly one of --request-rates and --max-concurrencies")
+    if a.plot_dir or a.result_filename or a.save_result:
+        raise ValueError("bench sweep always writes its results and plots under --result-dir; "
+                         "--plot-dir, --result-filename and --save-result are for single runs")
+    if 99.0 not in a.metric_percentiles:  # the table, frontier and operating point use P99
+        a.metric_percentiles = [*a.metric_percentiles, 99.0]
     shown = _shown_metrics(a)
     cfg0, reqs, tok_id, count = _setup(a)
     axis = "request_rate" if a.request_rates else "max_concurrency"
@@ -160,6 +187,10 @@ def _sweep(a: argparse.Namespace) -> int:
                           detailed=a.save_detailed, metrics=shown)
         save_json(res, os.path.join(a.result_dir, f"sweep-{axis}-{pt:g}.json"))
         rows.append({"point": pt, **metrics_dict(run.metrics)})
+        m = run.metrics
+        print(f"    {axis}={pt:g}: {m.completed} completed, {m.failed} failed", file=sys.stderr)
+        for msg, n in sorted(m.errors.items(), key=lambda kv: -kv[1])[:5]:
+            print(f"    {n} x {msg[:200]}", file=sys.stderr)
         cfg0 = BenchConfig(**{**cfg0.__dict__, "initial_test": False})
     slos = parse_goodput(a.goodput)
     op = operating_point(rows, slos) if slos else None
@@ -174,9 +205,15 @@ def _sweep(a: argparse.Namespace) -> int:
     save_json({"axis": axis, "slos": slos, "operating_point": finite(op),
                "rows": [{**r, "point": finite(r["point"])} for r in rows]},
               os.path.join(a.result_dir, "sweep.json"))
-    png = plot_pareto(rows, os.path.join(a.result_dir, "pareto.png"), op,
+    plotted = [r for r in rows if r["completed"] > 0]  # an all-failed point has no latencies
+    png = plot_pareto(plotted, os.path.join(a.result_dir, "pareto.png"), op,
                       title=f"{cfg0.model}: sweep over {axis}")
     print(f"table: {os.path.join(a.result_dir, 'sweep.md')}; plot: {png}")
+    empty = [r["point"] for r in rows if r["completed"] == 0]
+    if empty:
+        print(f"sloserve bench sweep: no request completed at {axis} = "
+              f"{', '.join(f'{p:g}' for p in empty)}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -202,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
         a.result_dir = "sweep-results"
     try:
         return _sweep(a) if sweep else _bench(a)
+    except KeyboardInterrupt:
+        print("sloserve bench: interrupted; nothing saved", file=sys.stderr)
+        return 130
     except (ValueError, FileNotFoundError, ConnectionError, OSError) as e:
         print(f"sloserve bench: error: {e}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ space-prefixed word tokens, decoded to text and re-encoded until the count is ex
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 from dataclasses import dataclass
@@ -200,7 +201,7 @@ def sharegpt_workload(path: str, tokenizer: TokenizerLike, num_prompts: int, *,
                       output_len: int | None = None, seed: int = 0) -> list[SampleRequest]:
     """Requests from a ShareGPT JSON file (a list of ``{"conversations": [{"from", "value"}, ...]}``).
 
-    Conversations with fewer than two turns are skipped; the prompt is the first turn and the
+    Conversations with fewer than two turns (or turns that are not objects) are skipped; the prompt is the first turn and the
     output length the token count of the second (or ``output_len``). Pairs with a prompt or
     output under 4 tokens, a prompt over 1024 or a total over 2048 tokens are dropped.
 
@@ -209,11 +210,15 @@ def sharegpt_workload(path: str, tokenizer: TokenizerLike, num_prompts: int, *,
             than ``num_prompts``.
     """
     with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a JSON list of conversations")
     convs = [d.get("conversations") or d.get("conversation") for d in data if isinstance(d, dict)]
-    convs = [c for c in convs if isinstance(c, list) and len(c) >= 2]
+    convs = [c for c in convs if isinstance(c, list) and len(c) >= 2
+             and isinstance(c[0], dict) and isinstance(c[1], dict)]
     random.Random(seed).shuffle(convs)
     reqs: list[SampleRequest] = []
     for c in convs:
@@ -237,6 +242,12 @@ def _field(d: dict[str, Any], *names: str) -> Any:
     raise KeyError(f"none of {names}")
 
 
+def _length(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"lengths must be integers >= 1, got {v!r}")
+    return v
+
+
 def trace_workload(path: str, factory: PromptFactory, num_prompts: int | None = None, *,
                    time_scale: float = 1.0) -> list[SampleRequest]:
     """Replay a JSONL trace: one object per line with the arrival time (``arrival_time`` in s, or
@@ -254,11 +265,13 @@ def trace_workload(path: str, factory: PromptFactory, num_prompts: int | None = 
                 continue
             try:
                 d = json.loads(line)
+                if not isinstance(d, dict):
+                    raise ValueError("not a JSON object")
                 t = float(d["arrival_time"]) if "arrival_time" in d else float(d["timestamp"]) / 1e3
-                n_in = int(_field(d, "input_len", "input_length"))
-                n_out = int(_field(d, "output_len", "output_length"))
-                if n_in < 1 or n_out < 1:
-                    raise ValueError(f"input and output lengths must be >= 1, got {n_in}, {n_out}")
+                if not math.isfinite(t):
+                    raise ValueError(f"arrival time must be finite, got {t}")
+                n_in = _length(_field(d, "input_len", "input_length"))
+                n_out = _length(_field(d, "output_len", "output_length"))
                 rows.append((t, n_in, n_out))
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{lineno}: bad trace line ({e})") from e

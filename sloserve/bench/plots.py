@@ -50,7 +50,8 @@ def plot_cdfs(results: dict[str, dict[str, Any]], path: str, title: str = "") ->
         ax.set_xlabel(name)
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
     fig.suptitle(title or "per-request latency CDFs")
     return _save(fig, path)
 
@@ -66,8 +67,8 @@ def plot_itl_timeline(results: dict[str, dict[str, Any]], path: str, title: str 
             xs += [t - t0 for t in ct[1:]]
             ys += [(b - a) * 1e3 for a, b in zip(ct, ct[1:])]
         ax.scatter(xs, ys, s=4, alpha=0.6)
-        for t, tag in zip(r["start_times"], r.get("tags") or []):
-            if tag == "long":
+        for t, tag, err in zip(r["start_times"], r.get("tags") or [], r["errors"]):
+            if tag == "long" and not err:  # served long prompts (not those the server refused)
                 ax.axvline(t - t0, color="red", alpha=0.35, lw=1)
         ax.set_ylabel("ITL (ms)")
         ax.set_title(f"{label}: inter-token gaps (red: long-prompt arrivals)", fontsize=10)

@@ -40,10 +40,11 @@ class BenchConfig:
         percentiles: reported percentiles.
         goodput: SLOs in ms by metric.
         extra_body: more JSON fields per request.
-        initial_test: send the first prompt once (2 tokens) before the run and stop with its
-            error if it fails.
+        initial_test: send the shortest prompt once (2 tokens) before the run and stop with
+            its error if it fails.
         progress: show a progress bar.
-        timeout_s: per-request timeout (s).
+        timeout_s: the longest wait for the next bytes of a response (s; httpx read timeout);
+            a server that stalls longer fails the request instead of hanging the run.
     """
 
     base_url: str
@@ -60,7 +61,7 @@ class BenchConfig:
     extra_body: dict[str, Any] = field(default_factory=dict)
     initial_test: bool = True
     progress: bool = True
-    timeout_s: float = 6 * 3600.0
+    timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
@@ -123,10 +124,12 @@ async def run_benchmark_async(cfg: BenchConfig, requests: list[SampleRequest],
                                      burstiness=cfg.burstiness, seed=cfg.seed))
     inputs = _inputs(cfg, requests)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s), limits=limits,
+    timeout = httpx.Timeout(cfg.timeout_s, connect=min(cfg.timeout_s, 30.0))
+    async with httpx.AsyncClient(timeout=timeout, limits=limits,
                                  trust_env=False) as client:
         if cfg.initial_test:
-            test = RequestInput(**{**inputs[0].__dict__, "max_tokens": 2})
+            shortest = min(inputs, key=lambda i: i.prompt_len)
+            test = RequestInput(**{**shortest.__dict__, "max_tokens": 2})
             rec = await send_request(client, test, count_tokens)
             if not rec.success:
                 raise BenchmarkError(f"initial test request to {cfg.url} failed: {rec.error}")

@@ -13,12 +13,18 @@ def load_tokenizer(path: str) -> Tokenizer:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
+        ValueError: no tokenizer can be loaded from it (first line of the reason).
     """
     if not os.path.exists(path):
         raise FileNotFoundError(f"tokenizer path {path!r} does not exist")
-    if os.path.isfile(path) and path.endswith(".gguf"):
-        return Tokenizer.from_gguf(path)
-    return Tokenizer.from_pretrained(path)
+    try:
+        if os.path.isfile(path) and path.endswith(".gguf"):
+            return Tokenizer.from_gguf(path)
+        return Tokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"cannot load a tokenizer from {path!r} (a GGUF file or a folder with "
+                         f"tokenizer.json is needed): {first}") from None
 
 
 def server_models(base_url: str, timeout_s: float = 10.0) -> list[dict]:
@@ -31,9 +37,15 @@ def server_models(base_url: str, timeout_s: float = 10.0) -> list[dict]:
     try:
         r = httpx.get(url, timeout=timeout_s, trust_env=False)
         r.raise_for_status()
-        return list(r.json().get("data") or [])
-    except (httpx.HTTPError, ValueError) as e:
+        body = r.json()
+    except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:
         raise ConnectionError(f"cannot list models at {url}: {e}") from e
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str)
+                                             for m in data):
+        raise ConnectionError(f"{url} did not answer an OpenAI model list "
+                              f"({{\"data\": [{{\"id\": ...}}]}}): {r.text[:200]!r}")
+    return data
 
 
 def resolve_tokenizer(tokenizer: str | None, models: list[dict], model: str) -> tuple[Tokenizer, str]:
@@ -52,7 +64,7 @@ def resolve_tokenizer(tokenizer: str | None, models: list[dict], model: str) -> 
         if m.get("id") == model and isinstance(root, str) and os.path.exists(root):
             try:
                 return load_tokenizer(root), root
-            except (OSError, ValueError):  # e.g. a dummy-weights folder without tokenizer files
+            except ValueError:  # e.g. a dummy-weights folder without tokenizer files
                 break
     from sloserve.model.loader import default_model_path
     path = default_model_path()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 from sloserve.bench.datasets import (WORKLOADS, PromptFactory, SampleRequest, mixed_workload,
                                      random_workload, shared_prefix_workload, sharegpt_workload,
@@ -79,6 +80,22 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--arrival", choices=["poisson", "gamma", "constant"], default=None,
                    help="default: poisson, or gamma when --burstiness != 1")
     a.add_argument("--max-concurrency", type=_pos_int, default=None)
+
+
+def check_workload_flags(a: argparse.Namespace) -> None:
+    """Validate the workload flags that need no tokenizer or server. Raises ValueError."""
+    if not 0 <= a.random_range_ratio < 1:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {a.random_range_ratio}")
+    if not 0 <= a.mixed_long_fraction <= 1:
+        raise ValueError(f"--mixed-long-fraction must be in [0, 1], got {a.mixed_long_fraction}")
+    lo_hi = a.mixed_output_len_range
+    if len(lo_hi) != 2 or lo_hi[0] > lo_hi[1]:
+        raise ValueError(f"--mixed-output-len-range takes LO,HI with LO <= HI, got {lo_hi}")
+    if a.dataset_name in ("sharegpt", "trace"):
+        if not a.dataset_path:
+            raise ValueError(f"--dataset-name {a.dataset_name} needs --dataset-path")
+        if not os.path.isfile(a.dataset_path):
+            raise FileNotFoundError(f"--dataset-path {a.dataset_path!r} is not a file")
 
 
 def arrival_process(a: argparse.Namespace) -> str:

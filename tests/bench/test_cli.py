@@ -153,7 +153,7 @@ def test_bad_flag_values_exit_2(mock_server, gguf_path, capsys, flag, value, mat
 @pytest.mark.parametrize("extra, match", [
     (["--goodput", "foo"], "goodput SLO must look like NAME:MS"),
     (["--goodput", "ttft:500", "itl:5"], "must be ttft, tpot or e2el"),
-    (["--random-range-ratio", "1.0"], "range ratio"),
+    (["--random-range-ratio", "1.0"], "random-range-ratio"),
     (["--temperature", "-1"], "--temperature"),
     (["--dataset-name", "sharegpt"], "needs --dataset-path"),
     (["--tokenizer", "/nonexistent/tok.gguf"], "does not exist"),

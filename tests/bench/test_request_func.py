@@ -52,15 +52,18 @@ def test_ttft_500ms_then_9_gaps_of_20ms(mock_server, endpoint):
     run = bench(mock_server, [prompt], endpoint=endpoint, max_tokens=10)
     (rec,) = run.records
     assert rec.success and rec.error == ""
-    assert 0.500 <= rec.ttft < 0.560
+    # upper bounds leave room for a loaded 2-core CI machine; a wrong definition (TTFT counted
+    # as a gap, the usage chunk as content) is off by 100s of ms or by a sample
+    assert 0.500 <= rec.ttft < 0.650
     assert len(rec.itl) == 9
-    assert all(0.015 <= x <= 0.040 for x in rec.itl), rec.itl
+    assert all(0.010 <= x <= 0.090 for x in rec.itl), rec.itl
+    assert 0.015 <= sorted(rec.itl)[4] <= 0.035, rec.itl
     assert rec.output_tokens == 10
     assert rec.server_prompt_tokens == 5
     assert rec.prompt_len == 5  # the server's count wins over the workload's (as vLLM)
     assert rec.latency - rec.ttft >= 0.9 * 0.18  # the last chunk is scripted 180 ms after the first
     assert rec.tpot == pytest.approx((rec.latency - rec.ttft) / 9, rel=1e-12)
-    assert 0.017 <= rec.tpot <= 0.030
+    assert 0.017 <= rec.tpot <= 0.035
     assert rec.generated_text == "".join(f" t{i}" for i in range(10))
     assert len(rec.chunk_times) == 10
 
@@ -69,7 +72,7 @@ def test_ttft_500ms_then_9_gaps_of_20ms(mock_server, endpoint):
     assert m.stats["itl"].count == 9 and m.stats["ttft"].count == 1 and m.stats["tpot"].count == 1
     assert m.stats["ttft"].mean == pytest.approx(rec.ttft * 1e3, rel=1e-12)
     assert m.stats["tpot"].mean == pytest.approx(rec.tpot * 1e3, rel=1e-12)
-    assert 15 <= m.stats["itl"].median <= 40
+    assert 15 <= m.stats["itl"].median <= 35
     assert m.stats["e2el"].mean == pytest.approx(rec.latency * 1e3, rel=1e-12)
     assert m.max_output_tokens_per_s == 10.0  # all 10 chunks inside one second
     assert m.max_concurrent_requests == 1
@@ -183,13 +186,13 @@ def test_late_usage_chunk_and_empty_chunks_are_not_content(mock_server, endpoint
     run = bench(mock_server, [p], endpoint=endpoint)
     (rec,) = run.records
     assert rec.success
-    assert 0.100 <= rec.ttft < 0.160          # the empty chunk at 0 ms is no first token
+    assert 0.100 <= rec.ttft < 0.250          # the empty chunk at 0 ms is no first token
     assert len(rec.itl) == 4                  # neither the empty chunk at 130 ms nor usage
     assert len(rec.chunk_times) == 5
     assert rec.latency < 0.35                 # E2E ends at the last content chunk (~180 ms),
     assert run.duration >= 0.40               # not at the usage chunk (400 ms)
     assert rec.output_tokens == 5
-    assert all(0.010 <= x <= 0.050 for x in rec.itl), rec.itl
+    assert all(0.010 <= x <= 0.090 for x in rec.itl), rec.itl
 
 
 def test_chat_role_only_first_chunk_is_not_content(mock_server):
@@ -237,7 +240,7 @@ def test_max_concurrency_serialises_requests(mock_server):
     recs = sorted(run.records, key=lambda r: r.send_time)
     for a, b in zip(recs, recs[1:]):
         assert b.send_time >= a.chunk_times[-1]
-    assert all(0.030 <= r.ttft < 0.090 for r in run.records)  # TTFT starts at the actual send
+    assert all(0.030 <= r.ttft < 0.100 for r in run.records)  # TTFT starts at the actual send
     # the wait for the slot is queue time, not TTFT
     q = [r.queue_time for r in recs]
     assert q[0] < 0.02

