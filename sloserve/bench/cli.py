@@ -197,8 +197,11 @@ def _sweep(a: argparse.Namespace) -> int:
     table = format_table(rows, axis, slos)
     print(table)
     if slos:
-        print(f"operating point: {axis} = {op:g}" if op is not None
-              else "operating point: no point meets the SLO")
+        if op is None:
+            print("operating point: no point meets the SLO")
+        else:
+            top = " (the highest point swept: the capacity may be higher)" if op == max(points) else ""
+            print(f"operating point: {axis} = {op:g}{top}")
     with open(os.path.join(a.result_dir, "sweep.md"), "w") as f:
         f.write(table + "\n")
     finite = lambda v: "inf" if v == float("inf") else v  # noqa: E731  (strict JSON, as vLLM)
