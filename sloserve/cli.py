@@ -7,6 +7,7 @@ import logging
 import sys
 from dataclasses import fields
 
+from sloserve.argtypes import port
 from sloserve.config import EngineConfig
 
 
@@ -46,13 +47,6 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**kw)
 
 
-def _port(v: str) -> int:
-    p = int(v)
-    if not 0 <= p <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in 0-65535, got {p}")
-    return p
-
-
 def _serve(a: argparse.Namespace) -> int:
     from sloserve.server.api_server import run_server
     run_server(engine_config_from_args(a), host=a.host, port=a.port, log_level=a.log_level)
@@ -87,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=_port, default=8000)
+    s.add_argument("--port", type=port, default=8000)
     s.add_argument("--log-level", default="info")
     s.set_defaults(func=_serve)
 

@@ -11,18 +11,12 @@ from typing import Any
 
 from sloserve.bench.datasets import PromptFactory
 from sloserve.bench.metrics import parse_goodput
-from sloserve.bench.workload_args import (_pos_float, _pos_int, _rate, add_workload_args,
-                                         arrival_process, build_workload, check_workload_flags)
-
-
-def _port(v: str) -> int:
-    try:
-        p = int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"port must be an integer, got {v!r}") from None
-    if not 1 <= p <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in 1-65535, got {p}")
-    return p
+from sloserve.argtypes import client_port as _port
+from sloserve.argtypes import pos_float as _pos_float
+from sloserve.argtypes import pos_int as _pos_int
+from sloserve.argtypes import rate as _rate
+from sloserve.bench.workload_args import (add_workload_args, arrival_process, build_workload,
+                                         check_workload_flags)
 
 
 def _floats(v: str) -> list[float]:

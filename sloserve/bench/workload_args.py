@@ -2,52 +2,15 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 
+from sloserve.argtypes import int_list as _ints
+from sloserve.argtypes import pos_float as _pos_float
+from sloserve.argtypes import pos_int as _pos_int
+from sloserve.argtypes import rate as _rate
 from sloserve.bench.datasets import (WORKLOADS, PromptFactory, SampleRequest, mixed_workload,
                                      random_workload, shared_prefix_workload, sharegpt_workload,
                                      trace_workload)
-
-
-def _ints(v: str) -> list[int]:
-    try:
-        out = [int(x) for x in v.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {v!r}") from None
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {v!r}")
-    return out
-
-
-def _rate(v: str) -> float:
-    try:
-        r = float(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"request rate must be a number or inf, got {v!r}") from None
-    if not r > 0:
-        raise argparse.ArgumentTypeError(f"request rate must be > 0 (or inf), got {v!r}")
-    return r
-
-
-def _pos_int(v: str) -> int:
-    try:
-        n = int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {v!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {n}")
-    return n
-
-
-def _pos_float(v: str) -> float:
-    try:
-        x = float(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {v!r}") from None
-    if not (x > 0 and math.isfinite(x)):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {v!r}")
-    return x
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:

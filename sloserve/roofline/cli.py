@@ -10,6 +10,7 @@ import json
 import os
 import sys
 
+from sloserve.argtypes import int_list as _int_list
 from sloserve.roofline.hardware import NIC_PRESETS, get_hardware, get_link, list_hardware
 from sloserve.roofline.kv import DTYPE_BYTES
 from sloserve.roofline.models import get_model, list_models
@@ -72,16 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 EMBEDDED = "embedded"
-
-
-def _int_list(s: str) -> list[int]:
-    try:
-        v = [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
-    if not v or min(v) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {s!r}")
-    return v
 
 
 def _resolve_model(name: str | None, measure: bool) -> tuple[str, str | None]:

@@ -1,0 +1,65 @@
+"""argparse ``type=`` converters shared by every ``sloserve`` subcommand: each raises
+``argparse.ArgumentTypeError`` with a message that names the expected form and the value."""
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+
+def _convert(v: str, kind: Callable[[str], T], what: str) -> T:
+    try:
+        return kind(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {v!r}") from None
+
+
+def int_list(v: str) -> list[int]:
+    """``"128,256"`` -> ``[128, 256]``; every entry an integer >= 1."""
+    out = _convert(v, lambda s: [int(x) for x in s.split(",") if x.strip()],
+                   "comma-separated integers")
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {v!r}")
+    return out
+
+
+def pos_int(v: str) -> int:
+    """An integer >= 1."""
+    n = _convert(v, int, "an integer")
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {n}")
+    return n
+
+
+def pos_float(v: str) -> float:
+    """A finite number > 0."""
+    x = _convert(v, float, "a number")
+    if not (x > 0 and math.isfinite(x)):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {v!r}")
+    return x
+
+
+def rate(v: str) -> float:
+    """A request rate: a number > 0 or ``inf``."""
+    try:
+        r = float(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"request rate must be a number or inf, got {v!r}") from None
+    if not r > 0:
+        raise argparse.ArgumentTypeError(f"request rate must be > 0 (or inf), got {v!r}")
+    return r
+
+
+def port(v: str, lowest: int = 0) -> int:
+    """A TCP port in [lowest, 65535] (0 = any free port, where allowed)."""
+    p = _convert(v, int, "a port number")
+    if not lowest <= p <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in {lowest}-65535, got {p}")
+    return p
+
+
+def client_port(v: str) -> int:
+    """A port to connect to: 1-65535."""
+    return port(v, lowest=1)
