@@ -18,7 +18,13 @@ def test_reading_reports_the_changes_and_explains_a_tpot_that_did_not_drop():
 def test_no_explanation_when_chunking_cuts_p99_tpot():
     lines = reading([row("naive", 200), row("chunked", 150), row("static", 120, ttft=5000)])
     assert len(lines) == 2 and "P99 TPOT 200 -> 150 ms (-25 %)" in lines[0]
-    assert lines[1].startswith("static: lowest TPOT (P99 120 ms")
+    assert lines[1] == ("static: P99 TPOT 120 ms (the lowest: no prefill joins a running batch), "
+                        "but mean TTFT 5000 ms: new requests wait for the whole batch to finish.")
+
+
+def test_static_is_not_called_lowest_when_it_is_not():
+    lines = reading([row("naive", 140), row("chunked", 183), row("static", 151, ttft=5580)])
+    assert lines[-1].startswith("static: P99 TPOT 151 ms, but mean TTFT 5580 ms")
 
 
 def test_nothing_to_read_without_both_policies():
