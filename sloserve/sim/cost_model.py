@@ -1,0 +1,147 @@
+"""Step-time cost models: the duration of one engine step from its composition.
+
+A step's composition is what the scheduler put in it: the decodes (one token each, at their
+context lengths) and the prefill chunks (tokens and the position they start at). The profiled
+model is linear in the features DistServe's latency model uses (Zhong et al. OSDI'24, section
+4.1: prefill time ~ a + b * sum(L) + c * sum(L^2), decode time ~ a + b * sum(context) + c * batch),
+extended to the hybrid batches of chunked prefill by adding the two parts in one step:
+
+    t = c0 + c1 * decodes + c2 * sum(decode contexts) + c3 * prefill tokens
+           + c4 * sum over chunks of n * (start + n)          (attention of a chunk: n queries
+                                                                over start + n keys)
+
+fitted by least squares to step times measured on the real engine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import numpy as np
+
+FEATURES = ("overhead", "decodes", "decode_context_tokens", "prefill_tokens", "prefill_attention")
+
+
+@dataclass(frozen=True)
+class StepComposition:
+    """What one step computes.
+
+    Attributes:
+        decode_contexts: context length of each decode, its new token included (tokens).
+        prefill_chunks: (tokens in the chunk, start position) of each prefill chunk.
+    """
+
+    decode_contexts: tuple[int, ...] = ()
+    prefill_chunks: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def of(cls, out) -> "StepComposition":
+        """From a :class:`~sloserve.engine.scheduler.SchedulerOutput`."""
+        dec, pre = [], []
+        for sr in out.scheduled:
+            if sr.is_decode:
+                dec.append(sr.end_pos)
+            else:
+                pre.append((sr.num_tokens, sr.start_pos))
+        return cls(tuple(dec), tuple(pre))
+
+    def features(self) -> np.ndarray:
+        """The model's feature vector (see the module docstring), float64 of shape (5,)."""
+        return np.array([
+            1.0,
+            len(self.decode_contexts),
+            sum(self.decode_contexts),
+            sum(n for n, _ in self.prefill_chunks),
+            sum(n * (s + n) for n, s in self.prefill_chunks),
+        ], dtype=np.float64)
+
+
+class CostModel(Protocol):
+    """Anything that prices a step (seconds)."""
+
+    def step_time(self, comp: StepComposition) -> float: ...
+
+
+@dataclass
+class LinearCostModel:
+    """The profiled cost model: ``t = coef . features`` (seconds; coefficients per feature in
+    :data:`FEATURES` order: s, s/decode, s/context token, s/prefill token, s/attention pair).
+
+    Raises:
+        ValueError: not 5 coefficients, or a negative one.
+    """
+
+    coef: list[float] = field(default_factory=lambda: [0.0] * len(FEATURES))
+
+    def __post_init__(self) -> None:
+        if len(self.coef) != len(FEATURES):
+            raise ValueError(f"need {len(FEATURES)} coefficients ({', '.join(FEATURES)}), "
+                             f"got {len(self.coef)}")
+        if min(self.coef) < 0:
+            raise ValueError(f"coefficients must be >= 0, got {self.coef}")
+
+    def step_time(self, comp: StepComposition) -> float:
+        """Seconds of one step."""
+        return float(np.dot(self.coef, comp.features()))
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[StepComposition, float]]) -> "LinearCostModel":
+        """Non-negative least squares on (composition, measured seconds) pairs.
+
+        Solved as ordinary least squares, then any negative coefficient is fixed at 0 and the
+        rest refitted (a few features, so this active-set loop ends in at most 5 rounds).
+
+        Raises:
+            ValueError: fewer samples than features.
+        """
+        if len(samples) < len(FEATURES):
+            raise ValueError(f"need at least {len(FEATURES)} samples to fit, got {len(samples)}")
+        x = np.stack([c.features() for c, _ in samples])
+        y = np.array([t for _, t in samples], dtype=np.float64)
+        active = list(range(len(FEATURES)))
+        coef = np.zeros(len(FEATURES))
+        for _ in range(len(FEATURES)):
+            sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+            if (sol >= 0).all():
+                coef[:] = 0.0
+                coef[active] = sol
+                break
+            active = [a for a, v in zip(active, sol) if v > 0]
+            if not active:
+                break
+        return cls([float(v) for v in coef])
+
+    def relative_errors(self, samples: Sequence[tuple[StepComposition, float]]) -> np.ndarray:
+        """|predicted - measured| / measured for each sample."""
+        return np.array([abs(self.step_time(c) - t) / t for c, t in samples])
+
+
+@dataclass
+class OverlapCostModel:
+    """A roofline-shaped step: memory and compute overlap, so a step costs the larger of the
+    two. ``t = overhead + max(decode_step_s, prefill tokens / prefill_tokens_per_s)``.
+
+    This is the regime chunked prefill is made for (Sarathi-Serve, Agrawal et al. OSDI'24,
+    section 3): a decode step is memory-bound (``decode_step_s`` whatever the batch), so prefill
+    tokens ride in it free until their compute time exceeds the memory time. The lecture's
+    example: an 8B-class model on an H100, ``decode_step_s`` 0.022, ``prefill_tokens_per_s``
+    35,000.
+
+    Raises:
+        ValueError: a non-positive rate or a negative time.
+    """
+
+    decode_step_s: float
+    prefill_tokens_per_s: float
+    overhead_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.prefill_tokens_per_s > 0:
+            raise ValueError(f"prefill_tokens_per_s must be > 0, got {self.prefill_tokens_per_s}")
+        if self.decode_step_s < 0 or self.overhead_s < 0:
+            raise ValueError("decode_step_s and overhead_s must be >= 0")
+
+    def step_time(self, comp: StepComposition) -> float:
+        """Seconds of one step."""
+        prefill = sum(n for n, _ in comp.prefill_chunks) / self.prefill_tokens_per_s
+        return self.overhead_s + max(self.decode_step_s if comp.decode_contexts else 0.0, prefill)

@@ -1,0 +1,119 @@
+"""The simulator runs the engine's own scheduler: same decisions as the real engine, determinism,
+failures as the server reports them, and the chunked-prefill effect in a memory-bound regime."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import sloserve
+from sloserve.bench.arrivals import arrival_times
+from sloserve.bench.datasets import SampleRequest, mixed_workload
+from sloserve.bench.metrics import calculate_metrics
+from sloserve.sampling_params import SamplingParams
+from sloserve.sim.cost_model import (FEATURES, LinearCostModel, OverlapCostModel,
+                                     StepComposition)
+from sloserve.sim.simulator import SimConfig, simulate
+from sloserve.sim.workload import LengthOnlyFactory
+
+PROMPTS = [5, 37, 12, 64, 3, 20]
+OUTPUTS = [7, 3, 12, 5, 9, 4]
+
+
+def _engine_steps(tiny_llama_dir, policy, num_kv_blocks, budget=16):
+    llm = sloserve.LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=num_kv_blocks,
+                       block_size=4, max_num_batched_tokens=budget, max_num_seqs=4,
+                       scheduling_policy=policy)
+    eng = llm.engine
+    comps, schedule = [], eng.scheduler.schedule
+
+    def spy(now=0.0):
+        out = schedule(now)
+        if not out.is_empty:
+            comps.append(StepComposition.of(out))
+        return out
+    eng.scheduler.schedule = spy
+    for i, (p, o) in enumerate(zip(PROMPTS, OUTPUTS)):
+        eng.add_request([10 + (7 * i + j) % 50 for j in range(p)],
+                        SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    c = eng.scheduler.config
+    cfg = SimConfig(max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
+                    max_model_len=c.max_model_len, policy=policy, num_kv_blocks=num_kv_blocks,
+                    block_size=4)
+    return comps, cfg, eng.summary
+
+
+@pytest.mark.parametrize("policy,num_kv_blocks", [("chunked", 64), ("naive", 64), ("static", 64),
+                                                  ("chunked", 24)])
+def test_simulator_makes_the_engines_scheduling_decisions(tiny_llama_dir, policy, num_kv_blocks):
+    engine_comps, cfg, summary = _engine_steps(tiny_llama_dir, policy, num_kv_blocks)
+    reqs = [SampleRequest("", p, o) for p, o in zip(PROMPTS, OUTPUTS)]
+    res = simulate(reqs, [0.0] * len(reqs), cfg, OverlapCostModel(0.01, 1000.0), record_steps=True)
+    assert [c for _, c in res.steps] == engine_comps
+    assert [r.output_tokens for r in res.records] == OUTPUTS
+    if num_kv_blocks == 24:  # the tight pool preempts, in the engine and in the simulator alike
+        assert res.num_preemptions > 0
+
+
+def test_same_seed_same_result_and_times_advance_by_the_cost_model():
+    reqs = mixed_workload(LengthOnlyFactory(), 60, scale=0.25, seed=3)
+    arr = arrival_times(60, 4.0, seed=3)
+    cost = LinearCostModel([0.01, 0.001, 1e-6, 0.0005, 1e-8])
+    a = simulate(reqs, arr, SimConfig(max_num_batched_tokens=256), cost, record_steps=True)
+    b = simulate(reqs, arr, SimConfig(max_num_batched_tokens=256), cost, record_steps=True)
+    assert [r.chunk_times for r in a.records] == [r.chunk_times for r in b.records]
+    ends = [t for t, _ in a.steps]
+    assert all(y > x for x, y in zip(ends, ends[1:]))
+    # each step lasts exactly its cost once the engine is busy (no idle gap inside a busy period)
+    for (t0, _), (t1, comp) in zip(a.steps, a.steps[1:]):
+        assert t1 - t0 >= cost.step_time(comp) - 1e-12
+    for r, t in zip(a.records, arr):
+        assert r.success and r.send_time == t and r.ttft > 0
+        assert len(r.itl) == r.output_tokens - 1
+
+
+def test_a_request_over_the_context_fails_like_the_servers_400():
+    reqs = [SampleRequest("", 10, 5), SampleRequest("", 100, 5)]
+    res = simulate(reqs, [0.0, 0.0], SimConfig(max_model_len=64), OverlapCostModel(0.01, 1e4))
+    ok, bad = res.records
+    assert ok.success and ok.output_tokens == 5
+    assert not bad.success and bad.error.startswith("HTTP 400: ") and "max_model_len" in bad.error
+    m = calculate_metrics(res.records, res.duration)
+    assert (m.completed, m.failed) == (1, 1)
+
+
+def test_lecture_setup_chunking_cuts_p99_tpot_when_decode_is_memory_bound():
+    """Poisson 6 req/s, mixed 80 % 128/256/512 + 20 % 2048/4096, outputs 30-80; decode step 22 ms,
+    prefill 35,000 tokens/s, overlapping (an 8B model on an H100)."""
+    reqs = mixed_workload(LengthOnlyFactory(), 400, seed=0)
+    arr = arrival_times(400, 6.0, seed=0)
+    cost = OverlapCostModel(0.022, 35000.0)
+    p99 = {}
+    for policy in ("naive", "chunked"):
+        res = simulate(reqs, arr, SimConfig(max_num_batched_tokens=512, policy=policy,
+                                            num_kv_blocks=100_000), cost)
+        p99[policy] = calculate_metrics(res.records, res.duration).stats["tpot"].p(99)
+    assert p99["chunked"] < 0.9 * p99["naive"]
+    assert p99["chunked"] == pytest.approx(22.0, abs=0.5)  # every step is a pure memory-bound step
+
+
+def test_linear_fit_recovers_the_coefficients_and_keeps_them_non_negative():
+    rng = np.random.default_rng(0)
+    true = [0.05, 0.002, 3e-6, 0.0006, 2e-8]
+    model = LinearCostModel(true)
+    samples = []
+    for _ in range(40):
+        comp = StepComposition(tuple(int(x) for x in rng.integers(10, 2000, rng.integers(0, 16))),
+                               tuple((int(n), int(s)) for n, s in
+                                     zip(rng.integers(1, 512, 2), rng.integers(0, 3000, 2))))
+        samples.append((comp, model.step_time(comp)))
+    fit = LinearCostModel.fit(samples)
+    np.testing.assert_allclose(fit.coef, true, rtol=1e-6)
+    assert fit.relative_errors(samples).max() < 1e-6
+    # a feature that only hurts the fit is clamped to 0, not made negative
+    neg = [(c, 0.05 + 0.001 * len(c.decode_contexts) - 1e-7 * sum(c.decode_contexts))
+           for c, _ in samples]
+    assert min(LinearCostModel.fit(neg).coef) >= 0
+    with pytest.raises(ValueError, match="at least 5 samples"):
+        LinearCostModel.fit(samples[:len(FEATURES) - 1])
