@@ -100,7 +100,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="roofline, KV-cache and capacity calculator (its own --help)")
     sub.add_parser("bench", add_help=False,
                    help="SLO load tester for OpenAI-compatible servers; `bench sweep` (own --help)")
+    for name, hlp in (("sim", "simulate a benchmark on the engine's scheduler with a cost model"),
+                      ("profile", "time the engine over step compositions; fit the sim cost model"),
+                      ("compare", "two result JSON files side by side")):
+        sub.add_parser(name, add_help=False, help=hlp + " (own --help)")
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["sim"]:
+        from sloserve.sim.cli import main as sim_main
+        return sim_main(argv[1:])
+    if argv[:1] == ["profile"]:
+        from sloserve.sim.profile import main as profile_main
+        return profile_main(argv[1:])
+    if argv[:1] == ["compare"]:
+        from sloserve.bench.compare import main as compare_main
+        return compare_main(argv[1:])
     if argv[:1] == ["bench"]:
         from sloserve.bench.cli import main as bench_main
         return bench_main(argv[1:])

@@ -142,8 +142,8 @@ def format_summary(m: BenchmarkMetrics, title: str = "Serving Benchmark Result",
     row("Request throughput (req/s):", m.request_throughput, ".2f")
     if m.request_goodput is not None:
         slo = " ".join(f"{k}:{v:g}" for k, v in m.goodput_slos.items())
-        row(f"Request goodput (req/s) [{slo}]:" if len(slo) < 18 else "Request goodput (req/s):",
-            m.request_goodput, ".2f")
+        key = f"Request goodput (req/s) [{slo}]:"
+        row(key if len(key) < 40 else "Request goodput (req/s):", m.request_goodput, ".2f")
         row("Good requests:", f"{m.num_good} of {m.completed + m.failed}")
     row("Output token throughput (tok/s):", m.output_throughput, ".2f")
     row("Peak output token throughput (tok/s):", m.max_output_tokens_per_s, ".2f")

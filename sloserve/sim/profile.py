@@ -1,0 +1,112 @@
+"""``sloserve profile``: time the real engine over a grid of step compositions and fit the
+simulator's linear cost model (:class:`~sloserve.sim.cost_model.LinearCostModel`).
+
+Grid: pure decode steps (batch x context), hybrid steps (decodes + one prefill chunk at a
+start position), and whole-prompt prefills. Every point is the median of a few timed steps
+after warm-up (``sloserve.engine.step_profile``), timing the engine's whole ``step()``
+(scheduling, model forward, sampling, detokenization). Every fourth point is held out of the fit
+and the fit's relative error on it is printed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import asdict
+
+from sloserve.sim.cost_model import FEATURES, LinearCostModel, StepComposition
+
+DECODE_GRID = [(b, c) for b in (1, 8, 16) for c in (128, 512)]
+MIXED_GRID = [(b, n) for b in (1, 8, 16) for n in (32, 128, 256, 512)]
+PREFILL_GRID = [64, 256, 512, 1024]
+
+
+def profile_engine(eng, repeats: int = 3, context_len: int = 256,
+                   log=lambda s: None) -> list[tuple[StepComposition, float]]:
+    """Median step seconds of every grid point on ``eng`` (an LLMEngine, chunked policy)."""
+    from sloserve.engine.step_profile import time_mixed_steps, time_prefill_steps
+    out: list[tuple[StepComposition, float]] = []
+
+    def med(samples):
+        return statistics.median(s.wall_s for s in samples)
+    for b, ctx in DECODE_GRID:
+        s = time_mixed_steps(eng, b, ctx, 0, warmup=2, repeats=repeats)
+        mid = s[len(s) // 2].context
+        out.append((StepComposition((mid,) * b, ()), med(s)))
+        log(f"decode B={b} ctx={ctx}: {out[-1][1] * 1e3:.1f} ms")
+    for b, n in MIXED_GRID:
+        s = time_mixed_steps(eng, b, context_len, n, warmup=2, repeats=repeats)
+        mid = len(s) // 2
+        start = n * (2 + mid)  # the chunk of timed step k starts at n * (warmup + k)
+        out.append((StepComposition((s[mid].context,) * b, ((n, start),)), med(s)))
+        log(f"decode B={b} + chunk {n}: {out[-1][1] * 1e3:.1f} ms")
+    for n in PREFILL_GRID:
+        s = time_prefill_steps(eng, n, warmup=1, repeats=repeats)
+        out.append((StepComposition((), ((n, 0),)), med(s)))
+        log(f"prefill {n}: {out[-1][1] * 1e3:.1f} ms")
+    return out
+
+
+def fit_with_holdout(samples):
+    """(model fitted on all points, relative errors on every 4th point of a fit without them)."""
+    held = samples[3::4]
+    train = [s for i, s in enumerate(samples) if i % 4 != 3]
+    return LinearCostModel.fit(samples), LinearCostModel.fit(train).relative_errors(held)
+
+
+def save_profile(path: str, samples, model: LinearCostModel, meta: dict) -> None:
+    """Write the measured table and the fitted coefficients as JSON."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"meta": meta, "features": list(FEATURES), "coef": model.coef,
+                   "samples": [{"composition": asdict(c), "seconds": t} for c, t in samples]},
+                  f, indent=1)
+
+
+def load_profile(path: str) -> LinearCostModel:
+    """The fitted model of a profile file.
+
+    Raises:
+        FileNotFoundError, ValueError: missing file, or not a profile (no 5 ``coef``).
+    """
+    with open(path, encoding="utf-8") as f:
+        try:
+            d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON ({e})") from None
+    if not isinstance(d, dict) or "coef" not in d:
+        raise ValueError(f"{path}: not a `sloserve profile` file (no 'coef')")
+    return LinearCostModel(list(d["coef"]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``sloserve profile [--out FILE] [engine flags]``."""
+    from sloserve.cli import add_engine_args, engine_config_from_args
+    ap = argparse.ArgumentParser(prog="sloserve profile", description=__doc__)
+    add_engine_args(ap)
+    ap.add_argument("--out", default="profile.json")
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args(argv)
+    from dataclasses import fields
+
+    from sloserve.config import EngineConfig
+    from sloserve.engine.llm import LLM
+    cfg = engine_config_from_args(a)
+    cfg.scheduling_policy = "chunked"
+    # the grid's largest prefill (16 x 512 tokens) must fit one step; an engine allowed such
+    # steps was seen to run later decode steps slower (see docs/sim.md), so no larger
+    cfg.max_num_batched_tokens = max(cfg.max_num_batched_tokens, 16 * 512)
+    try:
+        eng = LLM(**{f.name: getattr(cfg, f.name) for f in fields(EngineConfig)}).engine
+    except (ValueError, FileNotFoundError) as e:
+        print(f"sloserve profile: error: {e}", file=sys.stderr)
+        return 2
+    samples = profile_engine(eng, a.repeats, log=lambda s: print(s, file=sys.stderr))
+    model, err = fit_with_holdout(samples)
+    save_profile(a.out, samples, model, {"model": eng.model_name, "dtype": cfg.dtype,
+                                         "num_threads": cfg.num_threads})
+    print("fit: t = " + " + ".join(f"{c:.3g}*{f}" for c, f in zip(model.coef, FEATURES)) + " (s)")
+    print(f"held-out relative error ({len(err)} points): mean {100 * err.mean():.1f} %, "
+          f"max {100 * err.max():.1f} %")
+    print(f"profile written to {a.out}")
+    return 0
