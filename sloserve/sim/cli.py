@@ -32,6 +32,13 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--prefill-tokens-per-s", type=pos_float, default=None,
                    help="overlap model: prefill throughput (tokens/s)")
     c.add_argument("--step-overhead-ms", type=float, default=0.0)
+    c.add_argument("--roofline-model", default=None,
+                   help="roofline model: a `sloserve roofline` model preset, config.json or GGUF")
+    c.add_argument("--hardware", default="H100-SXM", help="roofline model: hardware preset")
+    c.add_argument("--tp", type=pos_int, default=1, help="roofline model: tensor parallel GPUs")
+    c.add_argument("--dtype", default="bf16", help="roofline model: weight/activation/KV dtype")
+    c.add_argument("--compute-efficiency", type=pos_float, default=0.6)
+    c.add_argument("--memory-efficiency", type=pos_float, default=0.8)
     o = p.add_argument_group("output")
     o.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS")
     o.add_argument("--save-result", default=None, metavar="FILE.json",
@@ -48,9 +55,17 @@ def _cost_model(a: argparse.Namespace):
     from sloserve.sim.cost_model import OverlapCostModel
     from sloserve.sim.profile import load_profile
     overlap = a.decode_step_ms is not None or a.prefill_tokens_per_s is not None
-    if bool(a.profile) == overlap:
-        raise ValueError("give either --profile FILE or both --decode-step-ms and "
-                         "--prefill-tokens-per-s")
+    if sum((bool(a.profile), overlap, bool(a.roofline_model))) != 1:
+        raise ValueError("give either --profile FILE, or both --decode-step-ms and "
+                         "--prefill-tokens-per-s, or --roofline-model MODEL")
+    if a.roofline_model:
+        from sloserve.roofline.hardware import get_hardware
+        from sloserve.roofline.models import get_model
+        from sloserve.sim.cost_model import RooflineCostModel
+        m = RooflineCostModel(get_model(a.roofline_model), get_hardware(a.hardware), a.dtype, a.tp,
+                              a.compute_efficiency, a.memory_efficiency, a.step_overhead_ms / 1e3)
+        return m, (f"roofline ({a.roofline_model} on {a.tp} x {a.hardware}, {a.dtype}, efficiency "
+                   f"compute {a.compute_efficiency:g} / memory {a.memory_efficiency:g})")
     if a.profile:
         return load_profile(a.profile), f"profiled ({a.profile})"
     if a.decode_step_ms is None or a.prefill_tokens_per_s is None:

@@ -145,3 +145,61 @@ class OverlapCostModel:
         """Seconds of one step."""
         prefill = sum(n for n, _ in comp.prefill_chunks) / self.prefill_tokens_per_s
         return self.overhead_s + max(self.decode_step_s if comp.decode_contexts else 0.0, prefill)
+
+
+@dataclass
+class RooflineCostModel:
+    """A step priced on the roofline (Williams et al. 2009) from the calculator's specs:
+    ``t = overhead + max(FLOP / (peak x compute_eff), bytes / (bandwidth x memory_eff))``, per
+    GPU under tensor parallelism ``tp`` (FLOP and bytes split evenly; communication not priced).
+
+    FLOP and bytes come from :func:`sloserve.roofline.ops.operator_costs`: the weights are read
+    once per step whatever it carries; every new token pays the linear layers' FLOP; a decode at
+    context c reads c tokens of KV and does c attention pairs; a chunk of n tokens at start s
+    reads s + n tokens of KV and does n * s + n (n + 1) / 2 pairs.
+
+    Attributes:
+        spec, hw: a ``ModelSpec`` and a ``Hardware`` (``sloserve.roofline``).
+        dtype: weight / activation / KV dtype name (``bf16``, ``fp8``...).
+    """
+
+    spec: object
+    hw: object
+    dtype: str = "bf16"
+    tp: int = 1
+    compute_eff: float = 0.6
+    memory_eff: float = 0.8
+    overhead_s: float = 0.0
+    _per: dict = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        from sloserve.roofline.ops import Workload, operator_costs
+        if self.tp < 1 or not (0 < self.compute_eff <= 1 and 0 < self.memory_eff <= 1):
+            raise ValueError("tp must be >= 1 and efficiencies in (0, 1]")
+        one = {o.name: o for o in operator_costs(self.spec, Workload("decode", 1, 1, self.dtype,
+                                                                     self.dtype, self.dtype))}
+        two = {o.name: o for o in operator_costs(self.spec, Workload("decode", 1, 2, self.dtype,
+                                                                     self.dtype, self.dtype))}
+        lin = [o for n, o in one.items() if n != "attention"]
+        self._per = {
+            "weights": sum(o.weight_bytes for o in one.values()),
+            "token_flops": sum(o.flops for o in lin),
+            "token_act_bytes": sum(o.act_bytes for o in one.values()),
+            "pair_flops": two["attention"].flops - one["attention"].flops,
+            "kv_token_bytes": two["attention"].kv_bytes - one["attention"].kv_bytes,
+            "kv_write_bytes": one["qkv_proj"].kv_bytes,
+        }
+
+    def step_time(self, comp: StepComposition) -> float:
+        """Seconds of one step."""
+        p = self._per
+        tokens = len(comp.decode_contexts) + sum(n for n, _ in comp.prefill_chunks)
+        pairs = sum(comp.decode_contexts) + sum(n * s + n * (n + 1) // 2
+                                                for n, s in comp.prefill_chunks)
+        kv_tokens = sum(comp.decode_contexts) + sum(s + n for n, s in comp.prefill_chunks)
+        flops = tokens * p["token_flops"] + pairs * p["pair_flops"]
+        nbytes = (p["weights"] + tokens * (p["token_act_bytes"] + p["kv_write_bytes"])
+                  + kv_tokens * p["kv_token_bytes"])
+        peak = self.hw.peak(self.dtype) * self.compute_eff
+        bw = self.hw.mem_bandwidth * self.memory_eff
+        return self.overhead_s + max(flops / peak, nbytes / bw) / self.tp

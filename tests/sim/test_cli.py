@@ -34,6 +34,7 @@ def test_sim_writes_a_bench_format_result_and_is_deterministic(tmp_path, capsys)
 
 @pytest.mark.parametrize("extra, msg", [
     ([], "either --profile"),
+    (["--profile", "x.json", "--roofline-model", "Llama-3-8B"], "either --profile"),
     (["--decode-step-ms", "22"], "needs both"),
     (["--profile", "/nonexistent.json"], "nonexistent"),
     (["--decode-step-ms", "22", "--prefill-tokens-per-s", "1000", "--max-concurrency", "2"],
@@ -58,3 +59,11 @@ def test_profile_file_round_trip_and_holdout(tmp_path):
     (tmp_path / "bad.json").write_text('{"x": 1}')
     with pytest.raises(ValueError, match="not a `sloserve profile` file"):
         load_profile(str(tmp_path / "bad.json"))
+
+
+def test_sim_with_the_roofline_model_of_70b_on_8_h100(capsys):
+    assert sim_main(["--dataset-name", "mixed", "--num-prompts", "100", "--request-rate", "6",
+                     "--roofline-model", "Llama-3-70B", "--hardware", "H100-SXM", "--tp", "8",
+                     "--num-kv-blocks", "200000"]) == 0
+    out = capsys.readouterr()
+    assert "roofline (Llama-3-70B on 8 x H100-SXM" in out.err and "Successful requests:" in out.out

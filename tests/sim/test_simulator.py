@@ -11,7 +11,7 @@ from sloserve.bench.datasets import SampleRequest, mixed_workload
 from sloserve.bench.metrics import calculate_metrics
 from sloserve.sampling_params import SamplingParams
 from sloserve.sim.cost_model import (FEATURES, LinearCostModel, OverlapCostModel,
-                                     StepComposition)
+                                     RooflineCostModel, StepComposition)
 from sloserve.sim.simulator import SimConfig, simulate
 from sloserve.sim.workload import LengthOnlyFactory
 
@@ -117,3 +117,24 @@ def test_linear_fit_recovers_the_coefficients_and_keeps_them_non_negative():
     assert min(LinearCostModel.fit(neg).coef) >= 0
     with pytest.raises(ValueError, match="at least 5 samples"):
         LinearCostModel.fit(samples[:len(FEATURES) - 1])
+
+
+def test_roofline_cost_model_matches_the_calculators_bounds():
+    from sloserve.roofline.hardware import get_hardware
+    from sloserve.roofline.models import get_model
+    spec, hw = get_model("Llama-3-70B"), get_hardware("H100-SXM")
+    m = RooflineCostModel(spec, hw, tp=8, compute_eff=1.0, memory_eff=1.0)
+    weights = m._per["weights"]
+    # batch-1 decode at context 1: memory-bound, the weights (70B x 2 bytes, no embedding
+    # table) plus a token's activations and KV, split over 8 GPUs
+    t = m.step_time(StepComposition((1,), ()))
+    assert t == pytest.approx(weights / hw.mem_bandwidth / 8, rel=0.01)
+    assert 135e9 < weights < 141e9
+    # a 1024-token prefill is compute-bound: ~2 x params x tokens FLOP
+    t = m.step_time(StepComposition((), ((1024, 0),)))
+    assert t == pytest.approx(2 * weights / 2 * 1024 / hw.peak("bf16") / 8, rel=0.1)
+    # the memory-bound decode step absorbs a small chunk: adding 64 prefill tokens to 32
+    # decodes costs far less than 64 tokens' share of a compute-bound prefill
+    base = m.step_time(StepComposition((2048,) * 32, ()))
+    mixed = m.step_time(StepComposition((2048,) * 32, ((64, 0),)))
+    assert mixed < base * 1.05
