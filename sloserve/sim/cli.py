@@ -24,6 +24,16 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--num-kv-blocks", type=pos_int, default=2848,
                    help="KV blocks (default: what 1 GiB holds for the embedded SmolLM2 in bf16)")
     e.add_argument("--block-size", type=pos_int, default=16)
+    e.add_argument("--num-replicas", type=pos_int, default=1)
+    e.add_argument("--router", default="least-outstanding",
+                   choices=["round-robin", "least-outstanding", "prefix-affinity"])
+    k = p.add_argument_group("capacity search")
+    k.add_argument("--find-capacity", action="store_true",
+                   help="bisect the highest --request-rate whose P99 TTFT / P99 TPOT meet the "
+                        "--slo-p99-* limits (the workload is regenerated at each rate)")
+    k.add_argument("--slo-p99-ttft-ms", type=pos_float, default=None)
+    k.add_argument("--slo-p99-tpot-ms", type=pos_float, default=None)
+    k.add_argument("--capacity-range", default="0.1,100", metavar="LO,HI", help="req/s")
     c = p.add_argument_group("cost model (one of)")
     c.add_argument("--profile", default=None,
                    help="a `sloserve profile` file: the linear model fitted to the real engine")
@@ -79,7 +89,7 @@ def run(a: argparse.Namespace) -> int:
     from sloserve.bench.arrivals import arrival_times
     from sloserve.bench.results import format_summary, result_json, save_json
     from sloserve.bench.runner import BenchConfig, BenchmarkRun
-    from sloserve.sim.simulator import SimConfig, simulate
+    from sloserve.sim.simulator import SimConfig, simulate_cluster
     from sloserve.sim.workload import LengthOnlyFactory
     slos = parse_goodput(a.goodput)
     check_workload_flags(a)
@@ -101,14 +111,17 @@ def run(a: argparse.Namespace) -> int:
                                  burstiness=a.burstiness, seed=a.seed))
     cfg = SimConfig(a.max_num_batched_tokens, a.max_num_seqs, a.max_model_len, a.scheduling_policy,
                     a.num_kv_blocks, a.block_size)
+    if a.find_capacity:
+        return _capacity(a, reqs, cfg, cost, cost_name)
     t0 = time.perf_counter()
-    res = simulate(reqs, arr, cfg, cost)
+    res = simulate_cluster(reqs, arr, cfg, cost, a.num_replicas, a.router)
     wall = time.perf_counter() - t0
     metrics = calculate_metrics(res.records, res.duration, goodput_slos=slos, start_time=0.0)
     bc = BenchConfig(base_url="sim://", model=a.label, request_rate=a.request_rate,
                      burstiness=a.burstiness, seed=a.seed, goodput=slos)
     run_ = BenchmarkRun(bc, reqs, res.records, 0.0, res.duration, metrics)
-    print(f"sim: {len(reqs)} {a.dataset_name} requests, policy {cfg.policy}, budget "
+    print(f"sim: {len(reqs)} {a.dataset_name} requests, {a.num_replicas} replica(s) "
+          f"({a.router}), policy {cfg.policy}, budget "
           f"{cfg.max_num_batched_tokens}, cost model {cost_name}; {res.num_preemptions} "
           f"preemptions; {len(reqs) / wall:.0f} requests simulated per s of wall time",
           file=sys.stderr)
@@ -120,6 +133,40 @@ def run(a: argparse.Namespace) -> int:
                                         "max_num_batched_tokens": cfg.max_num_batched_tokens,
                                         "cost_model": cost_name}), a.save_result)
         print(f"result: {a.save_result}")
+    return 0
+
+
+def _capacity(a, reqs, cfg, cost, cost_name) -> int:
+    """--find-capacity: bisect the rate; print it and the run at it."""
+    from sloserve.bench.arrivals import arrival_times
+    from sloserve.sim.simulator import find_capacity, simulate_cluster
+    slos = {"ttft": a.slo_p99_ttft_ms, "tpot": a.slo_p99_tpot_ms}
+    slos = {k: v for k, v in slos.items() if v is not None}
+    if not slos:
+        raise ValueError("--find-capacity needs --slo-p99-ttft-ms and/or --slo-p99-tpot-ms")
+    try:
+        lo, hi = (float(x) for x in a.capacity_range.split(","))
+    except ValueError:
+        raise ValueError(f"--capacity-range takes LO,HI, got {a.capacity_range!r}") from None
+
+    def run(rate):
+        arr = arrival_times(len(reqs), rate, process=arrival_process(a),
+                            burstiness=a.burstiness, seed=a.seed)
+        res = simulate_cluster(reqs, arr, cfg, cost, a.num_replicas, a.router)
+        return calculate_metrics(res.records, res.duration)
+
+    def meets(m):
+        return m.failed == 0 and all(m.stats[k].p(99) <= v for k, v in slos.items())
+    cap = find_capacity(run, meets, lo, hi)
+    limits = ", ".join(f"P99 {k.upper()} <= {v:g} ms" for k, v in slos.items())
+    if cap is None:
+        print(f"capacity: no rate in [{lo:g}, {hi:g}] req/s meets {limits} ({cost_name})")
+        return 1
+    m = run(cap)
+    print(f"capacity: {cap:.3f} req/s meets {limits} on {a.num_replicas} replica(s), policy "
+          f"{cfg.policy}, budget {cfg.max_num_batched_tokens} ({cost_name}); there: P99 TTFT "
+          f"{m.stats['ttft'].p(99):.1f} ms, P99 TPOT {m.stats['tpot'].p(99):.1f} ms, output "
+          f"{m.output_throughput:.1f} tok/s" + (" (the top of the range)" if cap == hi else ""))
     return 0
 
 

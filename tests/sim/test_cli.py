@@ -67,3 +67,18 @@ def test_sim_with_the_roofline_model_of_70b_on_8_h100(capsys):
                      "--num-kv-blocks", "200000"]) == 0
     out = capsys.readouterr()
     assert "roofline (Llama-3-70B on 8 x H100-SXM" in out.err and "Successful requests:" in out.out
+
+
+def test_capacity_search_from_the_cli_chunked_beats_naive_in_the_lecture_regime(capsys):
+    caps = {}
+    for policy in ("naive", "chunked"):
+        assert sim_main(["--dataset-name", "mixed", "--num-prompts", "300", "--decode-step-ms", "22",
+                         "--prefill-tokens-per-s", "35000", "--scheduling-policy", policy,
+                         "--num-kv-blocks", "100000", "--find-capacity", "--slo-p99-ttft-ms", "2000",
+                         "--slo-p99-tpot-ms", "40", "--capacity-range", "0.5,30"]) == 0
+        line = capsys.readouterr().out.strip()
+        assert line.startswith("capacity: ") and "meets P99 TTFT <= 2000 ms, P99 TPOT <= 40 ms" in line
+        caps[policy] = float(line.split()[1])
+    assert caps["chunked"] > 1.2 * caps["naive"]
+    assert sim_main(["--num-prompts", "3", "--decode-step-ms", "22", "--prefill-tokens-per-s",
+                     "35000", "--find-capacity"]) == 2

@@ -138,3 +138,54 @@ def test_roofline_cost_model_matches_the_calculators_bounds():
     base = m.step_time(StepComposition((2048,) * 32, ()))
     mixed = m.step_time(StepComposition((2048,) * 32, ((64, 0),)))
     assert mixed < base * 1.05
+
+
+def test_round_robin_cluster_equals_each_replica_simulated_alone():
+    from sloserve.sim.simulator import simulate_cluster
+    reqs = mixed_workload(LengthOnlyFactory(), 40, scale=0.25, seed=5)
+    arr = arrival_times(40, 8.0, seed=5)
+    cost = LinearCostModel([0.01, 0.001, 1e-6, 0.0005, 1e-8])
+    cfg = SimConfig(max_num_batched_tokens=256)
+    res = simulate_cluster(reqs, arr, cfg, cost, num_replicas=2, router="round-robin")
+    order = sorted(range(40), key=lambda i: (arr[i], i))
+    for j in (0, 1):
+        mine = [i for pos, i in enumerate(order) if pos % 2 == j]
+        assert sorted(i for i in range(40) if res.replica_of[i] == j) == sorted(mine)
+        alone = simulate([reqs[i] for i in mine], [arr[i] for i in mine], cfg, cost)
+        assert [res.records[i].chunk_times for i in mine] == [r.chunk_times for r in alone.records]
+
+
+def test_routers_balance_and_keep_prefix_groups_together():
+    from sloserve.bench.datasets import shared_prefix_workload
+    from sloserve.sim.simulator import simulate_cluster
+    reqs = shared_prefix_workload(LengthOnlyFactory(), 60, num_groups=3, prefix_len=64,
+                                  suffix_len=8, output_len=8, seed=1)
+    arr = arrival_times(60, 20.0, seed=1)
+    cost = OverlapCostModel(0.02, 5000.0)
+    res = simulate_cluster(reqs, arr, SimConfig(), cost, num_replicas=3, router="prefix-affinity")
+    by_group = {}
+    for r, rep in zip(reqs, res.replica_of):
+        by_group.setdefault(r.tag, set()).add(rep)
+    assert all(len(v) == 1 for v in by_group.values())
+    busy = arrival_times(60, 500.0, seed=1)  # queues build: least-outstanding spreads them
+    res = simulate_cluster(reqs, busy, SimConfig(), cost, num_replicas=3, router="least-outstanding")
+    counts = [res.replica_of.count(j) for j in range(3)]
+    assert max(counts) - min(counts) <= 6 and all(r.success for r in res.records)
+    with pytest.raises(ValueError, match="router must be one of"):
+        simulate_cluster(reqs, arr, SimConfig(), cost, 2, router="random")
+
+
+def test_capacity_search_finds_the_rate_where_p99_ttft_crosses_the_slo():
+    from sloserve.sim.simulator import find_capacity
+    reqs = [SampleRequest("", 256, 32) for _ in range(300)]
+    cost = OverlapCostModel(0.02, 20000.0)
+
+    def run(rate):
+        res = simulate(reqs, arrival_times(300, rate, process="constant"), SimConfig(), cost)
+        return calculate_metrics(res.records, res.duration)
+
+    def meets(m):
+        return m.stats["ttft"].p(99) <= 200.0
+    cap = find_capacity(run, meets, 1.0, 200.0, iters=10)
+    assert cap is not None and meets(run(cap)) and not meets(run(cap * 1.15))
+    assert find_capacity(run, lambda m: False, 1.0, 2.0) is None
