@@ -6,6 +6,7 @@ import argparse
 import math
 import os
 import sys
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
@@ -154,7 +155,7 @@ def _bench(a: argparse.Namespace) -> int:
 def _sweep(a: argparse.Namespace) -> int:
     from sloserve.bench.plots import plot_pareto
     from sloserve.bench.results import metrics_dict, result_json, save_json
-    from sloserve.bench.runner import BenchConfig, run_benchmark
+    from sloserve.bench.runner import run_benchmark
     from sloserve.bench.sweep import format_table, operating_point
     if bool(a.request_rates) == bool(a.max_concurrencies):
         raise ValueError("give exactly one of --request-rates and --max-concurrencies")
@@ -170,11 +171,7 @@ def _sweep(a: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     os.makedirs(a.result_dir, exist_ok=True)
     for pt in points:
-        kw = dict(cfg0.__dict__)
-        kw[axis] = pt
-        if axis == "max_concurrency":
-            kw["request_rate"] = a.request_rate
-        cfg = BenchConfig(**kw)
+        cfg = replace(cfg0, **{axis: pt})
         print(f"--- sweep point {axis}={pt:g}", file=sys.stderr)
         run = run_benchmark(cfg, reqs, count)
         res = result_json(run, label=a.label, backend=_backend(cfg), tokenizer_id=tok_id,
@@ -185,7 +182,7 @@ def _sweep(a: argparse.Namespace) -> int:
         print(f"    {axis}={pt:g}: {m.completed} completed, {m.failed} failed", file=sys.stderr)
         for msg, n in sorted(m.errors.items(), key=lambda kv: -kv[1])[:5]:
             print(f"    {n} x {msg[:200]}", file=sys.stderr)
-        cfg0 = BenchConfig(**{**cfg0.__dict__, "initial_test": False})
+        cfg0 = replace(cfg0, initial_test=False)  # the server is warm after the first point
     slos = parse_goodput(a.goodput)
     op = operating_point(rows, slos) if slos else None
     table = format_table(rows, axis, slos)

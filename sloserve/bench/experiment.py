@@ -133,7 +133,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str, console: Console,
     ``out_dir/cdf.png`` and ``out_dir/itl_timeline.png``. Returns the table rows.
     """
     from sloserve.bench.plots import plot_cdfs, plot_itl_timeline
-    from sloserve.bench.tokenizer import load_tokenizer
+    from sloserve.bench.tokenizer import load_tokenizer, server_models
     from sloserve.model.loader import default_model_path
     tok = load_tokenizer(default_model_path())
     reqs = mixed_workload(PromptFactory(tok, seed=cfg.seed), cfg.num_prompts, scale=cfg.scale,
@@ -152,10 +152,9 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str, console: Console,
         console.rule(f"policy {policy}: sloserve serve {' '.join(args)}")
         t0 = time.perf_counter()
         with sloserve_server(args, quiet=True) as base:
-            bc = BenchConfig(base_url=base, model="", request_rate=cfg.request_rate,
-                             seed=cfg.seed, ignore_eos=True,
+            bc = BenchConfig(base_url=base, model=server_models(base)[0]["id"],
+                             request_rate=cfg.request_rate, seed=cfg.seed, ignore_eos=True,
                              goodput={"ttft": cfg.slo_ttft_ms, "tpot": cfg.slo_tpot_ms})
-            bc.model = _served_model(base)
             run = run_benchmark(bc, reqs, count)
             m = scrape_metrics(base)
         res = result_json(run, label=policy, detailed=True,
@@ -179,11 +178,6 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str, console: Console,
                   f"CDFs), itl_timeline.png (every inter-token gap over time, long-prompt "
                   f"arrivals in red)")
     return rows
-
-
-def _served_model(base: str) -> str:
-    from sloserve.bench.tokenizer import server_models
-    return server_models(base)[0]["id"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,6 +95,14 @@ class RequestRecord:
     queue_time: float = 0.0
     tag: str | None = None
 
+    def set_times_from_chunks(self) -> None:
+        """TTFT, E2E latency and ITL from ``send_time`` and ``chunk_times`` (no chunks: left 0)."""
+        ct = self.chunk_times
+        if ct:
+            self.ttft = ct[0] - self.send_time
+            self.latency = ct[-1] - self.send_time
+            self.itl = [b - a for a, b in zip(ct, ct[1:])]
+
     @property
     def tpot(self) -> float | None:
         """(E2E - TTFT) / (output tokens - 1) in s; None when output <= 1 or not successful."""
@@ -196,10 +204,7 @@ async def send_request(client: httpx.AsyncClient, inp: RequestInput,
     except (httpx.HTTPError, OSError) as e:
         rec.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
     rec.generated_text = "".join(text_parts)
-    if rec.chunk_times:
-        rec.ttft = rec.chunk_times[0] - rec.send_time
-        rec.latency = rec.chunk_times[-1] - rec.send_time
-        rec.itl = [b - a for a, b in zip(rec.chunk_times, rec.chunk_times[1:])]
+    rec.set_times_from_chunks()
     if rec.server_prompt_tokens is not None:  # as vLLM: the server's count (chat: + template)
         rec.prompt_len = int(rec.server_prompt_tokens)
     if usage_tokens is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import httpx
@@ -129,7 +129,7 @@ async def run_benchmark_async(cfg: BenchConfig, requests: list[SampleRequest],
                                  trust_env=False) as client:
         if cfg.initial_test:
             shortest = min(inputs, key=lambda i: i.prompt_len)
-            test = RequestInput(**{**shortest.__dict__, "max_tokens": 2})
+            test = replace(shortest, max_tokens=2)
             rec = await send_request(client, test, count_tokens)
             if not rec.success:
                 raise BenchmarkError(f"initial test request to {cfg.url} failed: {rec.error}")

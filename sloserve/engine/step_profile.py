@@ -44,6 +44,18 @@ def _timed_step(eng: LLMEngine, context: int | None = None) -> StepSample:
     return StepSample(wall, tm.prepare_s, tm.forward_s, tm.sample_s, context)
 
 
+def _start_decodes(eng: LLMEngine, batch: int, prompt_len: int, max_tokens: int) -> list[str]:
+    """Add `batch` greedy ignore-EOS requests of `prompt_len` tokens and step (untimed) until
+    none is waiting or prefilling. Returns their ids."""
+    vocab = eng.model_config.vocab_size
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [eng.add_request(synthetic_prompt(prompt_len, 1000 * batch + i, vocab), sp)
+           for i in range(batch)]
+    while eng.scheduler.waiting or any(r.is_prefilling for r in eng.scheduler.running):
+        eng.step()
+    return ids
+
+
 def time_decode_steps(eng: LLMEngine, batch: int, context_len: int, warmup: int,
                       repeats: int) -> list[StepSample]:
     """`repeats` timed pure-decode steps of exactly `batch` sequences, centred on `context_len`.
@@ -58,11 +70,7 @@ def time_decode_steps(eng: LLMEngine, batch: int, context_len: int, warmup: int,
     prompt = context_len - 1 - warmup - (repeats - 1) // 2
     if prompt < 1:
         raise ValueError(f"context length {context_len} too short for warmup {warmup} + {repeats} repeats")
-    vocab = eng.model_config.vocab_size
-    sp = SamplingParams(temperature=0.0, max_tokens=warmup + repeats + 4, ignore_eos=True)
-    ids = [eng.add_request(synthetic_prompt(prompt, 1000 * batch + i, vocab), sp) for i in range(batch)]
-    while eng.scheduler.waiting or any(r.is_prefilling for r in eng.scheduler.running):
-        eng.step()
+    ids = _start_decodes(eng, batch, prompt, warmup + repeats + 4)
     out = []
     for k in range(warmup + repeats):
         running = eng.scheduler.running
@@ -118,11 +126,7 @@ def time_mixed_steps(eng: LLMEngine, batch: int, context_len: int, chunk: int, w
         raise ValueError("mixed steps need --scheduling-policy chunked")
     steps = warmup + repeats
     vocab = eng.model_config.vocab_size
-    sp = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
-    ids = [eng.add_request(synthetic_prompt(context_len, 1000 * batch + i, vocab), sp)
-           for i in range(batch)]
-    while eng.scheduler.waiting or any(r.is_prefilling for r in eng.scheduler.running):
-        eng.step()
+    ids = _start_decodes(eng, batch, context_len, steps + 4)
     cfg = eng.scheduler.config
     old_budget = cfg.max_num_batched_tokens
     cfg.max_num_batched_tokens = batch + chunk

@@ -87,17 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="profile.json")
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args(argv)
-    from dataclasses import fields
-
-    from sloserve.config import EngineConfig
-    from sloserve.engine.llm import LLM
+    from sloserve.engine.llm_engine import LLMEngine
     cfg = engine_config_from_args(a)
     cfg.scheduling_policy = "chunked"
     # the grid's largest prefill (16 x 512 tokens) must fit one step; an engine allowed such
     # steps was seen to run later decode steps slower (see docs/sim.md), so no larger
     cfg.max_num_batched_tokens = max(cfg.max_num_batched_tokens, 16 * 512)
     try:
-        eng = LLM(**{f.name: getattr(cfg, f.name) for f in fields(EngineConfig)}).engine
+        eng = LLMEngine(cfg)
     except (ValueError, FileNotFoundError) as e:
         print(f"sloserve profile: error: {e}", file=sys.stderr)
         return 2

@@ -201,12 +201,9 @@ def simulate_cluster(requests: Sequence[SampleRequest], arrivals: Sequence[float
     for rec in recs:
         if rec.error:
             continue
-        ct = rec.chunk_times
         rec.success = True
-        rec.output_tokens = len(ct)
-        rec.ttft = ct[0] - rec.send_time
-        rec.latency = ct[-1] - rec.send_time
-        rec.itl = [b - a for a, b in zip(ct, ct[1:])]
+        rec.output_tokens = len(rec.chunk_times)
+        rec.set_times_from_chunks()
     start = min(arrivals, default=0.0)
     end = max((r.chunk_times[-1] for r in recs if r.chunk_times), default=start)
     steps = sorted((s for r in reps for s in r.steps), key=lambda s: s[0])
