@@ -49,7 +49,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
 
 def _serve(a: argparse.Namespace) -> int:
     from sloserve.server.api_server import run_server
-    run_server(engine_config_from_args(a), host=a.host, port=a.port, log_level=a.log_level)
+    run_server(engine_config_from_args(a), host=a.host, port=a.port, log_level=a.log_level,
+               step_trace=a.step_trace)
     return 0
 
 
@@ -83,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=port, default=8000)
     s.add_argument("--log-level", default="info")
+    s.add_argument("--step-trace", default=None, metavar="FILE.jsonl",
+                   help="write one JSON line per engine step (composition and times), for "
+                        "`sloserve profile --from-trace`")
     s.set_defaults(func=_serve)
 
     g = sub.add_parser("generate", help="generate text for one prompt offline")

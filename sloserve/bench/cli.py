@@ -153,10 +153,9 @@ def _bench(a: argparse.Namespace) -> int:
 
 
 def _sweep(a: argparse.Namespace) -> int:
-    from sloserve.bench.plots import plot_pareto
     from sloserve.bench.results import metrics_dict, result_json, save_json
     from sloserve.bench.runner import run_benchmark
-    from sloserve.bench.sweep import format_table, operating_point
+    from sloserve.bench.sweep import write_sweep
     if bool(a.request_rates) == bool(a.max_concurrencies):
         raise ValueError("give exactly one of --request-rates and --max-concurrencies")
     if a.plot_dir or a.result_filename or a.save_result:
@@ -183,26 +182,8 @@ def _sweep(a: argparse.Namespace) -> int:
         for msg, n in sorted(m.errors.items(), key=lambda kv: -kv[1])[:5]:
             print(f"    {n} x {msg[:200]}", file=sys.stderr)
         cfg0 = replace(cfg0, initial_test=False)  # the server is warm after the first point
-    slos = parse_goodput(a.goodput)
-    op = operating_point(rows, slos) if slos else None
-    table = format_table(rows, axis, slos)
-    print(table)
-    if slos:
-        if op is None:
-            print("operating point: no point meets the SLO")
-        else:
-            top = " (the highest point swept: the capacity may be higher)" if op == max(points) else ""
-            print(f"operating point: {axis} = {op:g}{top}")
-    with open(os.path.join(a.result_dir, "sweep.md"), "w") as f:
-        f.write(table + "\n")
-    finite = lambda v: "inf" if v == float("inf") else v  # noqa: E731  (strict JSON, as vLLM)
-    save_json({"axis": axis, "slos": slos, "operating_point": finite(op),
-               "rows": [{**r, "point": finite(r["point"])} for r in rows]},
-              os.path.join(a.result_dir, "sweep.json"))
-    plotted = [r for r in rows if r["completed"] > 0]  # an all-failed point has no latencies
-    png = plot_pareto(plotted, os.path.join(a.result_dir, "pareto.png"), op,
-                      title=f"{cfg0.model}: sweep over {axis}")
-    print(f"table: {os.path.join(a.result_dir, 'sweep.md')}; plot: {png}")
+    write_sweep(rows, axis, parse_goodput(a.goodput), a.result_dir,
+                f"{cfg0.model}: sweep over {axis}")
     empty = [r["point"] for r in rows if r["completed"] == 0]
     if empty:
         print(f"sloserve bench sweep: no request completed at {axis} = "

@@ -50,3 +50,33 @@ def format_table(rows: Sequence[dict[str, Any]], axis: str, slos: dict[str, floa
             cells.append("yes" if meets_slo(r, slos) and r["failed"] == 0 else "no")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def write_sweep(rows: Sequence[dict[str, Any]], axis: str, slos: dict[str, float], result_dir: str,
+                title: str) -> Any | None:
+    """Print and save a finished sweep: ``sweep.md`` (the table), ``sweep.json`` (rows, SLOs,
+    operating point) and ``pareto.png`` under ``result_dir``. Returns the operating point."""
+    import os
+
+    from sloserve.bench.plots import plot_pareto
+    from sloserve.bench.results import save_json
+    op = operating_point(rows, slos) if slos else None
+    table = format_table(rows, axis, slos)
+    print(table)
+    if slos:
+        if op is None:
+            print("operating point: no point meets the SLO")
+        else:
+            top = (" (the highest point swept: the capacity may be higher)"
+                   if op == max(r["point"] for r in rows) else "")
+            print(f"operating point: {axis} = {op:g}{top}")
+    with open(os.path.join(result_dir, "sweep.md"), "w") as f:
+        f.write(table + "\n")
+    finite = lambda v: "inf" if v == float("inf") else v  # noqa: E731  (strict JSON, as vLLM)
+    save_json({"axis": axis, "slos": slos, "operating_point": finite(op),
+               "rows": [{**r, "point": finite(r["point"])} for r in rows]},
+              os.path.join(result_dir, "sweep.json"))
+    plotted = [r for r in rows if r["completed"] > 0]  # an all-failed point has no latencies
+    png = plot_pareto(plotted, os.path.join(result_dir, "pareto.png"), op, title=title)
+    print(f"table: {os.path.join(result_dir, 'sweep.md')}; plot: {png}")
+    return op

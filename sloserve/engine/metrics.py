@@ -23,6 +23,10 @@ class IterationStats:
         ttfts: time to first token of requests that got their first token this step.
         itls: inter-token latencies of the decode tokens sampled this step.
         step_s: wall time of the step; forward_s: of the model forward alone.
+        start_time: ``time.monotonic()`` when the step was scheduled (s).
+        decode_contexts: context length of each decode in the step, its new token included.
+        prefill_chunks: (tokens, start position) of each prefill chunk in the step.
+        admitted: (arrival time, prompt tokens) of each request first scheduled in this step.
     """
 
     num_running: int = 0
@@ -36,6 +40,10 @@ class IterationStats:
     itls: list[float] = field(default_factory=list)
     step_s: float = 0.0
     forward_s: float = 0.0
+    start_time: float = 0.0
+    decode_contexts: tuple[int, ...] = ()
+    prefill_chunks: tuple[tuple[int, int], ...] = ()
+    admitted: tuple[tuple[float, int], ...] = ()
 
 
 @dataclass
@@ -91,3 +99,32 @@ class EngineSummary:
     @property
     def mean_tokens_per_step(self) -> float:
         return self.num_batched_tokens / self.num_steps if self.num_steps else 0.0
+
+
+class StepTraceLogger:
+    """Writes one JSON line per engine step (``sloserve serve --step-trace FILE``): start time
+    (s, monotonic), step seconds, queue sizes after it, its composition (decode contexts,
+    prefill chunks as [tokens, start]) and the requests it admitted ([arrival time, prompt
+    tokens]). The simulator's profiler fits its cost model to the
+    time from one step's start to the next one's while the engine stays busy
+    (``sloserve profile --from-trace``): what a step really costs in a serving process, with the
+    HTTP server and the streams on the same cores.
+
+    Raises:
+        OSError: the file cannot be opened.
+    """
+
+    def __init__(self, path: str):
+        self._f = open(path, "w", encoding="utf-8", buffering=1)
+
+    def record(self, it: IterationStats, finished: list[FinishedRequestStats]) -> None:
+        import json
+        self._f.write(json.dumps({
+            "t": round(it.start_time, 6), "step_s": round(it.step_s, 6),
+            "running": it.num_running, "waiting": it.num_waiting,
+            "decode_contexts": list(it.decode_contexts),
+            "prefill_chunks": [list(c) for c in it.prefill_chunks],
+            "admitted": [[round(a, 6), n] for a, n in it.admitted]}) + "\n")
+
+    def close(self) -> None:
+        self._f.close()

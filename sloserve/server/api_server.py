@@ -21,7 +21,8 @@ logger = logging.getLogger(__name__)
 
 
 def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
-               log_level: str = "info", graceful_timeout_s: float = 5.0) -> None:
+               log_level: str = "info", graceful_timeout_s: float = 5.0,
+               step_trace: str | None = None) -> None:
     """Load the model, start the engine and serve HTTP until SIGINT / SIGTERM.
 
     Blocks until the server stops. Open streams get `graceful_timeout_s` seconds to finish on
@@ -33,6 +34,7 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
         port: TCP port.
         log_level: uvicorn / sloserve log level ("debug", "info", "warning", ...).
         graceful_timeout_s: seconds to wait for open connections on shutdown.
+        step_trace: write one JSON line per engine step to this file (``--step-trace``).
 
     Raises:
         FileNotFoundError / ValueError: the engine could not be built (missing model, bad settings).
@@ -40,7 +42,7 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
     """
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine, app = create_engine_and_app(config, manage_engine=True)
+    engine, app = create_engine_and_app(config, manage_engine=True, step_trace=step_trace)
     logger.info("serving %s on http://%s:%d (max_model_len %d)", engine.model_name, host, port,
                 engine.max_model_len)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,

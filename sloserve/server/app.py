@@ -412,21 +412,28 @@ def build_app(engine: AsyncLLM, metrics: PrometheusStatLogger, *,
     return app
 
 
-def create_engine_and_app(config, *, manage_engine: bool = False) -> tuple[AsyncLLM, FastAPI]:
+def create_engine_and_app(config, *, manage_engine: bool = False,
+                          step_trace: str | None = None) -> tuple[AsyncLLM, FastAPI]:
     """Build an AsyncLLM with a Prometheus exporter wired in, start it, and build its app.
 
     Args:
         config: EngineConfig of the engine.
         manage_engine: also shut the engine down when the app shuts down (see build_app).
+        step_trace: a file to write one JSON line per engine step to (StepTraceLogger).
 
     Returns:
         (engine, app); the engine thread is running. Call ``engine.shutdown()`` when done.
 
     Raises:
         FileNotFoundError / ValueError: from the engine constructor (missing model, bad settings).
+        OSError: the step trace file cannot be opened.
     """
     metrics = PrometheusStatLogger(max_num_batched_tokens=config.max_num_batched_tokens)
-    engine = AsyncLLM(config, stat_loggers=[metrics])
+    loggers: list = [metrics]
+    if step_trace:
+        from sloserve.engine.metrics import StepTraceLogger
+        loggers.append(StepTraceLogger(step_trace))
+    engine = AsyncLLM(config, stat_loggers=loggers)
     app = build_app(engine, metrics, manage_engine=manage_engine)
     engine.start()
     return engine, app

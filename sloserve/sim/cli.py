@@ -14,6 +14,26 @@ from sloserve.bench.workload_args import (add_workload_args, arrival_process, bu
                                           check_workload_flags)
 
 
+PRESETS: dict[str, dict] = {
+    "lecture": {"dataset_name": "mixed", "request_rate": 6.0, "num_prompts": 2000,
+                "decode_step_ms": 22.0, "prefill_tokens_per_s": 35000.0,
+                "max_num_batched_tokens": 512, "num_kv_blocks": 100_000},
+    "lecture-70b": {"dataset_name": "mixed", "request_rate": 6.0, "num_prompts": 2000,
+                    "roofline_model": "Llama-3-70B", "hardware": "H100-SXM", "tp": 8,
+                    "max_num_batched_tokens": 512, "num_kv_blocks": None},
+}
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated rates, got {text!r}") from None
+    if not rates or min(rates) <= 0:
+        raise argparse.ArgumentTypeError(f"rates must be > 0, got {text!r}")
+    return rates
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sloserve sim", description=__doc__)
     e = p.add_argument_group("simulated engine (as the `sloserve serve` flags)")
@@ -22,18 +42,42 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--max-model-len", type=pos_int, default=8192)
     e.add_argument("--scheduling-policy", choices=["chunked", "naive", "static"], default="chunked")
     e.add_argument("--num-kv-blocks", type=pos_int, default=2848,
-                   help="KV blocks (default: what 1 GiB holds for the embedded SmolLM2 in bf16)")
+                   help="KV blocks per instance (default: what 1 GiB holds for the embedded "
+                        "SmolLM2 in bf16; lecture-70b: what 8 x 80 GiB hold after the weights)")
     e.add_argument("--block-size", type=pos_int, default=16)
     e.add_argument("--num-replicas", type=pos_int, default=1)
     e.add_argument("--router", default="least-outstanding",
                    choices=["round-robin", "least-outstanding", "prefix-affinity"])
+    d = p.add_argument_group("prefill/decode disaggregation (both counts > 0 turn it on)")
+    d.add_argument("--num-prefill-instances", type=pos_int, default=None)
+    d.add_argument("--num-decode-instances", type=pos_int, default=None)
+    d.add_argument("--kv-transfer-link", default="nic-200g",
+                   help="nic-100g / nic-200g / nic-400g, or nvlink (the --hardware's own link)")
+    d.add_argument("--kv-transfer-mode", choices=["eager", "layerwise"], default="layerwise")
+    d.add_argument("--kv-transfer-latency-ms", type=float, default=0.0)
+    d.add_argument("--kv-transfer-model", default=None,
+                   help="model whose KV size crosses the link (a `sloserve roofline` preset, "
+                        "config.json or GGUF; default: --roofline-model, else SmolLM2-135M)")
     k = p.add_argument_group("capacity search")
     k.add_argument("--find-capacity", action="store_true",
                    help="bisect the highest --request-rate whose P99 TTFT / P99 TPOT meet the "
                         "--slo-p99-* limits (the workload is regenerated at each rate)")
     k.add_argument("--slo-p99-ttft-ms", type=pos_float, default=None)
     k.add_argument("--slo-p99-tpot-ms", type=pos_float, default=None)
+    k.add_argument("--slo-attainment", type=pos_float, default=None, metavar="FRAC",
+                   help="instead of P99 limits: the fraction of requests that must meet every "
+                        "--goodput limit (DistServe's goodput, e.g. 0.9)")
     k.add_argument("--capacity-range", default="0.1,100", metavar="LO,HI", help="req/s")
+    w = p.add_argument_group("sweep and presets")
+    w.add_argument("--request-rates", type=_rates, default=None, metavar="R1,R2,...",
+                   help="simulate each rate: the `bench sweep` table, sweep.json and the Pareto "
+                        "plot under --result-dir")
+    w.add_argument("--result-dir", default="sim-sweep")
+    w.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="lecture: the seed lab (8B-class on an H100: decode 22 ms per step, "
+                        "prefill 35,000 tok/s; mixed, Poisson 6 req/s); lecture-70b: the same "
+                        "workload on Llama-3-70B, 8 x H100 (roofline model). Both compare naive "
+                        "and chunked (budget 512); other flags still apply")
     c = p.add_argument_group("cost model (one of)")
     c.add_argument("--profile", default=None,
                    help="a `sloserve profile` file: the linear model fitted to the real engine")
@@ -84,96 +128,233 @@ def _cost_model(a: argparse.Namespace):
             f"overlap (decode {a.decode_step_ms:g} ms, prefill {a.prefill_tokens_per_s:g} tok/s)")
 
 
+def _disaggregation(a: argparse.Namespace):
+    """The P/D setup of the flags, or None. KV size and layers from --kv-transfer-model, else
+    --roofline-model, else SmolLM2-135M (the embedded model); KV per token split over --tp GPUs,
+    each sending its share over its own link."""
+    p, d = a.num_prefill_instances, a.num_decode_instances
+    if p is None and d is None:
+        return None
+    if p is None or d is None:
+        raise ValueError("disaggregation needs both --num-prefill-instances and "
+                         "--num-decode-instances")
+    if a.num_replicas != 1:
+        raise ValueError("--num-replicas is for colocated replicas; with disaggregation give "
+                         "--num-prefill-instances and --num-decode-instances")
+    from sloserve.roofline.hardware import get_hardware, get_link
+    from sloserve.roofline.kv import kv_bytes_per_token
+    from sloserve.roofline.models import get_model
+    from sloserve.sim.kv_transfer import Disaggregation, KVTransferModel
+    spec = get_model(a.kv_transfer_model or a.roofline_model or "SmolLM2-135M")
+    try:
+        link = get_link(a.kv_transfer_link, get_hardware(a.hardware))
+    except KeyError as e:
+        raise ValueError(str(e.args[0])) from None
+    kv = kv_bytes_per_token(spec, a.dtype)
+    return Disaggregation(p, d, KVTransferModel(kv / a.tp, link.bandwidth, spec.num_layers,
+                                                a.kv_transfer_mode, a.kv_transfer_latency_ms / 1e3))
+
+
+def _lecture_70b_blocks(a: argparse.Namespace) -> int:
+    """KV blocks that 90 % of tp x the GPU's memory hold after the weights (roofline specs)."""
+    from sloserve.roofline.hardware import get_hardware
+    from sloserve.roofline.kv import kv_bytes_per_token
+    from sloserve.roofline.models import get_model
+    from sloserve.roofline.kv import dtype_bytes
+    spec, hw = get_model(a.roofline_model), get_hardware(a.hardware)
+    free = 0.9 * a.tp * hw.mem_bytes - spec.num_params() * dtype_bytes(a.dtype)
+    return max(1, int(free // (kv_bytes_per_token(spec, a.dtype) * a.block_size)))
+
+
+class _Sim:
+    """A configured simulation: the workload, the engine settings, the cost model."""
+
+    def __init__(self, a: argparse.Namespace):
+        from sloserve.sim.simulator import SimConfig
+        from sloserve.sim.workload import LengthOnlyFactory
+        self.a = a
+        self.slos = parse_goodput(a.goodput)
+        check_workload_flags(a)
+        self.cost, self.cost_name = _cost_model(a)
+        self.dis = _disaggregation(a)
+        if a.dataset_name == "sharegpt":
+            from sloserve.bench.datasets import PromptFactory
+            from sloserve.bench.tokenizer import load_tokenizer
+            from sloserve.model.loader import default_model_path
+            factory = PromptFactory(load_tokenizer(default_model_path()), seed=a.seed)
+        else:
+            factory = LengthOnlyFactory()
+        self.reqs = build_workload(a, factory)
+        self.trace_arrivals = any(r.arrival_time is not None for r in self.reqs)
+        self.cfg = SimConfig(a.max_num_batched_tokens, a.max_num_seqs, a.max_model_len,
+                             a.scheduling_policy, a.num_kv_blocks, a.block_size)
+
+    def arrivals(self, rate: float) -> list[float]:
+        from sloserve.bench.arrivals import arrival_times
+        if self.trace_arrivals:
+            return [r.arrival_time or 0.0 for r in self.reqs]
+        a = self.a
+        return list(arrival_times(len(self.reqs), rate, process=arrival_process(a),
+                                  burstiness=a.burstiness, seed=a.seed))
+
+    def run(self, rate: float, cfg=None):
+        """(SimResult, BenchmarkMetrics) at ``rate`` req/s."""
+        from sloserve.sim.simulator import simulate_cluster
+        a = self.a
+        res = simulate_cluster(self.reqs, self.arrivals(rate), cfg or self.cfg, self.cost,
+                               a.num_replicas, a.router, max_concurrency=a.max_concurrency,
+                               disaggregation=self.dis)
+        return res, calculate_metrics(res.records, res.duration, goodput_slos=self.slos,
+                                      start_time=0.0)
+
+    def describe(self, cfg=None) -> str:
+        a, cfg = self.a, cfg or self.cfg
+        where = (f"{self.dis.num_prefill} prefill + {self.dis.num_decode} decode instances "
+                 f"(KV over {a.kv_transfer_link}, {a.kv_transfer_mode})" if self.dis else
+                 f"{a.num_replicas} replica(s) ({a.router})")
+        return (f"{len(self.reqs)} {a.dataset_name} requests, {where}, policy {cfg.policy}, "
+                f"budget {cfg.max_num_batched_tokens}, cost model {self.cost_name}")
+
+
 def run(a: argparse.Namespace) -> int:
-    """Simulate, print the summary, save the JSON. Returns the exit code."""
-    from sloserve.bench.arrivals import arrival_times
+    """Simulate, print the summary, save the JSON (or a sweep, a capacity search, a preset).
+    Returns the exit code."""
     from sloserve.bench.results import format_summary, result_json, save_json
     from sloserve.bench.runner import BenchConfig, BenchmarkRun
-    from sloserve.sim.simulator import SimConfig, simulate_cluster
-    from sloserve.sim.workload import LengthOnlyFactory
-    slos = parse_goodput(a.goodput)
-    check_workload_flags(a)
-    if a.max_concurrency is not None:
-        raise ValueError("--max-concurrency (a closed loop) is not simulated yet; use a request rate")
-    cost, cost_name = _cost_model(a)
-    if a.dataset_name == "sharegpt":
-        from sloserve.bench.datasets import PromptFactory
-        from sloserve.bench.tokenizer import load_tokenizer
-        from sloserve.model.loader import default_model_path
-        factory = PromptFactory(load_tokenizer(default_model_path()), seed=a.seed)
-    else:
-        factory = LengthOnlyFactory()
-    reqs = build_workload(a, factory)
-    if any(r.arrival_time is not None for r in reqs):
-        arr = [r.arrival_time or 0.0 for r in reqs]
-    else:
-        arr = list(arrival_times(len(reqs), a.request_rate, process=arrival_process(a),
-                                 burstiness=a.burstiness, seed=a.seed))
-    cfg = SimConfig(a.max_num_batched_tokens, a.max_num_seqs, a.max_model_len, a.scheduling_policy,
-                    a.num_kv_blocks, a.block_size)
+    sim = _Sim(a)
+    if a.preset:
+        return _preset(sim)
     if a.find_capacity:
-        return _capacity(a, reqs, cfg, cost, cost_name)
+        return _capacity(sim)
+    if a.request_rates:
+        return _sweep(sim)
     t0 = time.perf_counter()
-    res = simulate_cluster(reqs, arr, cfg, cost, a.num_replicas, a.router)
+    res, metrics = sim.run(a.request_rate)
     wall = time.perf_counter() - t0
-    metrics = calculate_metrics(res.records, res.duration, goodput_slos=slos, start_time=0.0)
     bc = BenchConfig(base_url="sim://", model=a.label, request_rate=a.request_rate,
-                     burstiness=a.burstiness, seed=a.seed, goodput=slos)
-    run_ = BenchmarkRun(bc, reqs, res.records, 0.0, res.duration, metrics)
-    print(f"sim: {len(reqs)} {a.dataset_name} requests, {a.num_replicas} replica(s) "
-          f"({a.router}), policy {cfg.policy}, budget "
-          f"{cfg.max_num_batched_tokens}, cost model {cost_name}; {res.num_preemptions} "
-          f"preemptions; {len(reqs) / wall:.0f} requests simulated per s of wall time",
-          file=sys.stderr)
+                     burstiness=a.burstiness, seed=a.seed, goodput=sim.slos,
+                     max_concurrency=a.max_concurrency)
+    run_ = BenchmarkRun(bc, sim.reqs, res.records, 0.0, res.duration, metrics)
+    extra = ""
+    if res.kv_transfer_s:
+        extra = (f"; KV transfer exposed mean {1e3 * sum(res.kv_transfer_s) / len(res.kv_transfer_s):.2f}"
+                 f" ms, max {1e3 * max(res.kv_transfer_s):.2f} ms")
+    print(f"sim: {sim.describe()}; {res.num_preemptions} preemptions; mean requests in flight "
+          f"{res.mean_in_flight:.2f}{extra}; {len(sim.reqs) / wall:.0f} requests simulated per s "
+          f"of wall time", file=sys.stderr)
     print(format_summary(metrics, title="Simulated Serving Benchmark Result"))
     if a.save_result:
         os.makedirs(os.path.dirname(os.path.abspath(a.save_result)), exist_ok=True)
         save_json(result_json(run_, label=a.label, detailed=True,
-                              metadata={"simulated": True, "scheduling_policy": cfg.policy,
-                                        "max_num_batched_tokens": cfg.max_num_batched_tokens,
-                                        "cost_model": cost_name}), a.save_result)
+                              metadata={"simulated": True, "scheduling_policy": sim.cfg.policy,
+                                        "max_num_batched_tokens": sim.cfg.max_num_batched_tokens,
+                                        "cost_model": sim.cost_name}), a.save_result)
         print(f"result: {a.save_result}")
     return 0
 
 
-def _capacity(a, reqs, cfg, cost, cost_name) -> int:
+def _sweep(sim: _Sim) -> int:
+    """--request-rates: one simulated run per rate; the bench sweep's table, JSON and plot."""
+    from sloserve.bench.results import metrics_dict
+    from sloserve.bench.sweep import write_sweep
+    a = sim.a
+    os.makedirs(a.result_dir, exist_ok=True)
+    rows = []
+    for rate in a.request_rates:
+        _, m = sim.run(rate)
+        rows.append({"point": rate, **metrics_dict(m)})
+    print(f"sim sweep: {sim.describe()}", file=sys.stderr)
+    write_sweep(rows, "request_rate", sim.slos, a.result_dir,
+                f"simulated: {sim.cfg.policy}, budget {sim.cfg.max_num_batched_tokens}")
+    return 0
+
+
+def _capacity(sim: _Sim) -> int:
     """--find-capacity: bisect the rate; print it and the run at it."""
-    from sloserve.bench.arrivals import arrival_times
-    from sloserve.sim.simulator import find_capacity, simulate_cluster
-    slos = {"ttft": a.slo_p99_ttft_ms, "tpot": a.slo_p99_tpot_ms}
-    slos = {k: v for k, v in slos.items() if v is not None}
-    if not slos:
-        raise ValueError("--find-capacity needs --slo-p99-ttft-ms and/or --slo-p99-tpot-ms")
+    from sloserve.sim.simulator import find_capacity
+    a = sim.a
+    if a.slo_attainment is not None:
+        if not sim.slos:
+            raise ValueError("--slo-attainment needs the per-request limits in --goodput "
+                             "(e.g. --goodput ttft:2000 tpot:40)")
+        if not 0 < a.slo_attainment <= 1:
+            raise ValueError(f"--slo-attainment must be in (0, 1], got {a.slo_attainment}")
+        limits = (f"{100 * a.slo_attainment:g} % of requests within "
+                  + " and ".join(f"{k.upper()} {v:g} ms" for k, v in sim.slos.items()))
+
+        def meets(m):
+            return m.num_good >= a.slo_attainment * (m.completed + m.failed)
+    else:
+        slos = {"ttft": a.slo_p99_ttft_ms, "tpot": a.slo_p99_tpot_ms}
+        slos = {k: v for k, v in slos.items() if v is not None}
+        if not slos:
+            raise ValueError("--find-capacity needs --slo-p99-ttft-ms and/or --slo-p99-tpot-ms, "
+                             "or --slo-attainment with --goodput")
+        limits = ", ".join(f"P99 {k.upper()} <= {v:g} ms" for k, v in slos.items())
+
+        def meets(m):
+            return m.failed == 0 and all(m.stats[k].p(99) <= v for k, v in slos.items())
     try:
         lo, hi = (float(x) for x in a.capacity_range.split(","))
     except ValueError:
         raise ValueError(f"--capacity-range takes LO,HI, got {a.capacity_range!r}") from None
-
-    def run(rate):
-        arr = arrival_times(len(reqs), rate, process=arrival_process(a),
-                            burstiness=a.burstiness, seed=a.seed)
-        res = simulate_cluster(reqs, arr, cfg, cost, a.num_replicas, a.router)
-        return calculate_metrics(res.records, res.duration)
-
-    def meets(m):
-        return m.failed == 0 and all(m.stats[k].p(99) <= v for k, v in slos.items())
-    cap = find_capacity(run, meets, lo, hi)
-    limits = ", ".join(f"P99 {k.upper()} <= {v:g} ms" for k, v in slos.items())
+    cap = find_capacity(lambda r: sim.run(r)[1], meets, lo, hi)
     if cap is None:
-        print(f"capacity: no rate in [{lo:g}, {hi:g}] req/s meets {limits} ({cost_name})")
+        print(f"capacity: no rate in [{lo:g}, {hi:g}] req/s meets {limits} ({sim.describe()})")
         return 1
-    m = run(cap)
-    print(f"capacity: {cap:.3f} req/s meets {limits} on {a.num_replicas} replica(s), policy "
-          f"{cfg.policy}, budget {cfg.max_num_batched_tokens} ({cost_name}); there: P99 TTFT "
+    m = sim.run(cap)[1]
+    att = (f", attainment {100 * m.num_good / max(1, m.completed + m.failed):.1f} %"
+           if sim.slos else "")
+    print(f"capacity: {cap:.3f} req/s meets {limits} ({sim.describe()}); there: P99 TTFT "
           f"{m.stats['ttft'].p(99):.1f} ms, P99 TPOT {m.stats['tpot'].p(99):.1f} ms, output "
-          f"{m.output_throughput:.1f} tok/s" + (" (the top of the range)" if cap == hi else ""))
+          f"{m.output_throughput:.1f} tok/s{att}" + (" (the top of the range)" if cap == hi else ""))
     return 0
+
+
+def _preset(sim: _Sim) -> int:
+    """--preset: naive against chunked (the --max-num-batched-tokens budget) on one workload."""
+    from dataclasses import replace
+    a = sim.a
+    rows = []
+    for policy in ("naive", "chunked"):
+        cfg = replace(sim.cfg, policy=policy)
+        res, m = sim.run(a.request_rate, cfg)
+        t = m.stats["tpot"]
+        rows.append((policy, t.p(50), t.p(90), t.p(99), m.stats["ttft"].mean,
+                     m.stats["ttft"].p(99), m.output_throughput, res.num_preemptions))
+    print(f"preset {a.preset}: {sim.describe(cfg).replace('policy chunked', 'naive vs chunked')}"
+          f", Poisson {a.request_rate:g} req/s, seed {a.seed}, {a.num_kv_blocks} KV blocks of "
+          f"{a.block_size}")
+    print("| policy | TPOT P50 ms | TPOT P90 ms | TPOT P99 ms | TTFT mean ms | TTFT P99 ms "
+          "| output tok/s | preemptions |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]:.1f} | {r[2]:.1f} | {r[3]:.1f} | {r[4]:.1f} | {r[5]:.1f} "
+              f"| {r[6]:.1f} | {r[7]} |")
+    n, c = rows
+    print(f"chunked vs naive: P99 TPOT {100 * (c[3] - n[3]) / n[3]:+.1f} %, mean TTFT "
+          f"{100 * (c[4] - n[4]) / n[4]:+.1f} %")
+    return 0
+
+
+def _apply_preset(p: argparse.ArgumentParser, argv: list[str]) -> None:
+    """Make the preset's settings the defaults, so flags given on the command line still win."""
+    probe = argparse.ArgumentParser(add_help=False)
+    probe.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    known, _ = probe.parse_known_args(argv)
+    if known.preset:
+        p.set_defaults(**PRESETS[known.preset])
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``sloserve sim``; 2 for bad settings (one line)."""
-    a = _parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = _parser()
+    _apply_preset(p, argv)
+    a = p.parse_args(argv)
     try:
+        if a.preset == "lecture-70b" and a.num_kv_blocks is None:
+            a.num_kv_blocks = _lecture_70b_blocks(a)
         return run(a)
     except (ValueError, FileNotFoundError) as e:
         print(f"sloserve sim: error: {e}", file=sys.stderr)

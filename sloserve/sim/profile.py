@@ -15,6 +15,8 @@ import statistics
 import sys
 from dataclasses import asdict
 
+import numpy as np
+
 from sloserve.sim.cost_model import FEATURES, LinearCostModel, StepComposition
 
 DECODE_GRID = [(b, c) for b in (1, 8, 16) for c in (128, 512)]
@@ -45,6 +47,36 @@ def profile_engine(eng, repeats: int = 3, context_len: int = 256,
         s = time_prefill_steps(eng, n, warmup=1, repeats=repeats)
         out.append((StepComposition((), ((n, 0),)), med(s)))
         log(f"prefill {n}: {out[-1][1] * 1e3:.1f} ms")
+    return out
+
+
+def trace_samples(paths) -> list[tuple[StepComposition, float]]:
+    """(composition, seconds) pairs from ``sloserve serve --step-trace`` files: a step's cost is
+    the time from its start to the next step's start while the engine stays busy (requests
+    running or waiting after it), so what the serving process spends between steps (streaming
+    outputs, taking new requests) is in it. Steps followed by idle time are left out.
+
+    Raises:
+        FileNotFoundError: a missing file; ValueError: a line that is not a step record.
+    """
+    out: list[tuple[StepComposition, float]] = []
+    for path in paths:
+        rows = []
+        with open(path, encoding="utf-8") as f:
+            for k, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    d = json.loads(line)
+                    rows.append((float(d["t"]), int(d["running"]) + int(d["waiting"]),
+                                 StepComposition(tuple(int(c) for c in d["decode_contexts"]),
+                                                 tuple((int(n), int(st))
+                                                       for n, st in d["prefill_chunks"]))))
+                except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                    raise ValueError(f"{path}:{k}: not a step-trace record ({e})") from None
+        for (t, busy, comp), (t_next, _, _) in zip(rows, rows[1:]):
+            if busy and t_next > t:
+                out.append((comp, t_next - t))
     return out
 
 
@@ -86,7 +118,20 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(ap)
     ap.add_argument("--out", default="profile.json")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--from-trace", nargs="+", default=None, metavar="TRACE.jsonl",
+                    help="fit to the steps of `sloserve serve --step-trace` files instead of "
+                         "timing a grid (no model is loaded)")
     a = ap.parse_args(argv)
+    if a.from_trace:
+        try:
+            samples = trace_samples(a.from_trace)
+            model, err = fit_with_holdout(samples)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"sloserve profile: error: {e}", file=sys.stderr)
+            return 2
+        save_profile(a.out, samples, model, {"source": "step trace", "traces": a.from_trace})
+        _report(model, err, a.out, f"{len(samples)} busy steps from {len(a.from_trace)} trace(s)")
+        return 0
     from sloserve.engine.llm_engine import LLMEngine
     cfg = engine_config_from_args(a)
     cfg.scheduling_policy = "chunked"
@@ -102,8 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     model, err = fit_with_holdout(samples)
     save_profile(a.out, samples, model, {"model": eng.model_name, "dtype": cfg.dtype,
                                          "num_threads": cfg.num_threads})
-    print("fit: t = " + " + ".join(f"{c:.3g}*{f}" for c, f in zip(model.coef, FEATURES)) + " (s)")
-    print(f"held-out relative error ({len(err)} points): mean {100 * err.mean():.1f} %, "
-          f"max {100 * err.max():.1f} %")
-    print(f"profile written to {a.out}")
+    _report(model, err, a.out, f"{len(samples)} grid points")
     return 0
+
+
+def _report(model: LinearCostModel, err, out: str, source: str) -> None:
+    print(f"fit ({source}): t = "
+          + " + ".join(f"{c:.3g}*{f}" for c, f in zip(model.coef, FEATURES)) + " (s)")
+    print(f"held-out relative error ({len(err)} points): mean {100 * err.mean():.1f} %, "
+          f"median {100 * float(np.median(err)):.1f} %, max {100 * err.max():.1f} %")
+    print(f"profile written to {out}")

@@ -26,6 +26,7 @@ from sloserve.engine.request import Request
 from sloserve.engine.scheduler import Scheduler, SchedulerConfig
 from sloserve.sampling_params import SamplingParams
 from sloserve.sim.cost_model import CostModel, StepComposition
+from sloserve.sim.kv_transfer import Disaggregation
 
 
 @dataclass
@@ -54,7 +55,11 @@ class SimResult:
         duration: first arrival to the last token (s).
         steps: (end time, composition) of every step, when recorded.
         num_preemptions: preemptions over the run.
-        replica_of: the replica each request was routed to, in input order.
+        replica_of: the replica each request was routed to, in input order (with
+            disaggregation: its prefill instance; decode instances are numbered after them).
+        mean_in_flight: requests sent and not finished, averaged over ``duration`` (Little's L).
+        kv_transfer_s: exposed KV-transfer seconds of each request, in input order (0 for one
+            that finished on its prefill instance; empty without disaggregation).
     """
 
     records: list[RequestRecord]
@@ -62,20 +67,28 @@ class SimResult:
     steps: list[tuple[float, StepComposition]] = field(default_factory=list)
     num_preemptions: int = 0
     replica_of: list[int] = field(default_factory=list)
+    mean_in_flight: float = 0.0
+    kv_transfer_s: list[float] = field(default_factory=list)
 
 
 class Replica:
-    """One simulated engine: its own scheduler and KV cache, busy from a step's start to its end."""
+    """One simulated engine: its own scheduler and KV cache, busy from a step's start to its end.
+
+    ``role``: ``both`` (colocated), ``prefill`` (runs a request until its first token, then
+    hands it off) or ``decode`` (takes requests whose prompt KV arrived over the link).
+    """
 
     def __init__(self, index: int, cfg: SimConfig, cost: CostModel, requests: Sequence[SampleRequest],
-                 recs: list[RequestRecord], record_steps: bool):
-        self.index, self.cost, self.requests, self.recs = index, cost, requests, recs
+                 recs: list[RequestRecord], record_steps: bool, role: str = "both"):
+        self.index, self.cost, self.requests, self.recs, self.role = index, cost, requests, recs, role
         self.sched = Scheduler(SchedulerConfig(
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
             max_model_len=cfg.max_model_len, policy=cfg.policy),
             KVCacheManager(cfg.num_kv_blocks, cfg.block_size))
         self.inbox: list[int] = []
+        self.incoming = 0  # KV transfers on their way here
         self.running_step = None
+        self.step_start = 0.0
         self.steps: list[tuple[float, StepComposition]] = []
         self.record_steps = record_steps
         self.preemptions = 0
@@ -86,22 +99,30 @@ class Replica:
 
     @property
     def outstanding(self) -> int:
-        """Requests routed here and not finished (queued, running or in the inbox)."""
-        return self.sched.num_unfinished + len(self.inbox)
+        """Requests routed here and not finished (queued, running, in the inbox or on the way)."""
+        return self.sched.num_unfinished + len(self.inbox) + self.incoming
 
-    def admit(self, arrivals: Sequence[float]) -> None:
-        """Hand the inbox to the scheduler (a rejected request becomes a failed record)."""
+    def admit(self, sent: Sequence[float]) -> list[int]:
+        """Hand the inbox to the scheduler; returns the requests it rejected (each becomes a
+        failed record with the server's 400 message)."""
+        rejected = []
         for i in self.inbox:
             r = self.requests[i]
+            mt = 1 if self.role == "prefill" else r.expected_output_len
             req = Request(request_id=str(i), prompt_token_ids=[0] * r.prompt_len,
                           sampling_params=SamplingParams(temperature=0.0, ignore_eos=True,
-                                                         max_tokens=r.expected_output_len),
-                          arrival_time=float(arrivals[i]))
+                                                         max_tokens=mt),
+                          arrival_time=float(sent[i]))
+            if self.role == "decode":  # the prompt's KV and the first token came from prefill
+                req.output_token_ids.append(0)
+                req.num_computed_tokens = r.prompt_len
             try:
                 self.sched.add_request(req)
             except ValueError as e:
                 self.recs[i].error = f"HTTP 400: {e}"
+                rejected.append(i)
         self.inbox.clear()
+        return rejected
 
     def start(self, t: float) -> float | None:
         """Schedule a step at ``t``; returns its end time, or None when there is nothing to run.
@@ -118,25 +139,31 @@ class Replica:
         self.preemptions += len(out.preempted_request_ids)
         comp = StepComposition.of(out)
         end = t + self.cost.step_time(comp)
-        self.running_step = out
+        self.running_step, self.step_start = out, t
         if self.record_steps:
             self.steps.append((end, comp))
         return end
 
-    def complete(self, t: float) -> None:
-        """End the running step at ``t``: advance the requests, stamp the emitted tokens."""
+    def complete(self, t: float) -> list[tuple[int, float]]:
+        """End the running step at ``t``: advance the requests, stamp the emitted tokens.
+
+        Returns:
+            (request index, its first scheduled time) of each request that finished here.
+        """
         out, self.running_step = self.running_step, None
         before = {sr.request_id: sr.request.num_output_tokens for sr in out.scheduled}
-        self.sched.update_from_output(out, {sr.request_id: 1 for sr in out.scheduled if sr.samples}, t)
+        done = self.sched.update_from_output(
+            out, {sr.request_id: 1 for sr in out.scheduled if sr.samples}, t)
         for sr in out.scheduled:
             if sr.request.num_output_tokens > before[sr.request_id]:
                 self.recs[int(sr.request_id)].chunk_times.append(t)
+        return [(int(r.request_id), r.first_scheduled_time) for r in done]
 
 
 ROUTERS = ("round-robin", "least-outstanding", "prefix-affinity")
 
 
-def _route(policy: str, replicas: list[Replica], req: SampleRequest, counter: int) -> Replica:
+def _route(policy: str, replicas: Sequence[Replica], req: SampleRequest, counter: int) -> Replica:
     if policy == "round-robin":
         return replicas[counter % len(replicas)]
     if policy == "prefix-affinity" and req.tag is not None:
@@ -146,7 +173,8 @@ def _route(policy: str, replicas: list[Replica], req: SampleRequest, counter: in
 
 def simulate_cluster(requests: Sequence[SampleRequest], arrivals: Sequence[float], cfg: SimConfig,
                      cost: CostModel, num_replicas: int = 1, router: str = "least-outstanding",
-                     record_steps: bool = False) -> SimResult:
+                     record_steps: bool = False, max_concurrency: int | None = None,
+                     disaggregation: Disaggregation | None = None) -> SimResult:
     """Simulate ``num_replicas`` engines ``cfg`` behind a router.
 
     Routers: ``round-robin``; ``least-outstanding`` (fewest unfinished requests, ties to the
@@ -155,8 +183,19 @@ def simulate_cluster(requests: Sequence[SampleRequest], arrivals: Sequence[float
     least-outstanding). Events are processed in time order; an arrival at the same instant as a
     step's end is admitted before the next step, as the engine does.
 
+    ``max_concurrency`` closes the loop as ``sloserve bench --max-concurrency`` does: a request
+    is sent at its arrival time or, when that many are in flight, when one finishes; its wait is
+    its ``queue_time`` and its TTFT counts from the send.
+
+    ``disaggregation`` replaces the replicas by P prefill and D decode instances: a request is
+    routed (``router``) to a prefill instance and runs there until its first token (TTFT), then
+    its prompt KV crosses the link (:class:`~sloserve.sim.kv_transfer.KVTransferModel`) to the
+    least-outstanding decode instance, which admits it with the KV in place and decodes the
+    rest; the transfer shows as the first inter-token gap. The prefill instance frees the
+    blocks at once (the copy out of them is not charged to its memory).
+
     Raises:
-        ValueError: lengths differ, num_replicas < 1, unknown router.
+        ValueError: lengths differ, num_replicas < 1, unknown router, max_concurrency < 1.
         RuntimeError: a scheduler made no progress with requests pending (a bug).
     """
     if len(requests) != len(arrivals):
@@ -165,40 +204,78 @@ def simulate_cluster(requests: Sequence[SampleRequest], arrivals: Sequence[float
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
     if router not in ROUTERS:
         raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
+    if max_concurrency is not None and max_concurrency < 1:
+        raise ValueError(f"max concurrency must be >= 1, got {max_concurrency}")
     n = len(requests)
     order = sorted(range(n), key=lambda i: (arrivals[i], i))
     recs = [RequestRecord(prompt_len=r.prompt_len, tag=r.tag, send_time=float(arrivals[i]))
             for i, r in enumerate(requests)]
-    reps = [Replica(j, cfg, cost, requests, recs, record_steps) for j in range(num_replicas)]
-    heap: list[tuple[float, int]] = []
+    dis = disaggregation
+    if dis is None:
+        reps = [Replica(j, cfg, cost, requests, recs, record_steps) for j in range(num_replicas)]
+        front, back = reps, []
+    else:
+        front = [Replica(j, cfg, cost, requests, recs, record_steps, "prefill")
+                 for j in range(dis.num_prefill)]
+        back = [Replica(dis.num_prefill + j, cfg, cost, requests, recs, record_steps, "decode")
+                for j in range(dis.num_decode)]
+        reps = front + back
+    heap: list[tuple[float, int, int, int]] = []  # (time, seq, replica, request or -1)
+    seq = 0
     replica_of = [0] * n
-    k = 0
+    sent = [float(a) for a in arrivals]
+    transfer_s = [0.0] * n if dis is not None else []
+    k = in_flight = 0
+    now = area = 0.0
     inf = float("inf")
-    while k < n or heap:
-        t_arr = float(arrivals[order[k]]) if k < n else inf
-        t_done = heap[0][0] if heap else inf
-        if t_arr <= t_done:
-            while k < n and arrivals[order[k]] <= t_arr:
-                i = order[k]
-                rep = _route(router, reps, requests[i], k)
-                rep.inbox.append(i)
-                replica_of[i] = rep.index
-                k += 1
-            for r in reps:
-                if not r.busy and r.inbox:
-                    r.admit(arrivals)
-                    end = r.start(t_arr)
-                    if end is not None:
-                        heapq.heappush(heap, (end, r.index))
-        else:
-            t, j = heapq.heappop(heap)
+
+    while True:
+        can_send = k < n and (max_concurrency is None or in_flight < max_concurrency)
+        t_send = max(float(arrivals[order[k]]), now) if can_send else inf
+        t_ev = heap[0][0] if heap else inf
+        if t_send == inf and t_ev == inf:
+            break
+        t = min(t_send, t_ev)
+        area += in_flight * (t - now)
+        now = t
+        if t_ev < t_send:
+            _, _, j, i = heapq.heappop(heap)
             r = reps[j]
-            r.complete(t)
-            r.admit(arrivals)
-            end = r.start(t)
-            if end is not None:
-                heapq.heappush(heap, (end, j))
-    for rec in recs:
+            if i >= 0:  # a KV transfer landed on decode instance j
+                r.incoming -= 1
+                r.inbox.append(i)
+            else:
+                for i, first_sched in r.complete(now):
+                    if r.role != "prefill" or requests[i].expected_output_len <= 1:
+                        in_flight -= 1
+                        continue
+                    d = min(back, key=lambda b: (b.outstanding, b.index))
+                    x = dis.link.exposed_s(requests[i].prompt_len, now - first_sched)
+                    transfer_s[i] = x
+                    d.incoming += 1
+                    heapq.heappush(heap, (now + x, seq, d.index, i))
+                    seq += 1
+        # send what is due (arrivals at or before now, while the concurrency limit allows)
+        while k < n and arrivals[order[k]] <= now and (
+                max_concurrency is None or in_flight < max_concurrency):
+            i = order[k]
+            sent[i] = now if max_concurrency is not None else float(arrivals[i])
+            rep = _route(router, front, requests[i], k)
+            rep.inbox.append(i)
+            replica_of[i] = rep.index
+            in_flight += 1
+            k += 1
+        for r in reps:
+            if not r.busy and r.inbox:
+                in_flight -= len(r.admit(sent))
+            if not r.busy:
+                end = r.start(now)
+                if end is not None:
+                    heapq.heappush(heap, (end, seq, r.index, -1))
+                    seq += 1
+    for i, rec in enumerate(recs):
+        rec.send_time = sent[i]
+        rec.queue_time = sent[i] - float(arrivals[i])
         if rec.error:
             continue
         rec.success = True
@@ -206,9 +283,10 @@ def simulate_cluster(requests: Sequence[SampleRequest], arrivals: Sequence[float
         rec.set_times_from_chunks()
     start = min(arrivals, default=0.0)
     end = max((r.chunk_times[-1] for r in recs if r.chunk_times), default=start)
+    duration = max(end - start, 1e-9)
     steps = sorted((s for r in reps for s in r.steps), key=lambda s: s[0])
-    return SimResult(recs, max(end - start, 1e-9), steps, sum(r.preemptions for r in reps),
-                     replica_of)
+    return SimResult(recs, duration, steps, sum(r.preemptions for r in reps), replica_of,
+                     area / duration, transfer_s)
 
 
 def simulate(requests: Sequence[SampleRequest], arrivals: Sequence[float], cfg: SimConfig,

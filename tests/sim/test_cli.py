@@ -37,8 +37,14 @@ def test_sim_writes_a_bench_format_result_and_is_deterministic(tmp_path, capsys)
     (["--profile", "x.json", "--roofline-model", "Llama-3-8B"], "either --profile"),
     (["--decode-step-ms", "22"], "needs both"),
     (["--profile", "/nonexistent.json"], "nonexistent"),
-    (["--decode-step-ms", "22", "--prefill-tokens-per-s", "1000", "--max-concurrency", "2"],
-     "not simulated yet"),
+    (["--decode-step-ms", "22", "--prefill-tokens-per-s", "1000", "--num-prefill-instances", "1"],
+     "needs both --num-prefill-instances"),
+    (["--decode-step-ms", "22", "--prefill-tokens-per-s", "1000", "--num-prefill-instances", "1",
+      "--num-decode-instances", "1", "--kv-transfer-link", "carrier-pigeon"], "unknown link"),
+    (["--decode-step-ms", "22", "--prefill-tokens-per-s", "1000", "--find-capacity",
+      "--slo-attainment", "0.9"], "needs the per-request limits in --goodput"),
+    (["--decode-step-ms", "22", "--prefill-tokens-per-s", "1000", "--find-capacity",
+      "--slo-attainment", "1.5", "--goodput", "ttft:100"], "must be in (0, 1]"),
 ])
 def test_sim_bad_settings_exit_2_with_one_line(extra, msg, capsys):
     assert sim_main(["--num-prompts", "3", *extra]) == 2
@@ -82,3 +88,65 @@ def test_capacity_search_from_the_cli_chunked_beats_naive_in_the_lecture_regime(
     assert caps["chunked"] > 1.2 * caps["naive"]
     assert sim_main(["--num-prompts", "3", "--decode-step-ms", "22", "--prefill-tokens-per-s",
                      "35000", "--find-capacity"]) == 2
+
+
+LECTURE = ["--dataset-name", "mixed", "--decode-step-ms", "22", "--prefill-tokens-per-s", "35000",
+           "--num-kv-blocks", "100000"]
+
+
+def test_lecture_preset_prints_naive_vs_chunked_and_chunking_cuts_the_tpot_tail(capsys):
+    assert sim_main(["--preset", "lecture", "--num-prompts", "400"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): [float(x) for x in line.split("|")[2:-1]]
+            for line in out.splitlines() if line.startswith("| naive") or line.startswith("| chunked")}
+    assert "Poisson 6 req/s" in out and "budget 512" in out and "overlap (decode 22 ms" in out
+    # columns: TPOT P50, P90, P99, TTFT mean, TTFT P99, output tok/s, preemptions
+    assert rows["chunked"][2] < 0.9 * rows["naive"][2]
+    assert rows["chunked"][2] == pytest.approx(22.0, abs=0.5)
+    assert rows["chunked"][3] > rows["naive"][3]  # the price: long prompts wait for their chunks
+
+
+def test_lecture_70b_preset_sizes_the_kv_cache_from_the_roofline_specs(capsys):
+    assert sim_main(["--preset", "lecture-70b", "--num-prompts", "200"]) == 0
+    out = capsys.readouterr().out
+    # 90 % of 8 x 80 GiB minus 70.6e9 bf16 parameters, over 320 KiB of KV per token, 16 per block
+    assert "Llama-3-70B on 8 x H100-SXM" in out and "91050 KV blocks of 16" in out
+    assert sum(line.startswith(("| naive", "| chunked")) for line in out.splitlines()) == 2
+
+
+def test_sim_sweep_writes_the_bench_sweep_table_and_pareto_plot(tmp_path, capsys):
+    assert sim_main([*LECTURE, "--num-prompts", "200", "--request-rates", "2,6,20",
+                     "--goodput", "ttft:2000", "tpot:40", "--result-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    assert [r["point"] for r in sweep["rows"]] == [2.0, 6.0, 20.0]
+    assert (tmp_path / "pareto.png").stat().st_size > 0 and "| request_rate |" in out
+    tput = [r["output_throughput"] for r in sweep["rows"]]
+    assert tput[0] < tput[1] < tput[2]
+
+
+def test_capacity_with_an_attainment_target(capsys):
+    base = [*LECTURE, "--num-prompts", "300", "--find-capacity", "--goodput", "ttft:2000",
+            "tpot:40", "--capacity-range", "1,60"]
+    assert sim_main([*base, "--slo-attainment", "0.9"]) == 0
+    at90 = float(capsys.readouterr().out.split("capacity: ")[1].split(" req/s")[0])
+    assert sim_main([*base, "--slo-attainment", "0.99"]) == 0
+    out = capsys.readouterr().out
+    at99 = float(out.split("capacity: ")[1].split(" req/s")[0])
+    assert "99 % of requests within TTFT 2000 ms and TPOT 40 ms" in out
+    assert 1 < at99 <= at90 < 60  # a stricter target admits no more load
+
+
+def test_closed_loop_and_disaggregation_from_the_cli(capsys):
+    assert sim_main([*LECTURE, "--num-prompts", "100", "--max-concurrency", "4",
+                     "--request-rate", "inf"]) == 0
+    err = capsys.readouterr().err
+    in_flight = float(err.split("mean requests in flight ")[1].split(";")[0])
+    assert 3.5 < in_flight <= 4.0
+    assert sim_main([*LECTURE, "--num-prompts", "100", "--request-rate", "4",
+                     "--num-prefill-instances", "1", "--num-decode-instances", "2",
+                     "--kv-transfer-model", "Llama-3-8B", "--kv-transfer-link", "nic-100g",
+                     "--kv-transfer-mode", "eager"]) == 0
+    err = capsys.readouterr().err
+    assert "1 prefill + 2 decode instances (KV over nic-100g, eager)" in err
+    assert "KV transfer exposed mean" in err

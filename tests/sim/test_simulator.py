@@ -12,8 +12,10 @@ from sloserve.bench.metrics import calculate_metrics
 from sloserve.sampling_params import SamplingParams
 from sloserve.sim.cost_model import (FEATURES, LinearCostModel, OverlapCostModel,
                                      RooflineCostModel, StepComposition)
-from sloserve.sim.simulator import SimConfig, simulate
+from sloserve.sim.simulator import SimConfig, simulate, simulate_cluster
 from sloserve.sim.workload import LengthOnlyFactory
+
+from .helpers import record_compositions
 
 PROMPTS = [5, 37, 12, 64, 3, 20]
 OUTPUTS = [7, 3, 12, 5, 9, 4]
@@ -24,14 +26,7 @@ def _engine_steps(tiny_llama_dir, policy, num_kv_blocks, budget=16):
                        block_size=4, max_num_batched_tokens=budget, max_num_seqs=4,
                        scheduling_policy=policy)
     eng = llm.engine
-    comps, schedule = [], eng.scheduler.schedule
-
-    def spy(now=0.0):
-        out = schedule(now)
-        if not out.is_empty:
-            comps.append(StepComposition.of(out))
-        return out
-    eng.scheduler.schedule = spy
+    comps = record_compositions(eng)
     for i, (p, o) in enumerate(zip(PROMPTS, OUTPUTS)):
         eng.add_request([10 + (7 * i + j) % 50 for j in range(p)],
                         SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True))
@@ -189,3 +184,37 @@ def test_capacity_search_finds_the_rate_where_p99_ttft_crosses_the_slo():
     cap = find_capacity(run, meets, 1.0, 200.0, iters=10)
     assert cap is not None and meets(run(cap)) and not meets(run(cap * 1.15))
     assert find_capacity(run, lambda m: False, 1.0, 2.0) is None
+
+
+def _steady(n=3000, rate=6.0, max_concurrency=None):
+    reqs = mixed_workload(LengthOnlyFactory(), n, scale=0.5, seed=1)
+    arr = arrival_times(n, rate, seed=1)
+    res = simulate_cluster(reqs, arr, SimConfig(max_num_batched_tokens=512, num_kv_blocks=100_000),
+                           OverlapCostModel(0.022, 35000.0), max_concurrency=max_concurrency)
+    return reqs, arr, res
+
+
+def test_littles_law_holds_on_a_steady_run():
+    """L = lambda W (Little 1961): the time-average of requests in flight (from the event loop)
+    equals the arrival rate times the mean E2E latency (from the records)."""
+    _, arr, res = _steady()
+    e2e = np.mean([r.latency for r in res.records])
+    lam = len(arr) / res.duration
+    assert res.mean_in_flight == pytest.approx(lam * e2e, rel=1e-9)  # the accounting is exact
+    assert res.mean_in_flight == pytest.approx(6.0 * e2e, rel=0.05)  # and the offered rate
+
+
+def test_closed_loop_never_has_more_than_max_concurrency_in_flight():
+    reqs, arr, res = _steady(n=200, rate=float("inf"), max_concurrency=3)
+    events = sorted([(r.send_time, 1) for r in res.records]
+                    + [(r.send_time + r.latency, -1) for r in res.records],
+                    key=lambda e: (e[0], e[1]))
+    level = peak = 0
+    for _, d in events:
+        level += d
+        peak = max(peak, level)
+    assert peak == 3
+    assert 2.9 < res.mean_in_flight <= 3.0
+    waits = [r.queue_time for r in res.records]
+    assert min(waits) == 0.0 and max(waits) > 1.0  # later requests waited for a slot
+    assert all(r.ttft > 0 for r in res.records)  # TTFT counts from the send, not the arrival

@@ -1,0 +1,77 @@
+"""`sloserve serve --step-trace` records and `sloserve profile --from-trace`: the trace holds the
+scheduler's step compositions, and the fit uses only steps the engine was busy after."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import sloserve
+from sloserve.engine.metrics import StepTraceLogger
+from sloserve.sampling_params import SamplingParams
+from sloserve.sim.cost_model import StepComposition
+from sloserve.sim.profile import load_profile, main as profile_main, trace_samples
+
+from .helpers import record_compositions
+
+PROMPTS = [5, 37, 12]
+OUTPUTS = [4, 3, 6]
+
+
+def test_step_trace_records_every_step_and_its_composition(tiny_llama_dir, tmp_path):
+    path = str(tmp_path / "trace.jsonl")
+    llm = sloserve.LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64, block_size=4,
+                       max_num_batched_tokens=16)
+    eng = llm.engine
+    logger = StepTraceLogger(path)
+    eng.stat_loggers.append(logger)
+    comps = record_compositions(eng)
+    for i, (p, o) in enumerate(zip(PROMPTS, OUTPUTS)):
+        eng.add_request([10 + j for j in range(p)],
+                        SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    logger.close()
+    rows = [json.loads(line) for line in open(path)]
+    assert [StepComposition(tuple(r["decode_contexts"]), tuple(map(tuple, r["prefill_chunks"])))
+            for r in rows] == comps
+    assert sorted(n for r in rows for _, n in r["admitted"]) == sorted(PROMPTS)
+    assert sum(n for r in rows for n, _ in r["prefill_chunks"]) == sum(PROMPTS)
+    assert sum(len(r["decode_contexts"]) for r in rows) == sum(o - 1 for o in OUTPUTS)
+    ts = [r["t"] for r in rows]
+    assert ts == sorted(ts) and rows[-1]["running"] + rows[-1]["waiting"] == 0
+    samples = trace_samples([path])
+    assert len(samples) == len(rows) - 1  # the last step was followed by idle time
+    assert [c for c, _ in samples] == comps[:-1]
+    assert all(t == pytest.approx(b["t"] - a["t"]) for (_, t), a, b in zip(samples, rows, rows[1:]))
+
+
+def _line(t, busy, dec, pre):
+    return json.dumps({"t": t, "step_s": 0.0, "running": busy, "waiting": 0,
+                       "decode_contexts": dec, "prefill_chunks": pre, "admitted": []})
+
+
+def test_profile_from_trace_fits_the_busy_cycles(tmp_path, capsys):
+    # cycles that follow t = 0.05 + 0.002 * decodes + 0.001 * prefill tokens exactly
+    lines, t = [], 0.0
+    for k in range(40):
+        dec, pre = [100 + k] * (k % 7), ([[16 * (k % 5 + 1), 0]] if k % 3 else [])
+        lines.append(_line(t, 1, dec, pre))
+        t += 0.05 + 0.002 * len(dec) + 0.001 * sum(n for n, _ in pre)
+        if k == 20:  # idle after this step: its cycle is not a step cost
+            lines.append(_line(t, 0, [1], []))
+            t += 5.0
+    lines.append(_line(t, 0, [], [[1, 0]]))
+    (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "p.json"
+    assert profile_main(["--from-trace", str(tmp_path / "t.jsonl"), "--out", str(out)]) == 0
+    assert "40 busy steps from 1 trace(s)" in capsys.readouterr().out
+    coef = load_profile(str(out)).coef
+    assert coef[0] == pytest.approx(0.05, abs=1e-9) and coef[1] == pytest.approx(0.002, abs=1e-9)
+    assert coef[3] == pytest.approx(0.001, abs=1e-9)
+
+
+def test_profile_from_a_bad_trace_names_the_line(tmp_path, capsys):
+    (tmp_path / "t.jsonl").write_text(_line(0.0, 1, [], []) + "\n{\"t\": 1}\n")
+    assert profile_main(["--from-trace", str(tmp_path / "t.jsonl")]) == 2
+    assert "t.jsonl:2: not a step-trace record" in capsys.readouterr().err
