@@ -86,6 +86,12 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--prefill-tokens-per-s", type=pos_float, default=None,
                    help="overlap model: prefill throughput (tokens/s)")
     c.add_argument("--step-overhead-ms", type=float, default=0.0)
+    c.add_argument("--request-in-ms", type=float, default=None,
+                   help="the server's path from a send to the engine's queue (default: the "
+                        "--profile's measured value, else 0)")
+    c.add_argument("--token-out-ms", type=float, default=None,
+                   help="from a step's end to the client holding the token (default: the "
+                        "--profile's measured value, else 0)")
     c.add_argument("--roofline-model", default=None,
                    help="roofline model: a `sloserve roofline` model preset, config.json or GGUF")
     c.add_argument("--hardware", default="H100-SXM", help="roofline model: hardware preset")
@@ -186,8 +192,18 @@ class _Sim:
             factory = LengthOnlyFactory()
         self.reqs = build_workload(a, factory)
         self.trace_arrivals = any(r.arrival_time is not None for r in self.reqs)
+        into, out = (0.0, 0.0)
+        if a.profile:
+            from sloserve.sim.profile import load_frontend
+            into, out = load_frontend(a.profile)
+        into = into if a.request_in_ms is None else a.request_in_ms / 1e3
+        out = out if a.token_out_ms is None else a.token_out_ms / 1e3
+        if into < 0 or out < 0:
+            raise ValueError("--request-in-ms and --token-out-ms must be >= 0")
         self.cfg = SimConfig(a.max_num_batched_tokens, a.max_num_seqs, a.max_model_len,
-                             a.scheduling_policy, a.num_kv_blocks, a.block_size)
+                             a.scheduling_policy, a.num_kv_blocks, a.block_size, into, out)
+        if into or out:
+            self.cost_name += (f", server path {1e3 * into:.1f} ms in / {1e3 * out:.1f} ms out")
 
     def arrivals(self, rate: float) -> list[float]:
         from sloserve.bench.arrivals import arrival_times

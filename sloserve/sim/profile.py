@@ -80,6 +80,52 @@ def trace_samples(paths) -> list[tuple[StepComposition, float]]:
     return out
 
 
+def _trace_rows(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def frontend_delays(trace: str, bench_result: str) -> tuple[list[float], list[float]]:
+    """The server's own path, measured: (send -> engine queue, first token's step end ->
+    client) seconds per request of a ``sloserve bench --save-detailed`` run against a server
+    that wrote ``trace`` (``--step-trace``). Both use the machine's monotonic clock.
+
+    Requests are matched in time order by prompt length (a trace's ``admitted`` entries against
+    the result's ``start_times`` and ``input_lens``); the first token's step is the one whose
+    prefill chunk ends at the prompt's length.
+
+    Raises:
+        ValueError: the result has no per-request times, or nothing matched.
+    """
+    with open(bench_result, encoding="utf-8") as f:
+        res = json.load(f)
+    if "start_times" not in res or "ttfts" not in res:
+        raise ValueError(f"{bench_result}: no per-request times (run the bench with "
+                         f"--save-detailed)")
+    rows = _trace_rows(trace)
+    adm = sorted((a, n, k) for k, r in enumerate(rows) for a, n in r.get("admitted", []))
+    reqs = sorted(zip(res["start_times"], res["input_lens"], res["ttfts"], res["errors"]))
+    into, out, j = [], [], 0
+    for send, plen, ttft, err in reqs:
+        if err or not ttft:
+            continue
+        while j < len(adm) and (adm[j][1] != plen or adm[j][0] < send - 1e-3):
+            j += 1
+        if j == len(adm):
+            break
+        arrival, _, k = adm[j]
+        j += 1
+        while k < len(rows) and not any(n + st == plen for n, st in rows[k]["prefill_chunks"]):
+            k += 1
+        if k == len(rows):
+            continue
+        into.append(arrival - send)
+        out.append(send + ttft - (rows[k]["t"] + rows[k]["step_s"]))
+    if not into:
+        raise ValueError(f"no request of {bench_result} matched a step of {trace}")
+    return into, out
+
+
 def fit_with_holdout(samples):
     """(model fitted on all points, relative errors on every 4th point of a fit without them)."""
     held = samples[3::4]
@@ -87,12 +133,23 @@ def fit_with_holdout(samples):
     return LinearCostModel.fit(samples), LinearCostModel.fit(train).relative_errors(held)
 
 
-def save_profile(path: str, samples, model: LinearCostModel, meta: dict) -> None:
-    """Write the measured table and the fitted coefficients as JSON."""
+def save_profile(path: str, samples, model: LinearCostModel, meta: dict,
+                 frontend: dict | None = None) -> None:
+    """Write the measured table, the fitted coefficients and (when measured) the server-path
+    delays (``frontend``: request_in_s, token_out_s) as JSON."""
     with open(path, "w", encoding="utf-8") as f:
         json.dump({"meta": meta, "features": list(FEATURES), "coef": model.coef,
+                   "frontend": frontend,
                    "samples": [{"composition": asdict(c), "seconds": t} for c, t in samples]},
                   f, indent=1)
+
+
+def load_frontend(path: str) -> tuple[float, float]:
+    """(request_in_s, token_out_s) of a profile file: the server-path delays measured with
+    ``--bench-result``, else (0, 0)."""
+    with open(path, encoding="utf-8") as f:
+        fe = json.load(f).get("frontend") or {}
+    return float(fe.get("request_in_s", 0.0)), float(fe.get("token_out_s", 0.0))
 
 
 def load_profile(path: str) -> LinearCostModel:
@@ -121,17 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--from-trace", nargs="+", default=None, metavar="TRACE.jsonl",
                     help="fit to the steps of `sloserve serve --step-trace` files instead of "
                          "timing a grid (no model is loaded)")
+    ap.add_argument("--bench-result", nargs="+", default=None, metavar="RESULT.json",
+                    help="with --from-trace: the `sloserve bench --save-detailed` result of "
+                         "each trace's run, in the same order; measures the server's path "
+                         "(send -> engine queue, step end -> client) for the simulator")
     a = ap.parse_args(argv)
     if a.from_trace:
-        try:
-            samples = trace_samples(a.from_trace)
-            model, err = fit_with_holdout(samples)
-        except (ValueError, FileNotFoundError) as e:
-            print(f"sloserve profile: error: {e}", file=sys.stderr)
-            return 2
-        save_profile(a.out, samples, model, {"source": "step trace", "traces": a.from_trace})
-        _report(model, err, a.out, f"{len(samples)} busy steps from {len(a.from_trace)} trace(s)")
-        return 0
+        return _from_trace(a)
     from sloserve.engine.llm_engine import LLMEngine
     cfg = engine_config_from_args(a)
     cfg.scheduling_policy = "chunked"
@@ -148,6 +201,35 @@ def main(argv: list[str] | None = None) -> int:
     save_profile(a.out, samples, model, {"model": eng.model_name, "dtype": cfg.dtype,
                                          "num_threads": cfg.num_threads})
     _report(model, err, a.out, f"{len(samples)} grid points")
+    return 0
+
+
+def _from_trace(a: argparse.Namespace) -> int:
+    try:
+        if a.bench_result and len(a.bench_result) != len(a.from_trace):
+            raise ValueError(f"--bench-result needs one file per trace: {len(a.from_trace)} "
+                             f"traces, {len(a.bench_result)} results")
+        samples = trace_samples(a.from_trace)
+        model, err = fit_with_holdout(samples)
+        frontend = None
+        if a.bench_result:
+            into, out = [], []
+            for tr, res in zip(a.from_trace, a.bench_result):
+                i, o = frontend_delays(tr, res)
+                into += i
+                out += o
+            frontend = {"request_in_s": float(np.mean(into)), "token_out_s": float(np.mean(out)),
+                        "requests": len(into)}
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"sloserve profile: error: {e}", file=sys.stderr)
+        return 2
+    save_profile(a.out, samples, model, {"source": "step trace", "traces": a.from_trace},
+                 frontend)
+    if frontend:
+        print(f"server path ({frontend['requests']} requests): send -> engine queue "
+              f"{1e3 * frontend['request_in_s']:.1f} ms, step end -> client "
+              f"{1e3 * frontend['token_out_s']:.1f} ms (means)")
+    _report(model, err, a.out, f"{len(samples)} busy steps from {len(a.from_trace)} trace(s)")
     return 0
 
 

@@ -36,6 +36,11 @@ class SimConfig:
     Attributes:
         max_num_batched_tokens, max_num_seqs, max_model_len, policy: the scheduler's settings.
         num_kv_blocks, block_size: the KV cache.
+        request_in_s: the server's path from a client's send to the engine's queue (HTTP,
+            validation, tokenization), seconds; measured by ``sloserve profile --from-trace
+            ... --bench-result``.
+        token_out_s: from the end of the step that made a token to the client holding it
+            (detokenization, the SSE event), seconds.
     """
 
     max_num_batched_tokens: int = 512
@@ -44,6 +49,8 @@ class SimConfig:
     policy: str = "chunked"
     num_kv_blocks: int = 4096
     block_size: int = 16
+    request_in_s: float = 0.0
+    token_out_s: float = 0.0
 
 
 @dataclass
@@ -81,6 +88,7 @@ class Replica:
     def __init__(self, index: int, cfg: SimConfig, cost: CostModel, requests: Sequence[SampleRequest],
                  recs: list[RequestRecord], record_steps: bool, role: str = "both"):
         self.index, self.cost, self.requests, self.recs, self.role = index, cost, requests, recs, role
+        self.token_out_s = cfg.token_out_s
         self.sched = Scheduler(SchedulerConfig(
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
             max_model_len=cfg.max_model_len, policy=cfg.policy),
@@ -156,7 +164,7 @@ class Replica:
             out, {sr.request_id: 1 for sr in out.scheduled if sr.samples}, t)
         for sr in out.scheduled:
             if sr.request.num_output_tokens > before[sr.request_id]:
-                self.recs[int(sr.request_id)].chunk_times.append(t)
+                self.recs[int(sr.request_id)].chunk_times.append(t + self.token_out_s)
         return [(int(r.request_id), r.first_scheduled_time) for r in done]
 
 
@@ -186,6 +194,10 @@ def simulate_cluster(requests: Sequence[SampleRequest], arrivals: Sequence[float
     ``max_concurrency`` closes the loop as ``sloserve bench --max-concurrency`` does: a request
     is sent at its arrival time or, when that many are in flight, when one finishes; its wait is
     its ``queue_time`` and its TTFT counts from the send.
+
+    ``cfg.request_in_s`` delays each request between its send and the engine's queue;
+    ``cfg.token_out_s`` delays every token between its step's end and the client (the
+    closed loop frees a slot when the engine finishes the request).
 
     ``disaggregation`` replaces the replicas by P prefill and D decode instances: a request is
     routed (``router``) to a prefill instance and runs there until its first token (TTFT), then
@@ -220,7 +232,9 @@ def simulate_cluster(requests: Sequence[SampleRequest], arrivals: Sequence[float
         back = [Replica(dis.num_prefill + j, cfg, cost, requests, recs, record_steps, "decode")
                 for j in range(dis.num_decode)]
         reps = front + back
-    heap: list[tuple[float, int, int, int]] = []  # (time, seq, replica, request or -1)
+    # (time, seq, replica, request reaching its queue (through the front end or over the KV
+    # link) or -1 for the end of its step)
+    heap: list[tuple[float, int, int, int]] = []
     seq = 0
     replica_of = [0] * n
     sent = [float(a) for a in arrivals]
@@ -241,7 +255,7 @@ def simulate_cluster(requests: Sequence[SampleRequest], arrivals: Sequence[float
         if t_ev < t_send:
             _, _, j, i = heapq.heappop(heap)
             r = reps[j]
-            if i >= 0:  # a KV transfer landed on decode instance j
+            if i >= 0:
                 r.incoming -= 1
                 r.inbox.append(i)
             else:
@@ -261,7 +275,12 @@ def simulate_cluster(requests: Sequence[SampleRequest], arrivals: Sequence[float
             i = order[k]
             sent[i] = now if max_concurrency is not None else float(arrivals[i])
             rep = _route(router, front, requests[i], k)
-            rep.inbox.append(i)
+            if cfg.request_in_s > 0:
+                rep.incoming += 1
+                heapq.heappush(heap, (now + cfg.request_in_s, seq, rep.index, i))
+                seq += 1
+            else:
+                rep.inbox.append(i)
             replica_of[i] = rep.index
             in_flight += 1
             k += 1

@@ -1,5 +1,6 @@
 """`sloserve serve --step-trace` records and `sloserve profile --from-trace`: the trace holds the
-scheduler's step compositions, and the fit uses only steps the engine was busy after."""
+scheduler's step compositions, the fit uses only steps the engine was busy after, and the
+server path (send -> engine, step end -> client) is measured per request."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,11 @@ import sloserve
 from sloserve.engine.metrics import StepTraceLogger
 from sloserve.sampling_params import SamplingParams
 from sloserve.sim.cost_model import StepComposition
-from sloserve.sim.profile import load_profile, main as profile_main, trace_samples
+from sloserve.bench.datasets import SampleRequest
+from sloserve.sim.cost_model import OverlapCostModel
+from sloserve.sim.profile import (frontend_delays, load_frontend, load_profile, main as profile_main,
+                                  trace_samples)
+from sloserve.sim.simulator import SimConfig, simulate
 
 from .helpers import record_compositions
 
@@ -75,3 +80,34 @@ def test_profile_from_a_bad_trace_names_the_line(tmp_path, capsys):
     (tmp_path / "t.jsonl").write_text(_line(0.0, 1, [], []) + "\n{\"t\": 1}\n")
     assert profile_main(["--from-trace", str(tmp_path / "t.jsonl")]) == 2
     assert "t.jsonl:2: not a step-trace record" in capsys.readouterr().err
+
+
+def test_server_path_delays_are_matched_per_request_and_used_by_the_simulator(tmp_path, capsys):
+    # two requests: sent at 10.0 and 10.5; the engine saw them 30 ms later; prefill steps of
+    # 200 ms (whole prompt) and the first token reached the client 10 ms after the step's end
+    rows = [{"t": 10.04, "step_s": 0.2, "running": 1, "waiting": 0, "decode_contexts": [],
+             "prefill_chunks": [[64, 0]], "admitted": [[10.03, 64]]},
+            {"t": 10.53, "step_s": 0.2, "running": 0, "waiting": 0, "decode_contexts": [],
+             "prefill_chunks": [[32, 0]], "admitted": [[10.53, 32]]}]
+    rows[1:1] = [{"t": 10.24 + 0.05 * k, "step_s": 0.05, "running": 1, "waiting": 0,
+                  "decode_contexts": [65 + k], "prefill_chunks": [], "admitted": []}
+                 for k in range(6)]
+    (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    res = {"start_times": [10.0, 10.5], "input_lens": [64, 32], "errors": ["", ""],
+           "ttfts": [0.25, 0.24]}
+    (tmp_path / "r.json").write_text(json.dumps(res))
+    into, out = frontend_delays(str(tmp_path / "t.jsonl"), str(tmp_path / "r.json"))
+    assert into == pytest.approx([0.03, 0.03]) and out == pytest.approx([0.01, 0.01])
+    p = str(tmp_path / "p.json")
+    assert profile_main(["--from-trace", str(tmp_path / "t.jsonl"), "--bench-result",
+                         str(tmp_path / "r.json"), "--out", p]) == 0
+    assert "send -> engine queue 30.0 ms, step end -> client 10.0 ms" in capsys.readouterr().out
+    assert load_frontend(p) == pytest.approx((0.03, 0.01))
+    # the simulator adds both to a request alone: TTFT = in + the step + out
+    cfg = SimConfig(request_in_s=0.03, token_out_s=0.01)
+    r = simulate([SampleRequest("", 64, 3)], [0.0], cfg, OverlapCostModel(0.02, 320.0))
+    assert r.records[0].ttft == pytest.approx(0.03 + 0.2 + 0.01)
+    assert r.records[0].itl == pytest.approx([0.02, 0.02])
+    assert profile_main(["--from-trace", str(tmp_path / "t.jsonl"), "--bench-result",
+                         str(tmp_path / "r.json"), str(tmp_path / "r.json")]) == 2
+    assert "one file per trace" in capsys.readouterr().err
