@@ -9,8 +9,11 @@ extended to the hybrid batches of chunked prefill by adding the two parts in one
     t = c0 + c1 * decodes + c2 * sum(decode contexts) + c3 * prefill tokens
            + c4 * sum over chunks of n * (start + n)          (attention of a chunk: n queries
                                                                 over start + n keys)
+           + c5 * prefill chunks                               (fixed cost of each chunk)
 
-fitted by least squares to step times measured on the real engine.
+fitted by least squares to step times measured on the real engine. (The per-chunk term was
+added after fitting traces of the served engine: without it, steps with short prompts were
+under-predicted by 10-15 %; see docs/sim.md.)
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-FEATURES = ("overhead", "decodes", "decode_context_tokens", "prefill_tokens", "prefill_attention")
+FEATURES = ("overhead", "decodes", "decode_context_tokens", "prefill_tokens", "prefill_attention",
+            "prefill_chunks")
 
 
 @dataclass(frozen=True)
@@ -46,13 +50,14 @@ class StepComposition:
         return cls(tuple(dec), tuple(pre))
 
     def features(self) -> np.ndarray:
-        """The model's feature vector (see the module docstring), float64 of shape (5,)."""
+        """The model's feature vector (see the module docstring), float64 of shape (6,)."""
         return np.array([
             1.0,
             len(self.decode_contexts),
             sum(self.decode_contexts),
             sum(n for n, _ in self.prefill_chunks),
             sum(n * (s + n) for n, s in self.prefill_chunks),
+            len(self.prefill_chunks),
         ], dtype=np.float64)
 
 
@@ -65,15 +70,19 @@ class CostModel(Protocol):
 @dataclass
 class LinearCostModel:
     """The profiled cost model: ``t = coef . features`` (seconds; coefficients per feature in
-    :data:`FEATURES` order: s, s/decode, s/context token, s/prefill token, s/attention pair).
+    :data:`FEATURES` order: s, s/decode, s/context token, s/prefill token, s/attention pair,
+    s/chunk). Five coefficients (a profile written before the per-chunk term) get a zero one.
 
     Raises:
-        ValueError: not 5 coefficients, or a negative one.
+        ValueError: not 5 or 6 coefficients, or a negative one.
     """
 
     coef: list[float] = field(default_factory=lambda: [0.0] * len(FEATURES))
 
     def __post_init__(self) -> None:
+        self.coef = list(self.coef)
+        if len(self.coef) == len(FEATURES) - 1:
+            self.coef.append(0.0)
         if len(self.coef) != len(FEATURES):
             raise ValueError(f"need {len(FEATURES)} coefficients ({', '.join(FEATURES)}), "
                              f"got {len(self.coef)}")
@@ -89,7 +98,7 @@ class LinearCostModel:
         """Non-negative least squares on (composition, measured seconds) pairs.
 
         Solved as ordinary least squares, then any negative coefficient is fixed at 0 and the
-        rest refitted (a few features, so this active-set loop ends in at most 5 rounds).
+        rest refitted (a few features, so this active-set loop ends in at most 6 rounds).
 
         Raises:
             ValueError: fewer samples than features.

@@ -85,14 +85,30 @@ def _trace_rows(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _last_prefill_step(rows: list[dict], k: int, plen: int) -> int | None:
+    """Index of the step that finishes the prefill of a ``plen``-token prompt admitted in step
+    ``k``: follow its chunks (the next one starts where the last ended) until they reach
+    ``plen``; None if the trace ends first."""
+    pos = 0
+    while k < len(rows):
+        for n, st in rows[k]["prefill_chunks"]:
+            if st == pos and (pos > 0 or n <= plen):
+                pos += n
+                break
+        if pos >= plen:
+            return k
+        k += 1
+    return None
+
+
 def frontend_delays(trace: str, bench_result: str) -> tuple[list[float], list[float]]:
     """The server's own path, measured: (send -> engine queue, first token's step end ->
     client) seconds per request of a ``sloserve bench --save-detailed`` run against a server
     that wrote ``trace`` (``--step-trace``). Both use the machine's monotonic clock.
 
     Requests are matched in time order by prompt length (a trace's ``admitted`` entries against
-    the result's ``start_times`` and ``input_lens``); the first token's step is the one whose
-    prefill chunk ends at the prompt's length.
+    the result's ``start_times`` and ``input_lens``); the first token's step is the one where
+    the request's chunks, followed from its admission, reach the prompt's length.
 
     Raises:
         ValueError: the result has no per-request times, or nothing matched.
@@ -115,9 +131,8 @@ def frontend_delays(trace: str, bench_result: str) -> tuple[list[float], list[fl
             break
         arrival, _, k = adm[j]
         j += 1
-        while k < len(rows) and not any(n + st == plen for n, st in rows[k]["prefill_chunks"]):
-            k += 1
-        if k == len(rows):
+        k = _last_prefill_step(rows, k, plen)
+        if k is None:
             continue
         into.append(arrival - send)
         out.append(send + ttft - (rows[k]["t"] + rows[k]["step_s"]))
@@ -156,7 +171,7 @@ def load_profile(path: str) -> LinearCostModel:
     """The fitted model of a profile file.
 
     Raises:
-        FileNotFoundError, ValueError: missing file, or not a profile (no 5 ``coef``).
+        FileNotFoundError, ValueError: missing file, or not a profile (no ``coef``).
     """
     with open(path, encoding="utf-8") as f:
         try:

@@ -53,12 +53,13 @@ def test_sim_bad_settings_exit_2_with_one_line(extra, msg, capsys):
 
 
 def test_profile_file_round_trip_and_holdout(tmp_path):
-    model = LinearCostModel([0.05, 0.002, 3e-6, 0.0006, 2e-8])
-    samples = [(StepComposition((100 + i,) * (i % 5), ((32 * (i % 4 + 1), 64 * i),)),
-                0.0) for i in range(12)]
+    model = LinearCostModel([0.05, 0.002, 3e-6, 0.0006, 2e-8, 0.01])
+    samples = [(StepComposition((100 + i,) * (i % 5),
+                                ((32 * (i % 4 + 1), 64 * i),) * (i % 3 + (i > 7))), 0.0)
+               for i in range(16)]
     samples = [(c, model.step_time(c)) for c, _ in samples]
     fitted, err = fit_with_holdout(samples)
-    assert len(err) == 3 and err.max() < 1e-6
+    assert len(err) == 4 and err.max() < 1e-6
     save_profile(str(tmp_path / "p.json"), samples, fitted, {"model": "x"})
     loaded = load_profile(str(tmp_path / "p.json"))
     assert loaded.coef == pytest.approx(model.coef, rel=1e-6)
@@ -150,3 +151,10 @@ def test_closed_loop_and_disaggregation_from_the_cli(capsys):
     err = capsys.readouterr().err
     assert "1 prefill + 2 decode instances (KV over nic-100g, eager)" in err
     assert "KV transfer exposed mean" in err
+
+
+def test_a_five_coefficient_profile_gets_a_zero_per_chunk_term(tmp_path):
+    (tmp_path / "old.json").write_text('{"coef": [0.05, 0.002, 3e-6, 0.0006, 2e-8]}')
+    assert load_profile(str(tmp_path / "old.json")).coef == [0.05, 0.002, 3e-6, 0.0006, 2e-8, 0.0]
+    with pytest.raises(ValueError, match="need 6 coefficients"):
+        LinearCostModel([1.0, 2.0])

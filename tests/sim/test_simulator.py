@@ -95,13 +95,14 @@ def test_lecture_setup_chunking_cuts_p99_tpot_when_decode_is_memory_bound():
 
 def test_linear_fit_recovers_the_coefficients_and_keeps_them_non_negative():
     rng = np.random.default_rng(0)
-    true = [0.05, 0.002, 3e-6, 0.0006, 2e-8]
+    true = [0.05, 0.002, 3e-6, 0.0006, 2e-8, 0.01]
     model = LinearCostModel(true)
     samples = []
     for _ in range(40):
+        k = int(rng.integers(0, 4))
         comp = StepComposition(tuple(int(x) for x in rng.integers(10, 2000, rng.integers(0, 16))),
                                tuple((int(n), int(s)) for n, s in
-                                     zip(rng.integers(1, 512, 2), rng.integers(0, 3000, 2))))
+                                     zip(rng.integers(1, 512, k), rng.integers(0, 3000, k))))
         samples.append((comp, model.step_time(comp)))
     fit = LinearCostModel.fit(samples)
     np.testing.assert_allclose(fit.coef, true, rtol=1e-6)
@@ -110,7 +111,7 @@ def test_linear_fit_recovers_the_coefficients_and_keeps_them_non_negative():
     neg = [(c, 0.05 + 0.001 * len(c.decode_contexts) - 1e-7 * sum(c.decode_contexts))
            for c, _ in samples]
     assert min(LinearCostModel.fit(neg).coef) >= 0
-    with pytest.raises(ValueError, match="at least 5 samples"):
+    with pytest.raises(ValueError, match="at least 6 samples"):
         LinearCostModel.fit(samples[:len(FEATURES) - 1])
 
 
