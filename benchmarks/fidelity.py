@@ -107,9 +107,9 @@ def _step_error(cost, trace: str) -> tuple[float, float]:
     return float(pred.sum() / meas.sum() - 1), float(np.mean(np.abs(pred - meas) / meas))
 
 
-def _calibrate(out_dir: str, traces: list[str]):
+def _calibrate(traces: list[str]):
     """(model, held-out errors, (request_in_s, token_out_s), samples, matched requests) from
-    calibration traces and their bench results."""
+    step traces and the bench results of the same runs."""
     samples = trace_samples(traces)
     model, err = fit_with_holdout(samples)
     into, outs = [], []
@@ -120,7 +120,22 @@ def _calibrate(out_dir: str, traces: list[str]):
     return model, err, (float(np.mean(into)), float(np.mean(outs))), samples, len(into)
 
 
-PRIMARY = "per-policy trace + server path"
+PRIMARY = "per-policy calibration run + server path"
+
+
+def _runs(dirs: list[str]) -> dict[str, list[str]]:
+    """Validation run name (``<policy>_r<rate>``) -> its result files, one per repetition."""
+    runs: dict[str, list[str]] = {}
+    for d in dirs:
+        for p in sorted(glob.glob(os.path.join(d, "measured_*.json"))):
+            name = os.path.basename(p)[len("measured_"):-len(".json")]
+            if not name.endswith("_cal"):
+                runs.setdefault(name, []).append(p)
+    return dict(sorted(runs.items()))
+
+
+def _mean_metrics(results: list[dict]) -> dict[str, float]:
+    return {key: float(np.mean([r[key] for r in results])) for _, key, _ in METRICS}
 
 
 def report(a) -> int:
@@ -129,56 +144,93 @@ def report(a) -> int:
     if not cal:
         print(f"no calibration traces in {a.out}; run `measure` first", file=sys.stderr)
         return 2
-    lines, fitted = [], {}
+    dirs = [a.out, *a.repeats]
+    runs = _runs(dirs)
+    lines = [f"validation runs: {len(runs)} points x {max(len(v) for v in runs.values())} "
+             f"repetition(s) ({', '.join(dirs)}); each figure below is the mean over the "
+             f"repetitions, measured and simulated (each repetition simulated at its own send "
+             f"times)", "", "calibration:"]
+    fitted = {}
     for policy, tr in [*cal.items(), ("pooled", list(cal.values()))]:
         traces = tr if isinstance(tr, list) else [tr]
-        model, err, fe, samples, nreq = _calibrate(a.out, traces)
+        model, err, fe, samples, nreq = _calibrate(traces)
         fitted[policy] = (model, fe)
         save_profile(os.path.join(a.out, f"profile_{policy}.json"), samples, model,
                      {"source": "step trace", "traces": [os.path.basename(t) for t in traces]},
                      {"request_in_s": fe[0], "token_out_s": fe[1], "requests": nreq})
-        lines += [f"- `{policy}`: {len(samples)} busy steps of "
-                  f"{', '.join(os.path.basename(t) for t in traces)}; held-out step error mean "
-                  f"{100 * err.mean():.1f} %, median {100 * float(np.median(err)):.1f} %; "
-                  f"coefficients (s) " + ", ".join(f"{c:.3g}" for c in model.coef)
-                  + f"; server path ({nreq} requests): send -> engine queue {1e3 * fe[0]:.1f} "
-                  f"ms, first token's step end -> client {1e3 * fe[1]:.1f} ms (means)"]
+        lines.append(f"- `{policy}`: {len(samples)} busy steps of "
+                     f"{', '.join(os.path.basename(t) for t in traces)}; held-out step error "
+                     f"mean {100 * err.mean():.1f} %, median {100 * float(np.median(err)):.1f} "
+                     f"%; coefficients (s) " + ", ".join(f"{c:.3g}" for c in model.coef)
+                     + f"; server path ({nreq} requests): send -> engine queue "
+                     f"{1e3 * fe[0]:.1f} ms, first token's step end -> client {1e3 * fe[1]:.1f} "
+                     f"ms (means)")
     lines.append("")
+
+    def in_run(path: str, policy: str):
+        r = _calibrate([path.replace("measured_", "trace_").replace(".json", ".jsonl")])
+        return r[0], r[2]
+
+    def leave_one_out(path: str, policy: str):
+        name = os.path.basename(path).replace("measured_", "trace_").replace(".json", ".jsonl")
+        others = [t for d in dirs for t in sorted(glob.glob(os.path.join(d, f"trace_{policy}_*.jsonl")))
+                  if os.path.basename(t) != name]
+        r = _calibrate(others)
+        return r[0], r[2]
     variants = {
-        PRIMARY: lambda pol: fitted[pol],
-        "per-policy trace, no server path": lambda pol: (fitted[pol][0], (0.0, 0.0)),
-        "pooled trace + server path": lambda pol: fitted["pooled"],
+        PRIMARY: lambda path, pol: fitted[pol],
+        "leave-one-out: every other run of the policy (all repetitions) + server path":
+            leave_one_out,
+        "per-policy calibration run, no server path": lambda path, pol: (fitted[pol][0], (0, 0)),
+        "pooled calibration (one model for both policies) + server path":
+            lambda path, pol: fitted["pooled"],
+        "in-run: each run's own step trace + server path (not held out)": in_run,
     }
     if a.grid_profile:
         grid = load_profile(a.grid_profile)
-        variants["grid + server path"] = lambda pol: (grid, fitted[pol][1])
-    runs = sorted(p for p in glob.glob(os.path.join(a.out, "measured_*.json"))
-                  if not p.endswith("_cal.json"))
-    worst = 0
+        variants["grid profile (isolated engine) + server path"] = \
+            lambda path, pol: (grid, fitted[pol][1])
+    measured = {name: [json.load(open(p, encoding="utf-8")) for p in paths]
+                for name, paths in runs.items()}
+    if any(len(v) > 1 for v in measured.values()):
+        lines += ["### measured run-to-run spread (same workload, same seed): (max - min) / "
+                  "mean over the repetitions", "",
+                  "| run | " + " | ".join(lab for lab, _, _ in METRICS) + " |",
+                  "|---" * (len(METRICS) + 1) + "|"]
+        for name, res in measured.items():
+            cells = []
+            for _, key, _ in METRICS:
+                v = [r[key] for r in res]
+                cells.append(f"{100 * (max(v) - min(v)) / np.mean(v):.1f} %")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("")
+    misses = 0
     for vname, pick in variants.items():
         lines += [f"### {vname}", "",
                   "| run | " + " | ".join(f"{lab} meas / sim / err" for lab, _, _ in METRICS)
                   + " | step time: sum err / mean abs err |",
                   "|---" * (len(METRICS) + 2) + "|"]
-        for p in runs:
-            meas = json.load(open(p, encoding="utf-8"))
-            cost, fe = pick(meas["scheduling_policy"])
-            sim = _simulate_like(meas, cost, fe)
-            name = os.path.basename(p)[len("measured_"):-len(".json")]
+        for name, paths in runs.items():
+            sims, step_errs = [], []
+            for p, meas in zip(paths, measured[name]):
+                cost, fe = pick(p, meas["scheduling_policy"])
+                sims.append(_simulate_like(meas, cost, fe))
+                tr = p.replace("measured_", "trace_").replace(".json", ".jsonl")
+                step_errs.append(_step_error(cost, tr))
+            m, sm = _mean_metrics(measured[name]), _mean_metrics(sims)
             cells = []
             for _, key, tol in METRICS:
-                e = (sim[key] - meas[key]) / meas[key]
+                e = (sm[key] - m[key]) / m[key]
                 miss = abs(e) > tol
-                worst += miss and vname == PRIMARY
-                cells.append(f"{meas[key]:.0f} / {sim[key]:.0f} / {'**' if miss else ''}"
+                misses += miss and vname == PRIMARY
+                cells.append(f"{m[key]:.0f} / {sm[key]:.0f} / {'**' if miss else ''}"
                              f"{100 * e:+.1f} %{'**' if miss else ''}")
-            tr = os.path.join(a.out, f"trace_{name}.jsonl")
-            se = _step_error(cost, tr) if os.path.exists(tr) else None
-            cells.append(f"{100 * se[0]:+.1f} % / {100 * se[1]:.1f} %" if se else "-")
+            se = np.mean(step_errs, axis=0)
+            cells.append(f"{100 * se[0]:+.1f} % / {100 * se[1]:.1f} %")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
     lines.append(f"bar: within 10 % on means/medians and output throughput, 20 % on P99s; "
-                 f"misses (bold) with `{PRIMARY}`: {worst}")
+                 f"misses (bold) with `{PRIMARY}`: {misses} of {len(runs) * len(METRICS)}")
     text = "\n".join(lines)
     print(text)
     with open(os.path.join(a.out, "report.md"), "w", encoding="utf-8") as f:
@@ -202,6 +254,9 @@ def main(argv=None) -> int:
     r = sub.add_parser("report")
     r.add_argument("--out", default="benchmarks/results/fidelity")
     r.add_argument("--grid-profile", default=None)
+    r.add_argument("--repeats", nargs="*", default=[],
+                   help="more `measure --calibration-prompts 0` output folders: repetitions of "
+                        "the same validation runs")
     a = ap.parse_args(argv)
     if a.cmd == "measure":
         measure(a)
