@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     m = sub.add_parser("measure")
     m.add_argument("--out", default="benchmarks/results/fidelity")
     m.add_argument("--policies", default="naive,chunked")
-    m.add_argument("--rates", default="0.4,0.8,1.2", help="Poisson req/s of the validation runs")
+    m.add_argument("--rates", default="0.4,0.8,1.1", help="Poisson req/s of the validation runs")
     m.add_argument("--num-prompts", type=int, default=120)
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--calibration-rate", type=float, default=1.0)
