@@ -25,6 +25,8 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
+from sloserve.jsonl import read_jsonl
+
 WORKLOADS = ("random", "mixed", "shared-prefix", "sharegpt", "trace")
 
 
@@ -258,23 +260,13 @@ def trace_workload(path: str, factory: PromptFactory, num_prompts: int | None = 
     Raises:
         ValueError: a line that is not JSON or lacks a field (the message gives the line number).
     """
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-                if not isinstance(d, dict):
-                    raise ValueError("not a JSON object")
-                t = float(d["arrival_time"]) if "arrival_time" in d else float(d["timestamp"]) / 1e3
-                if not math.isfinite(t):
-                    raise ValueError(f"arrival time must be finite, got {t}")
-                n_in = _length(_field(d, "input_len", "input_length"))
-                n_out = _length(_field(d, "output_len", "output_length"))
-                rows.append((t, n_in, n_out))
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{lineno}: bad trace line ({e})") from e
+    def parse(d: dict[str, Any]) -> tuple[float, int, int]:
+        t = float(d["arrival_time"]) if "arrival_time" in d else float(d["timestamp"]) / 1e3
+        if not math.isfinite(t):
+            raise ValueError(f"arrival time must be finite, got {t}")
+        return (t, _length(_field(d, "input_len", "input_length")),
+                _length(_field(d, "output_len", "output_length")))
+    rows = read_jsonl(path, parse, "trace line")
     rows.sort()
     rows = rows[:num_prompts] if num_prompts else rows
     t0 = rows[0][0] if rows else 0.0

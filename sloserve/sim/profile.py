@@ -17,6 +17,7 @@ from dataclasses import asdict
 
 import numpy as np
 
+from sloserve.jsonl import read_jsonl
 from sloserve.sim.cost_model import FEATURES, LinearCostModel, StepComposition
 
 DECODE_GRID = [(b, c) for b in (1, 8, 16) for c in (128, 512)]
@@ -61,28 +62,29 @@ def trace_samples(paths) -> list[tuple[StepComposition, float]]:
     """
     out: list[tuple[StepComposition, float]] = []
     for path in paths:
-        rows = []
-        with open(path, encoding="utf-8") as f:
-            for k, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    d = json.loads(line)
-                    rows.append((float(d["t"]), int(d["running"]) + int(d["waiting"]),
-                                 StepComposition(tuple(int(c) for c in d["decode_contexts"]),
-                                                 tuple((int(n), int(st))
-                                                       for n, st in d["prefill_chunks"]))))
-                except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-                    raise ValueError(f"{path}:{k}: not a step-trace record ({e})") from None
+        rows = read_jsonl(path, _step_row, "step-trace record")
         for (t, busy, comp), (t_next, _, _) in zip(rows, rows[1:]):
             if busy and t_next > t:
                 out.append((comp, t_next - t))
     return out
 
 
+def _step_row(d: dict) -> tuple[float, int, StepComposition]:
+    """(start time, requests running or waiting after it, composition) of a trace line."""
+    return (float(d["t"]), int(d["running"]) + int(d["waiting"]),
+            StepComposition(tuple(int(c) for c in d["decode_contexts"]),
+                            tuple((int(n), int(st)) for n, st in d["prefill_chunks"])))
+
+
 def _trace_rows(path: str) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The trace's lines as checked dicts (``t``, ``step_s``, ``prefill_chunks``, ``admitted``)."""
+    def check(d: dict) -> dict:
+        _step_row(d)
+        float(d["step_s"])
+        for a, n in d.get("admitted", []):
+            float(a), int(n)
+        return d
+    return read_jsonl(path, check, "step-trace record")
 
 
 def _last_prefill_step(rows: list[dict], k: int, plen: int) -> int | None:

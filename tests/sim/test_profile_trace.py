@@ -79,7 +79,7 @@ def test_profile_from_trace_fits_the_busy_cycles(tmp_path, capsys):
 def test_profile_from_a_bad_trace_names_the_line(tmp_path, capsys):
     (tmp_path / "t.jsonl").write_text(_line(0.0, 1, [], []) + "\n{\"t\": 1}\n")
     assert profile_main(["--from-trace", str(tmp_path / "t.jsonl")]) == 2
-    assert "t.jsonl:2: not a step-trace record" in capsys.readouterr().err
+    assert "t.jsonl:2: bad step-trace record" in capsys.readouterr().err
 
 
 def test_server_path_delays_are_matched_per_request_and_used_by_the_simulator(tmp_path, capsys):
