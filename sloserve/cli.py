@@ -1,5 +1,7 @@
 """The `sloserve` command: `serve` (OpenAI-compatible server), `generate` (one prompt offline),
-`bench` (SLO load tester, `bench sweep`), `roofline` (roofline / KV-cache / capacity calculator)."""
+`bench` (SLO load tester, `bench sweep`), `sim` (the engine's scheduler on a cost model),
+`profile` (fit the sim's cost model), `compare` (two result files), `roofline` (roofline /
+KV-cache / capacity calculator)."""
 from __future__ import annotations
 
 import argparse
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return a.func(a)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:  # a missing model, bad settings, an unwritable trace
         print(f"sloserve: error: {e}", file=sys.stderr)
         return 2
 

@@ -37,6 +37,11 @@ class TokenizerLike(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
+#: tag prefix of the requests of one ``shared-prefix`` group (``group0``, ``group1``...), which
+#: the simulator's prefix-affinity router keeps on one replica
+PREFIX_GROUP_TAG = "group"
+
+
 @dataclass
 class SampleRequest:
     """One request of a workload.
@@ -194,7 +199,7 @@ def shared_prefix_workload(factory: PromptFactory, num_prompts: int, *, num_grou
     reqs = []
     for i in range(num_prompts):
         text = prefixes[i % num_groups] + factory.make(suffix_len)[0]
-        reqs.append(SampleRequest(text, factory.count(text), output_len, tag=f"group{i % num_groups}"))
+        reqs.append(SampleRequest(text, factory.count(text), output_len, tag=f"{PREFIX_GROUP_TAG}{i % num_groups}"))
     random.Random(seed).shuffle(reqs)
     return reqs
 

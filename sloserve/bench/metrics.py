@@ -146,12 +146,17 @@ def peak_output_per_s(records: Sequence[RequestRecord], start: float) -> float:
 def peak_concurrency(records: Sequence[RequestRecord], start: float) -> int:
     """Most requests in flight during any whole second of the run (1-s buckets from ``start``;
     a request counts in every bucket from its send to its last chunk), as vLLM counts it."""
-    counts: dict[int, int] = {}
+    delta: dict[int, int] = {}  # +1 where a request's first bucket is, -1 after its last
     for r in records:
         end = r.chunk_times[-1] if r.chunk_times else r.send_time
-        for b in range(int(r.send_time - start), int(end - start) + 1):
-            counts[b] = counts.get(b, 0) + 1
-    return _per_second_peak(counts)
+        first, last = int(r.send_time - start), int(end - start)
+        delta[first] = delta.get(first, 0) + 1
+        delta[last + 1] = delta.get(last + 1, 0) - 1
+    peak = level = 0
+    for b in sorted(delta):  # a sweep: long runs cost nothing per second
+        level += delta[b]
+        peak = max(peak, level)
+    return peak
 
 
 def calculate_metrics(records: Sequence[RequestRecord], duration: float,

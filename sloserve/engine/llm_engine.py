@@ -272,8 +272,12 @@ class LLMEngine:
                 self._release(rid)
         it.num_running = len(self.scheduler.running)
         it.num_waiting = len(self.scheduler.waiting)
-        for lg in self.stat_loggers:
-            lg.record(it, finished_stats)
+        for lg in list(self.stat_loggers):
+            try:
+                lg.record(it, finished_stats)
+            except Exception:  # a broken logger (disk full, ...) must not cost the outputs
+                logger.exception("stat logger %s failed; it is dropped", type(lg).__name__)
+                self.stat_loggers.remove(lg)
         return outputs
 
     def _detokenize(self, req: Request, detok: IncrementalDetokenizer | None, tok: int,

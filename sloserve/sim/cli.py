@@ -4,6 +4,7 @@ can diff a simulated and a measured run)."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -43,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--scheduling-policy", choices=["chunked", "naive", "static"], default="chunked")
     e.add_argument("--num-kv-blocks", type=pos_int, default=2848,
                    help="KV blocks per instance (default: what 1 GiB holds for the embedded "
-                        "SmolLM2 in bf16; lecture-70b: what 8 x 80 GiB hold after the weights)")
+                        "SmolLM2 in bf16; lecture-70b: 90 %% of 8 x 80 GiB minus the weights)")
     e.add_argument("--block-size", type=pos_int, default=16)
     e.add_argument("--num-replicas", type=pos_int, default=1)
     e.add_argument("--router", default="least-outstanding",
@@ -152,8 +153,12 @@ def _disaggregation(a: argparse.Namespace):
     from sloserve.roofline.models import get_model
     from sloserve.sim.kv_transfer import Disaggregation, KVTransferModel
     spec = get_model(a.kv_transfer_model or a.roofline_model or "SmolLM2-135M")
+    hw = get_hardware(a.hardware)
+    if a.kv_transfer_link in ("nvlink", "scale-up") and hw.link is None:
+        raise ValueError(f"--hardware {a.hardware} has no scale-up link for --kv-transfer-link "
+                         f"{a.kv_transfer_link}; use a NIC (nic-100g, nic-200g, nic-400g)")
     try:
-        link = get_link(a.kv_transfer_link, get_hardware(a.hardware))
+        link = get_link(a.kv_transfer_link, hw)
     except KeyError as e:
         raise ValueError(str(e.args[0])) from None
     kv = kv_bytes_per_token(spec, a.dtype)
@@ -191,15 +196,22 @@ class _Sim:
         else:
             factory = LengthOnlyFactory()
         self.reqs = build_workload(a, factory)
+        if not self.reqs:
+            raise ValueError("the workload has no requests")
         self.trace_arrivals = any(r.arrival_time is not None for r in self.reqs)
+        if self.trace_arrivals and (a.find_capacity or a.request_rates):
+            raise ValueError("a trace replays its own arrival times: --find-capacity and "
+                             "--request-rates need generated arrivals (--request-rate)")
         into, out = (0.0, 0.0)
         if a.profile:
             from sloserve.sim.profile import load_frontend
             into, out = load_frontend(a.profile)
         into = into if a.request_in_ms is None else a.request_in_ms / 1e3
         out = out if a.token_out_ms is None else a.token_out_ms / 1e3
-        if into < 0 or out < 0:
-            raise ValueError("--request-in-ms and --token-out-ms must be >= 0")
+        if not (0 <= into < math.inf and 0 <= out < math.inf):
+            raise ValueError(f"the server path (--request-in-ms, --token-out-ms, or the "
+                             f"profile's) must be finite and >= 0, got {1e3 * into} ms in and "
+                             f"{1e3 * out} ms out")
         self.cfg = SimConfig(a.max_num_batched_tokens, a.max_num_seqs, a.max_model_len,
                              a.scheduling_policy, a.num_kv_blocks, a.block_size, into, out)
         if into or out:
@@ -237,6 +249,11 @@ def run(a: argparse.Namespace) -> int:
     Returns the exit code."""
     from sloserve.bench.results import format_summary, result_json, save_json
     from sloserve.bench.runner import BenchConfig, BenchmarkRun
+    if a.save_result:  # fail before the run, not after it
+        path = os.path.abspath(a.save_result)
+        parent = os.path.dirname(path)
+        if os.path.isdir(path) or (os.path.exists(parent) and not os.path.isdir(parent)):
+            raise ValueError(f"--save-result {a.save_result}: not a writable file path")
     sim = _Sim(a)
     if a.preset:
         return _preset(sim)
@@ -314,6 +331,8 @@ def _capacity(sim: _Sim) -> int:
         lo, hi = (float(x) for x in a.capacity_range.split(","))
     except ValueError:
         raise ValueError(f"--capacity-range takes LO,HI, got {a.capacity_range!r}") from None
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        raise ValueError(f"--capacity-range must be finite, got {a.capacity_range!r}")
     cap = find_capacity(lambda r: sim.run(r)[1], meets, lo, hi)
     if cap is None:
         print(f"capacity: no rate in [{lo:g}, {hi:g}] req/s meets {limits} ({sim.describe()})")
@@ -337,19 +356,23 @@ def _preset(sim: _Sim) -> int:
         res, m = sim.run(a.request_rate, cfg)
         t = m.stats["tpot"]
         rows.append((policy, t.p(50), t.p(90), t.p(99), m.stats["ttft"].mean,
-                     m.stats["ttft"].p(99), m.output_throughput, res.num_preemptions))
+                     m.stats["ttft"].p(99), m.output_throughput, res.num_preemptions, m.failed))
     print(f"preset {a.preset}: {sim.describe(cfg).replace('policy chunked', 'naive vs chunked')}"
           f", Poisson {a.request_rate:g} req/s, seed {a.seed}, {a.num_kv_blocks} KV blocks of "
           f"{a.block_size}")
     print("| policy | TPOT P50 ms | TPOT P90 ms | TPOT P99 ms | TTFT mean ms | TTFT P99 ms "
-          "| output tok/s | preemptions |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| output tok/s | preemptions | failed |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r[0]} | {r[1]:.1f} | {r[2]:.1f} | {r[3]:.1f} | {r[4]:.1f} | {r[5]:.1f} "
-              f"| {r[6]:.1f} | {r[7]} |")
+              f"| {r[6]:.1f} | {r[7]} | {r[8]} |")
     n, c = rows
-    print(f"chunked vs naive: P99 TPOT {100 * (c[3] - n[3]) / n[3]:+.1f} %, mean TTFT "
-          f"{100 * (c[4] - n[4]) / n[4]:+.1f} %")
+    rel = lambda new, old: f"{100 * (new - old) / old:+.1f} %" if old else "n/a"  # noqa: E731
+    print(f"chunked vs naive: P99 TPOT {rel(c[3], n[3])}, mean TTFT {rel(c[4], n[4])}")
+    if n[8] or c[8]:
+        print(f"{n[8]} (naive) and {c[8]} (chunked) of {len(sim.reqs)} requests failed (over "
+              f"max_model_len or the KV cache): the figures cover the rest")
+        return 1
     return 0
 
 
@@ -369,9 +392,36 @@ def main(argv: list[str] | None = None) -> int:
     _apply_preset(p, argv)
     a = p.parse_args(argv)
     try:
+        _check_combinations(a, argv)
         if a.preset == "lecture-70b" and a.num_kv_blocks is None:
             a.num_kv_blocks = _lecture_70b_blocks(a)
         return run(a)
-    except (ValueError, FileNotFoundError) as e:
+    except KeyError as e:  # unknown model, hardware or dtype: the message is the argument
+        print(f"sloserve sim: error: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as e:
         print(f"sloserve sim: error: {e}", file=sys.stderr)
         return 2
+
+
+def _check_combinations(a: argparse.Namespace, argv: list[str]) -> None:
+    """Flags that would be silently ignored together are refused (ValueError)."""
+    given = {x.split("=")[0] for x in argv if x.startswith("--")}
+    modes = [f for f in ("--preset", "--find-capacity", "--request-rates") if f in given]
+    if len(modes) > 1:
+        raise ValueError(f"{' and '.join(modes)} are different runs: give one")
+    if "--save-result" in given and (a.preset or a.find_capacity or a.request_rates):
+        raise ValueError("--save-result is for a single run (a sweep writes under --result-dir)")
+    if a.preset:
+        clash = given & {"--scheduling-policy", "--profile", "--decode-step-ms",
+                         "--prefill-tokens-per-s", "--roofline-model"}
+        if clash:
+            raise ValueError(f"--preset {a.preset} compares naive and chunked on its own cost "
+                             f"model; {', '.join(sorted(clash))} would change what it shows "
+                             f"(run without --preset to set them)")
+    slo = given & {"--slo-p99-ttft-ms", "--slo-p99-tpot-ms", "--slo-attainment"}
+    if slo and not a.find_capacity:
+        raise ValueError(f"{', '.join(sorted(slo))} only apply with --find-capacity")
+    if "--slo-attainment" in given and slo - {"--slo-attainment"}:
+        raise ValueError("--slo-attainment (with --goodput limits) and --slo-p99-* are two "
+                         "kinds of target: give one")

@@ -17,6 +17,7 @@ under-predicted by 10-15 %; see docs/sim.md.)
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -74,20 +75,24 @@ class LinearCostModel:
     s/chunk). Five coefficients (a profile written before the per-chunk term) get a zero one.
 
     Raises:
-        ValueError: not 5 or 6 coefficients, or a negative one.
+        ValueError: not a list of 5 or 6 coefficients, or one negative, infinite or NaN.
     """
 
     coef: list[float] = field(default_factory=lambda: [0.0] * len(FEATURES))
 
     def __post_init__(self) -> None:
+        if not isinstance(self.coef, (list, tuple)):
+            raise ValueError(f"coefficients must be a list of {len(FEATURES)} numbers, "
+                             f"got {self.coef!r}")
         self.coef = list(self.coef)
         if len(self.coef) == len(FEATURES) - 1:
             self.coef.append(0.0)
         if len(self.coef) != len(FEATURES):
             raise ValueError(f"need {len(FEATURES)} coefficients ({', '.join(FEATURES)}), "
                              f"got {len(self.coef)}")
-        if min(self.coef) < 0:
-            raise ValueError(f"coefficients must be >= 0, got {self.coef}")
+        if not all(isinstance(c, (int, float)) and not isinstance(c, bool) and 0 <= c < math.inf
+                   for c in self.coef):
+            raise ValueError(f"coefficients must be finite numbers >= 0, got {self.coef}")
 
     def step_time(self, comp: StepComposition) -> float:
         """Seconds of one step."""
@@ -145,10 +150,11 @@ class OverlapCostModel:
     overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.prefill_tokens_per_s > 0:
-            raise ValueError(f"prefill_tokens_per_s must be > 0, got {self.prefill_tokens_per_s}")
-        if self.decode_step_s < 0 or self.overhead_s < 0:
-            raise ValueError("decode_step_s and overhead_s must be >= 0")
+        if not 0 < self.prefill_tokens_per_s < math.inf:
+            raise ValueError(f"prefill_tokens_per_s must be finite and > 0, got "
+                             f"{self.prefill_tokens_per_s}")
+        if not (0 <= self.decode_step_s < math.inf and 0 <= self.overhead_s < math.inf):
+            raise ValueError("decode_step_s and overhead_s must be finite and >= 0")
 
     def step_time(self, comp: StepComposition) -> float:
         """Seconds of one step."""
@@ -185,6 +191,9 @@ class RooflineCostModel:
         from sloserve.roofline.ops import Workload, operator_costs
         if self.tp < 1 or not (0 < self.compute_eff <= 1 and 0 < self.memory_eff <= 1):
             raise ValueError("tp must be >= 1 and efficiencies in (0, 1]")
+        if not 0 <= self.overhead_s < math.inf:
+            raise ValueError(f"overhead must be a finite number of seconds >= 0, got "
+                             f"{self.overhead_s}")
         one = {o.name: o for o in operator_costs(self.spec, Workload("decode", 1, 1, self.dtype,
                                                                      self.dtype, self.dtype))}
         two = {o.name: o for o in operator_costs(self.spec, Workload("decode", 1, 2, self.dtype,

@@ -16,6 +16,7 @@ steps).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from sloserve.roofline.bounds import kv_transfer
@@ -46,10 +47,11 @@ class KVTransferModel:
     latency_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (self.kv_bytes_per_token > 0 and self.bandwidth > 0 and self.num_layers >= 1):
-            raise ValueError("kv_bytes_per_token, bandwidth and num_layers must be > 0")
-        if self.latency_s < 0:
-            raise ValueError(f"latency must be >= 0 s, got {self.latency_s}")
+        if not (0 < self.kv_bytes_per_token < math.inf and 0 < self.bandwidth < math.inf
+                and self.num_layers >= 1):
+            raise ValueError("kv_bytes_per_token, bandwidth and num_layers must be finite and > 0")
+        if not 0 <= self.latency_s < math.inf:
+            raise ValueError(f"latency must be a finite number of seconds >= 0, got {self.latency_s}")
         if self.mode not in MODES:
             raise ValueError(f"KV transfer mode must be one of {MODES}, got {self.mode!r}")
 

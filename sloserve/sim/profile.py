@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from dataclasses import asdict
@@ -55,7 +56,8 @@ def trace_samples(paths) -> list[tuple[StepComposition, float]]:
     """(composition, seconds) pairs from ``sloserve serve --step-trace`` files: a step's cost is
     the time from its start to the next step's start while the engine stays busy (requests
     running or waiting after it), so what the serving process spends between steps (streaming
-    outputs, taking new requests) is in it. Steps followed by idle time are left out.
+    outputs, taking new requests) is in it. Steps followed by idle time are left out (nothing
+    left after the step, or a gap over :data:`IDLE_GAP_S` before the next one: an abort).
 
     Raises:
         FileNotFoundError: a missing file; ValueError: a line that is not a step record.
@@ -63,24 +65,33 @@ def trace_samples(paths) -> list[tuple[StepComposition, float]]:
     out: list[tuple[StepComposition, float]] = []
     for path in paths:
         rows = read_jsonl(path, _step_row, "step-trace record")
-        for (t, busy, comp), (t_next, _, _) in zip(rows, rows[1:]):
-            if busy and t_next > t:
+        for (t, step_s, busy, comp), (t_next, *_) in zip(rows, rows[1:]):
+            if busy and t_next > t and t_next - t - step_s < IDLE_GAP_S:
                 out.append((comp, t_next - t))
     return out
 
 
-def _step_row(d: dict) -> tuple[float, int, StepComposition]:
-    """(start time, requests running or waiting after it, composition) of a trace line."""
-    return (float(d["t"]), int(d["running"]) + int(d["waiting"]),
+def _step_row(d: dict) -> tuple[float, float, int, StepComposition]:
+    """(start time, step seconds, requests running or waiting after it, composition)."""
+    if not isinstance(d["decode_contexts"], list) or not isinstance(d["prefill_chunks"], list):
+        raise ValueError("decode_contexts and prefill_chunks must be lists")
+    t, step_s = float(d["t"]), float(d["step_s"])
+    if not (math.isfinite(t) and 0 <= step_s < math.inf):
+        raise ValueError(f"bad times t={t}, step_s={step_s}")
+    return (t, step_s, int(d["running"]) + int(d["waiting"]),
             StepComposition(tuple(int(c) for c in d["decode_contexts"]),
                             tuple((int(n), int(st)) for n, st in d["prefill_chunks"])))
+
+
+#: a gap this long between one step's end and the next one's start means the engine idled
+#: (a request aborted after the step left nothing to run); busy gaps measured here are < 20 ms
+IDLE_GAP_S = 0.5
 
 
 def _trace_rows(path: str) -> list[dict]:
     """The trace's lines as checked dicts (``t``, ``step_s``, ``prefill_chunks``, ``admitted``)."""
     def check(d: dict) -> dict:
         _step_row(d)
-        float(d["step_s"])
         for a, n in d.get("admitted", []):
             float(a), int(n)
         return d
@@ -116,13 +127,23 @@ def frontend_delays(trace: str, bench_result: str) -> tuple[list[float], list[fl
         ValueError: the result has no per-request times, or nothing matched.
     """
     with open(bench_result, encoding="utf-8") as f:
-        res = json.load(f)
-    if "start_times" not in res or "ttfts" not in res:
+        try:
+            res = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{bench_result}: not JSON ({e})") from None
+    keys = ("start_times", "input_lens", "ttfts", "errors")
+    if not isinstance(res, dict) or not all(isinstance(res.get(k), list) for k in keys):
         raise ValueError(f"{bench_result}: no per-request times (run the bench with "
                          f"--save-detailed)")
+    if len({len(res[k]) for k in keys}) != 1:
+        raise ValueError(f"{bench_result}: {', '.join(keys)} differ in length")
+    try:
+        reqs = sorted((float(s), int(n), float(t or 0.0), e) for s, n, t, e in
+                      zip(*(res[k] for k in keys)))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{bench_result}: bad per-request values ({e})") from None
     rows = _trace_rows(trace)
     adm = sorted((a, n, k) for k, r in enumerate(rows) for a, n in r.get("admitted", []))
-    reqs = sorted(zip(res["start_times"], res["input_lens"], res["ttfts"], res["errors"]))
     into, out, j = [], [], 0
     for send, plen, ttft, err in reqs:
         if err or not ttft:
@@ -140,6 +161,11 @@ def frontend_delays(trace: str, bench_result: str) -> tuple[list[float], list[fl
         out.append(send + ttft - (rows[k]["t"] + rows[k]["step_s"]))
     if not into:
         raise ValueError(f"no request of {bench_result} matched a step of {trace}")
+    med_in, med_out = float(np.median(into)), float(np.median(out))
+    if not (0 <= med_in < 10 and 0 <= med_out < 10):
+        raise ValueError(f"{bench_result} does not look like the run of {trace}: the median "
+                         f"send -> engine is {med_in:.3f} s and step end -> client "
+                         f"{med_out:.3f} s")
     return into, out
 
 
@@ -161,20 +187,7 @@ def save_profile(path: str, samples, model: LinearCostModel, meta: dict,
                   f, indent=1)
 
 
-def load_frontend(path: str) -> tuple[float, float]:
-    """(request_in_s, token_out_s) of a profile file: the server-path delays measured with
-    ``--bench-result``, else (0, 0)."""
-    with open(path, encoding="utf-8") as f:
-        fe = json.load(f).get("frontend") or {}
-    return float(fe.get("request_in_s", 0.0)), float(fe.get("token_out_s", 0.0))
-
-
-def load_profile(path: str) -> LinearCostModel:
-    """The fitted model of a profile file.
-
-    Raises:
-        FileNotFoundError, ValueError: missing file, or not a profile (no ``coef``).
-    """
+def _read_profile(path: str) -> dict:
     with open(path, encoding="utf-8") as f:
         try:
             d = json.load(f)
@@ -182,7 +195,39 @@ def load_profile(path: str) -> LinearCostModel:
             raise ValueError(f"{path}: not JSON ({e})") from None
     if not isinstance(d, dict) or "coef" not in d:
         raise ValueError(f"{path}: not a `sloserve profile` file (no 'coef')")
-    return LinearCostModel(list(d["coef"]))
+    return d
+
+
+def load_frontend(path: str) -> tuple[float, float]:
+    """(request_in_s, token_out_s) of a profile file: the server-path delays measured with
+    ``--bench-result``, else (0, 0).
+
+    Raises:
+        FileNotFoundError, ValueError: missing file, not a profile, delays that are not finite
+            numbers >= 0.
+    """
+    fe = _read_profile(path).get("frontend") or {}
+    try:
+        into, out = float(fe.get("request_in_s", 0.0)), float(fe.get("token_out_s", 0.0))
+    except (AttributeError, TypeError, ValueError):
+        raise ValueError(f"{path}: 'frontend' must hold request_in_s and token_out_s "
+                         f"(seconds), got {fe!r}") from None
+    if not (0 <= into < math.inf and 0 <= out < math.inf):
+        raise ValueError(f"{path}: server-path delays must be finite and >= 0, got {into}, {out}")
+    return into, out
+
+
+def load_profile(path: str) -> LinearCostModel:
+    """The fitted model of a profile file.
+
+    Raises:
+        FileNotFoundError, ValueError: missing file, or not a profile (no valid ``coef``).
+    """
+    d = _read_profile(path)
+    try:
+        return LinearCostModel(d["coef"])
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
                          "each trace's run, in the same order; measures the server's path "
                          "(send -> engine queue, step end -> client) for the simulator")
     a = ap.parse_args(argv)
+    if a.bench_result and not a.from_trace:
+        print("sloserve profile: error: --bench-result goes with --from-trace (the traces of "
+              "the same runs)", file=sys.stderr)
+        return 2
     if a.from_trace:
         return _from_trace(a)
     from sloserve.engine.llm_engine import LLMEngine
@@ -237,7 +286,7 @@ def _from_trace(a: argparse.Namespace) -> int:
                 out += o
             frontend = {"request_in_s": float(np.mean(into)), "token_out_s": float(np.mean(out)),
                         "requests": len(into)}
-    except (ValueError, FileNotFoundError, KeyError) as e:
+    except (ValueError, OSError) as e:
         print(f"sloserve profile: error: {e}", file=sys.stderr)
         return 2
     save_profile(a.out, samples, model, {"source": "step trace", "traces": a.from_trace},
@@ -255,4 +304,8 @@ def _report(model: LinearCostModel, err, out: str, source: str) -> None:
           + " + ".join(f"{c:.3g}*{f}" for c, f in zip(model.coef, FEATURES)) + " (s)")
     print(f"held-out relative error ({len(err)} points): mean {100 * err.mean():.1f} %, "
           f"median {100 * float(np.median(err)):.1f} %, max {100 * err.max():.1f} %")
+    if len(err) < 6 or err.mean() > 0.2:
+        print(f"warning: the fit is poor or rests on few points ({len(err)} held out, mean "
+              f"error {100 * err.mean():.0f} %): a busy machine or a short trace; profile again "
+              f"on a quiet machine or fit a longer trace", file=sys.stderr)
     print(f"profile written to {out}")

@@ -15,11 +15,12 @@ code, JSON and plots apply. ``simulate_cluster`` runs several replicas behind a 
 from __future__ import annotations
 
 import heapq
+import math
 import zlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from sloserve.bench.datasets import SampleRequest
+from sloserve.bench.datasets import PREFIX_GROUP_TAG, SampleRequest
 from sloserve.bench.request_func import RequestRecord
 from sloserve.engine.kv_cache_manager import KVCacheManager
 from sloserve.engine.request import Request
@@ -116,19 +117,22 @@ class Replica:
         rejected = []
         for i in self.inbox:
             r = self.requests[i]
-            mt = 1 if self.role == "prefill" else r.expected_output_len
             req = Request(request_id=str(i), prompt_token_ids=[0] * r.prompt_len,
                           sampling_params=SamplingParams(temperature=0.0, ignore_eos=True,
-                                                         max_tokens=mt),
+                                                         max_tokens=r.expected_output_len),
                           arrival_time=float(sent[i]))
             if self.role == "decode":  # the prompt's KV and the first token came from prefill
                 req.output_token_ids.append(0)
                 req.num_computed_tokens = r.prompt_len
             try:
-                self.sched.add_request(req)
+                self.sched.add_request(req)  # checks the whole request, here as on a server
             except ValueError as e:
                 self.recs[i].error = f"HTTP 400: {e}"
                 rejected.append(i)
+                continue
+            if self.role == "prefill":  # run it to its first token only
+                req.sampling_params = SamplingParams(temperature=0.0, ignore_eos=True,
+                                                     max_tokens=1)
         self.inbox.clear()
         return rejected
 
@@ -146,7 +150,11 @@ class Replica:
                                f"t={t:.6f} s with {self.sched.num_unfinished} requests unfinished")
         self.preemptions += len(out.preempted_request_ids)
         comp = StepComposition.of(out)
-        end = t + self.cost.step_time(comp)
+        dt = self.cost.step_time(comp)
+        if not 0 < dt <= MAX_STEP_S:  # also catches NaN
+            raise ValueError(f"the cost model priced a step at {dt!r} s ({comp}); a step must "
+                             f"take more than 0 and at most {MAX_STEP_S:g} s: check its settings")
+        end = t + dt
         self.running_step, self.step_start = out, t
         if self.record_steps:
             self.steps.append((end, comp))
@@ -169,12 +177,14 @@ class Replica:
 
 
 ROUTERS = ("round-robin", "least-outstanding", "prefix-affinity")
+#: the longest step a cost model may price (s): longer is a settings mistake, not a server
+MAX_STEP_S = 3600.0
 
 
 def _route(policy: str, replicas: Sequence[Replica], req: SampleRequest, counter: int) -> Replica:
     if policy == "round-robin":
         return replicas[counter % len(replicas)]
-    if policy == "prefix-affinity" and req.tag is not None:
+    if policy == "prefix-affinity" and req.tag is not None and req.tag.startswith(PREFIX_GROUP_TAG):
         return replicas[zlib.crc32(req.tag.encode()) % len(replicas)]
     return min(replicas, key=lambda r: (r.outstanding, r.index))
 
@@ -186,9 +196,8 @@ def simulate_cluster(requests: Sequence[SampleRequest], arrivals: Sequence[float
     """Simulate ``num_replicas`` engines ``cfg`` behind a router.
 
     Routers: ``round-robin``; ``least-outstanding`` (fewest unfinished requests, ties to the
-    lowest index); ``prefix-affinity`` (requests with the same workload tag, e.g. a
-    ``shared-prefix`` group, always to the same replica, by a stable hash; untagged ones as
-    least-outstanding). Events are processed in time order; an arrival at the same instant as a
+    lowest index); ``prefix-affinity`` (the requests of one ``shared-prefix`` group, tagged
+    ``group<N>``, always to the same replica, by a stable hash; others as least-outstanding). Events are processed in time order; an arrival at the same instant as a
     step's end is admitted before the next step, as the engine does.
 
     ``max_concurrency`` closes the loop as ``sloserve bench --max-concurrency`` does: a request
@@ -197,7 +206,7 @@ def simulate_cluster(requests: Sequence[SampleRequest], arrivals: Sequence[float
 
     ``cfg.request_in_s`` delays each request between its send and the engine's queue;
     ``cfg.token_out_s`` delays every token between its step's end and the client (the
-    closed loop frees a slot when the engine finishes the request).
+    closed loop frees a slot when the client has the last token, as the bench client does).
 
     ``disaggregation`` replaces the replicas by P prefill and D decode instances: a request is
     routed (``router``) to a prefill instance and runs there until its first token (TTFT), then
@@ -207,7 +216,9 @@ def simulate_cluster(requests: Sequence[SampleRequest], arrivals: Sequence[float
     blocks at once (the copy out of them is not charged to its memory).
 
     Raises:
-        ValueError: lengths differ, num_replicas < 1, unknown router, max_concurrency < 1.
+        ValueError: lengths differ, num_replicas < 1, unknown router, max_concurrency < 1, a
+            server-path delay that is negative or not finite, a step priced at <= 0 s, over
+            :data:`MAX_STEP_S` or NaN.
         RuntimeError: a scheduler made no progress with requests pending (a bug).
     """
     if len(requests) != len(arrivals):
@@ -218,6 +229,9 @@ def simulate_cluster(requests: Sequence[SampleRequest], arrivals: Sequence[float
         raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max concurrency must be >= 1, got {max_concurrency}")
+    for name, v in (("request_in_s", cfg.request_in_s), ("token_out_s", cfg.token_out_s)):
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"{name} must be a finite number of seconds >= 0, got {v}")
     n = len(requests)
     order = sorted(range(n), key=lambda i: (arrivals[i], i))
     recs = [RequestRecord(prompt_len=r.prompt_len, tag=r.tag, send_time=float(arrivals[i]))
@@ -233,7 +247,7 @@ def simulate_cluster(requests: Sequence[SampleRequest], arrivals: Sequence[float
                 for j in range(dis.num_decode)]
         reps = front + back
     # (time, seq, replica, request reaching its queue (through the front end or over the KV
-    # link) or -1 for the end of its step)
+    # link) or -1 for the end of its step); replica -1: the client got the request's last token
     heap: list[tuple[float, int, int, int]] = []
     seq = 0
     replica_of = [0] * n
@@ -254,6 +268,9 @@ def simulate_cluster(requests: Sequence[SampleRequest], arrivals: Sequence[float
         now = t
         if t_ev < t_send:
             _, _, j, i = heapq.heappop(heap)
+            if j < 0:  # the client got request i's last token: its slot is free
+                in_flight -= 1
+                continue
             r = reps[j]
             if i >= 0:
                 r.incoming -= 1
@@ -261,7 +278,11 @@ def simulate_cluster(requests: Sequence[SampleRequest], arrivals: Sequence[float
             else:
                 for i, first_sched in r.complete(now):
                     if r.role != "prefill" or requests[i].expected_output_len <= 1:
-                        in_flight -= 1
+                        if cfg.token_out_s > 0:
+                            heapq.heappush(heap, (now + cfg.token_out_s, seq, -1, i))
+                            seq += 1
+                        else:
+                            in_flight -= 1
                         continue
                     d = min(back, key=lambda b: (b.outstanding, b.index))
                     x = dis.link.exposed_s(requests[i].prompt_len, now - first_sched)

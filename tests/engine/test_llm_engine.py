@@ -265,3 +265,21 @@ def test_a_failing_detokenizer_fails_only_its_request(llm, engine, monkeypatch):
     assert outs[b][-1].finish_reason == "length" and outs[b][-1].error is None
     assert len(outs[b]) == 4
     assert engine.kv.num_free_blocks == engine.num_kv_blocks
+
+
+def test_a_failing_stat_logger_is_dropped_and_costs_no_output(tiny_llama_dir, caplog):
+    """A broken logger (a step trace on a full disk) must not stop tokens from flowing."""
+    import sloserve
+    from sloserve.sampling_params import SamplingParams
+
+    class Broken:
+        calls = 0
+
+        def record(self, it, finished):
+            Broken.calls += 1
+            raise OSError(28, "No space left on device")
+    llm = sloserve.LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64, block_size=4)
+    llm.engine.stat_loggers.append(Broken())
+    out = llm.generate([1, 2, 3, 4, 5], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert out.num_output_tokens == 6 and out.error is None
+    assert Broken.calls == 1 and "stat logger Broken failed" in caplog.text

@@ -45,6 +45,26 @@ def test_sim_writes_a_bench_format_result_and_is_deterministic(tmp_path, capsys)
       "--slo-attainment", "0.9"], "needs the per-request limits in --goodput"),
     (["--decode-step-ms", "22", "--prefill-tokens-per-s", "1000", "--find-capacity",
       "--slo-attainment", "1.5", "--goodput", "ttft:100"], "must be in (0, 1]"),
+    (["--decode-step-ms", "22", "--prefill-tokens-per-s", "1000", "--step-overhead-ms", "nan"],
+     "finite"),
+    (["--roofline-model", "Llama-3-8B", "--step-overhead-ms", "-10"], "finite number of seconds"),
+    (["--roofline-model", "Llama-3-8B", "--compute-efficiency", "1e-300"], "priced a step at"),
+    (["--decode-step-ms", "22", "--prefill-tokens-per-s", "1000", "--request-in-ms", "inf"],
+     "server path"),
+    (["--decode-step-ms", "22", "--prefill-tokens-per-s", "1000", "--token-out-ms", "nan"],
+     "server path"),
+    (["--roofline-model", "Llama-3-71B"], "unknown model 'Llama-3-71B'"),
+    (["--roofline-model", "Llama-3-8B", "--hardware", "A100-SXM"], "unknown hardware 'A100-SXM'"),
+    (["--roofline-model", "Llama-3-8B", "--dtype", "bogus"], "unknown dtype"),
+    (["--decode-step-ms", "22", "--prefill-tokens-per-s", "1000", "--save-result", "/"], "/"),
+    (["--preset", "lecture", "--find-capacity"], "different runs"),
+    (["--preset", "lecture", "--scheduling-policy", "static"], "compares naive and chunked"),
+    (["--preset", "lecture", "--profile", "p.json"], "compares naive and chunked"),
+    (["--preset", "lecture", "--save-result", "x.json"], "for a single run"),
+    (["--decode-step-ms", "22", "--prefill-tokens-per-s", "1000", "--slo-p99-ttft-ms", "1"],
+     "only apply with --find-capacity"),
+    (["--decode-step-ms", "22", "--prefill-tokens-per-s", "1000", "--find-capacity",
+      "--capacity-range", "1,inf", "--slo-p99-ttft-ms", "100"], "must be finite"),
 ])
 def test_sim_bad_settings_exit_2_with_one_line(extra, msg, capsys):
     assert sim_main(["--num-prompts", "3", *extra]) == 2
@@ -158,3 +178,20 @@ def test_a_five_coefficient_profile_gets_a_zero_per_chunk_term(tmp_path):
     assert load_profile(str(tmp_path / "old.json")).coef == [0.05, 0.002, 3e-6, 0.0006, 2e-8, 0.0]
     with pytest.raises(ValueError, match="need 6 coefficients"):
         LinearCostModel([1.0, 2.0])
+
+
+def test_trace_replay_refuses_rate_searches_and_an_empty_trace(tmp_path, capsys):
+    (tmp_path / "t.jsonl").write_text('{"arrival_time": 0, "input_len": 8, "output_len": 4}\n')
+    (tmp_path / "e.jsonl").write_text("")
+    base = ["--decode-step-ms", "22", "--prefill-tokens-per-s", "1000", "--dataset-name", "trace"]
+    assert sim_main([*base, "--dataset-path", str(tmp_path / "t.jsonl"), "--find-capacity",
+                     "--slo-p99-ttft-ms", "100"]) == 2
+    assert "replays its own arrival times" in capsys.readouterr().err
+    assert sim_main([*base, "--dataset-path", str(tmp_path / "e.jsonl")]) == 2
+    assert "no requests" in capsys.readouterr().err
+
+
+def test_preset_table_counts_failures_and_exits_1(capsys):
+    assert sim_main(["--preset", "lecture", "--num-prompts", "20", "--num-kv-blocks", "50"]) == 1
+    out = capsys.readouterr().out
+    assert "| failed |" in out and "requests failed (over max_model_len or the KV cache)" in out

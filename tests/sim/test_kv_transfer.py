@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from sloserve.bench.arrivals import arrival_times
-from sloserve.bench.datasets import mixed_workload
+from sloserve.bench.datasets import SampleRequest, mixed_workload
 from sloserve.bench.metrics import calculate_metrics
 from sloserve.sim.cost_model import OverlapCostModel
 from sloserve.sim.kv_transfer import Disaggregation, KVTransferModel
@@ -27,7 +27,7 @@ def test_eager_exposes_the_whole_transfer_layerwise_hides_all_but_one_layer():
 
 
 @pytest.mark.parametrize("kw, msg", [
-    ({"kv_bytes_per_token": 0}, "must be > 0"), ({"num_layers": 0}, "must be > 0"),
+    ({"kv_bytes_per_token": 0}, "finite and > 0"), ({"num_layers": 0}, "finite and > 0"),
     ({"mode": "telepathy"}, "mode must be one of"), ({"latency_s": -1}, "latency")])
 def test_link_model_rejects_bad_settings(kw, msg):
     args = {"kv_bytes_per_token": 1.0, "bandwidth": 1.0, "num_layers": 1, **kw}
@@ -76,3 +76,14 @@ def test_disaggregation_removes_prefill_interference_from_tpot():
     p99 = lambda r: calculate_metrics(r.records, r.duration).stats["tpot"].p(99)  # noqa: E731
     assert p99(colo) > 25.0
     assert 22.0 < p99(dis) < 23.0
+
+
+def test_a_request_too_big_for_the_cluster_is_refused_before_any_prefill():
+    link = KVTransferModel(1000.0, 1e9, 4)
+    reqs = [SampleRequest("", 64, 200), SampleRequest("", 16, 8)]
+    res = simulate_cluster(reqs, [0.0, 0.0], SimConfig(num_kv_blocks=8, block_size=16),
+                           OverlapCostModel(0.01, 1e4), disaggregation=Disaggregation(1, 1, link))
+    big, ok = res.records
+    assert big.error.startswith("HTTP 400") and "max_tokens 200" in big.error
+    assert big.chunk_times == [] and not big.success
+    assert ok.success and ok.output_tokens == 8

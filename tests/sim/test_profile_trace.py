@@ -111,3 +111,26 @@ def test_server_path_delays_are_matched_per_request_and_used_by_the_simulator(tm
     assert profile_main(["--from-trace", str(tmp_path / "t.jsonl"), "--bench-result",
                          str(tmp_path / "r.json"), str(tmp_path / "r.json")]) == 2
     assert "one file per trace" in capsys.readouterr().err
+
+
+def test_an_idle_gap_after_an_abort_is_not_a_step_cost(tmp_path):
+    rows = [_line(0.0, 1, [10], []), _line(0.1, 1, [11], []), _line(9.0, 1, [], [[4, 0]]),
+            _line(9.2, 0, [5], [])]  # step_s 0 in _line: the gaps are the whole cycles
+    (tmp_path / "t.jsonl").write_text("\n".join(rows) + "\n")
+    samples = trace_samples([str(tmp_path / "t.jsonl")])
+    # the step at 0.1 s said "1 running", but an abort left nothing to run until 9.0 s
+    assert [round(t, 6) for _, t in samples] == [0.1, 0.2]
+
+
+def test_profile_refuses_a_bench_result_of_another_run(tmp_path, capsys):
+    rows = [{"t": 10.0 + 0.1 * k, "step_s": 0.09, "running": 1, "waiting": 0,
+             "decode_contexts": [8 + k] * (k % 3), "prefill_chunks": [[8, 0]] if k == 0 else [],
+             "admitted": [[10.0, 8]] if k == 0 else []} for k in range(12)]
+    (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "r.json").write_text(json.dumps({"start_times": [-990.0], "input_lens": [8],
+                                                 "ttfts": [0.1], "errors": [""]}))
+    assert profile_main(["--from-trace", str(tmp_path / "t.jsonl"), "--bench-result",
+                         str(tmp_path / "r.json")]) == 2
+    assert "does not look like the run of" in capsys.readouterr().err
+    assert profile_main(["--bench-result", str(tmp_path / "r.json")]) == 2
+    assert "--bench-result goes with --from-trace" in capsys.readouterr().err

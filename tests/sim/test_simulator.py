@@ -219,3 +219,18 @@ def test_closed_loop_never_has_more_than_max_concurrency_in_flight():
     waits = [r.queue_time for r in res.records]
     assert min(waits) == 0.0 and max(waits) > 1.0  # later requests waited for a slot
     assert all(r.ttft > 0 for r in res.records)  # TTFT counts from the send, not the arrival
+
+
+def test_closed_loop_frees_a_slot_when_the_client_has_the_last_token():
+    reqs = [SampleRequest("", 16, 4) for _ in range(3)]
+    cfg = SimConfig(request_in_s=0.03, token_out_s=0.05)
+    res = simulate_cluster(reqs, [0.0] * 3, cfg, OverlapCostModel(0.01, 1600.0), max_concurrency=1)
+    for a, b in zip(res.records, res.records[1:]):
+        assert b.send_time == pytest.approx(a.send_time + a.latency)  # the client's view
+
+
+def test_prefix_affinity_keeps_shared_prefix_groups_and_spreads_other_tags():
+    mixed = mixed_workload(LengthOnlyFactory(), 40, scale=0.1, seed=0)  # tags short / long
+    res = simulate_cluster(mixed, arrival_times(40, 5.0, seed=0), SimConfig(),
+                           OverlapCostModel(0.02, 1e4), num_replicas=2, router="prefix-affinity")
+    assert set(res.replica_of) == {0, 1}  # not pinned by the short/long tags
