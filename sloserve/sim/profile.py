@@ -267,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     save_profile(a.out, samples, model, {"model": eng.model_name, "dtype": cfg.dtype,
                                          "num_threads": cfg.num_threads})
     _report(model, err, a.out, f"{len(samples)} grid points")
+    print("note: this timed an isolated engine; a serving process pays more per step (HTTP, "
+          "streams, the client on the same cores). To predict a server, fit the steps it ran: "
+          "`sloserve serve --step-trace T.jsonl`, then `sloserve profile --from-trace T.jsonl "
+          "--bench-result R.json` (docs/sim.md)")
     return 0
 
 
