@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from sloserve.model import attention as att
 from sloserve.model.attention import PrefillChunk, TorchReferenceBackend
