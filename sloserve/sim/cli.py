@@ -78,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="lecture: the seed lab (8B-class on an H100: decode 22 ms per step, "
                         "prefill 35,000 tok/s; mixed, Poisson 6 req/s); lecture-70b: the same "
                         "workload on Llama-3-70B, 8 x H100 (roofline model). Both compare naive "
-                        "and chunked (budget 512); other flags still apply")
+                        "and chunked (budget 512); workload, arrival and engine flags still "
+                        "apply, flags that would change the comparison are refused")
     c = p.add_argument_group("cost model (one of)")
     c.add_argument("--profile", default=None,
                    help="a `sloserve profile` file: the linear model fitted to the real engine")
