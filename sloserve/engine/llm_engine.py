@@ -237,12 +237,7 @@ class LLMEngine:
                             num_preemptions=len(out.preempted_request_ids),
                             kv_cache_usage=kv_usage, step_s=now - t0,
                             forward_s=self.runner.last_timings.forward_s, start_time=t0,
-                            decode_contexts=tuple(s.end_pos for s in out.scheduled if s.is_decode),
-                            prefill_chunks=tuple((s.num_tokens, s.start_pos)
-                                                 for s in out.scheduled if not s.is_decode),
-                            admitted=tuple((s.request.arrival_time, s.request.num_prompt_tokens)
-                                           for s in out.scheduled
-                                           if s.request.first_scheduled_time == t0))
+                            scheduled=out.scheduled)
         finished_stats, self._aborted_stats = self._aborted_stats, []
         outputs: list[RequestOutput] = []
         for sr in out.scheduled:

@@ -6,7 +6,7 @@ demo's summary). The engine itself knows nothing about HTTP or Prometheus.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, Sequence
 
 
 @dataclass
@@ -24,9 +24,8 @@ class IterationStats:
         itls: inter-token latencies of the decode tokens sampled this step.
         step_s: wall time of the step; forward_s: of the model forward alone.
         start_time: ``time.monotonic()`` when the step was scheduled (s).
-        decode_contexts: context length of each decode in the step, its new token included.
-        prefill_chunks: (tokens, start position) of each prefill chunk in the step.
-        admitted: (arrival time, prompt tokens) of each request first scheduled in this step.
+        scheduled: the step's ``ScheduledRequest`` list as the scheduler made it (a reference:
+            loggers that want the composition derive it, the step loop does no extra work).
     """
 
     num_running: int = 0
@@ -41,9 +40,7 @@ class IterationStats:
     step_s: float = 0.0
     forward_s: float = 0.0
     start_time: float = 0.0
-    decode_contexts: tuple[int, ...] = ()
-    prefill_chunks: tuple[tuple[int, int], ...] = ()
-    admitted: tuple[tuple[float, int], ...] = ()
+    scheduled: Sequence[Any] = ()
 
 
 @dataclass
@@ -119,12 +116,15 @@ class StepTraceLogger:
 
     def record(self, it: IterationStats, finished: list[FinishedRequestStats]) -> None:
         import json
+        sched = it.scheduled
         self._f.write(json.dumps({
             "t": round(it.start_time, 6), "step_s": round(it.step_s, 6),
             "running": it.num_running, "waiting": it.num_waiting,
-            "decode_contexts": list(it.decode_contexts),
-            "prefill_chunks": [list(c) for c in it.prefill_chunks],
-            "admitted": [[round(a, 6), n] for a, n in it.admitted]}) + "\n")
+            "decode_contexts": [s.end_pos for s in sched if s.is_decode],
+            "prefill_chunks": [[s.num_tokens, s.start_pos] for s in sched if not s.is_decode],
+            "admitted": [[round(s.request.arrival_time, 6), s.request.num_prompt_tokens]
+                         for s in sched if s.request.first_scheduled_time == it.start_time]})
+                       + "\n")
 
     def close(self) -> None:
         self._f.close()
