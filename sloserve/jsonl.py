@@ -1,4 +1,5 @@
-"""Reading JSON-lines files (bench traces, engine step traces) with errors that name the line."""
+"""Reading JSON files and JSON-lines files (bench traces, engine step traces) with errors that
+name the file (and the line)."""
 from __future__ import annotations
 
 import json
@@ -28,3 +29,17 @@ def read_jsonl(path: str, parse: Callable[[dict[str, Any]], T], what: str) -> li
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{lineno}: bad {what} ({e})") from None
     return out
+
+
+def read_json(path: str) -> Any:
+    """The JSON value in ``path``.
+
+    Raises:
+        FileNotFoundError / OSError: unreadable file.
+        ValueError: ``{path}: not valid JSON (...)``.
+    """
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None

@@ -16,7 +16,6 @@ space-prefixed word tokens, decoded to text and re-encoded until the count is ex
 """
 from __future__ import annotations
 
-import json
 import math
 import random
 import re
@@ -25,7 +24,7 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
-from sloserve.jsonl import read_jsonl
+from sloserve.jsonl import read_json, read_jsonl
 
 WORKLOADS = ("random", "mixed", "shared-prefix", "sharegpt", "trace")
 
@@ -216,11 +215,7 @@ def sharegpt_workload(path: str, tokenizer: TokenizerLike, num_prompts: int, *,
         FileNotFoundError, ValueError: unreadable file, not a list, or fewer usable conversations
             than ``num_prompts``.
     """
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
+    data = read_json(path)
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a JSON list of conversations")
     convs = [d.get("conversations") or d.get("conversation") for d in data if isinstance(d, dict)]

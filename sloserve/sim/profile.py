@@ -18,7 +18,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from sloserve.jsonl import read_jsonl
+from sloserve.jsonl import read_json, read_jsonl
 from sloserve.sim.cost_model import FEATURES, LinearCostModel, StepComposition
 
 DECODE_GRID = [(b, c) for b in (1, 8, 16) for c in (128, 512)]
@@ -126,11 +126,7 @@ def frontend_delays(trace: str, bench_result: str) -> tuple[list[float], list[fl
     Raises:
         ValueError: the result has no per-request times, or nothing matched.
     """
-    with open(bench_result, encoding="utf-8") as f:
-        try:
-            res = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{bench_result}: not JSON ({e})") from None
+    res = read_json(bench_result)
     keys = ("start_times", "input_lens", "ttfts", "errors")
     if not isinstance(res, dict) or not all(isinstance(res.get(k), list) for k in keys):
         raise ValueError(f"{bench_result}: no per-request times (run the bench with "
@@ -188,11 +184,7 @@ def save_profile(path: str, samples, model: LinearCostModel, meta: dict,
 
 
 def _read_profile(path: str) -> dict:
-    with open(path, encoding="utf-8") as f:
-        try:
-            d = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not JSON ({e})") from None
+    d = read_json(path)
     if not isinstance(d, dict) or "coef" not in d:
         raise ValueError(f"{path}: not a `sloserve profile` file (no 'coef')")
     return d
