@@ -97,7 +97,6 @@ class Replica:
         self.inbox: list[int] = []
         self.incoming = 0  # KV transfers on their way here
         self.running_step = None
-        self.step_start = 0.0
         self.steps: list[tuple[float, StepComposition]] = []
         self.record_steps = record_steps
         self.preemptions = 0
@@ -155,7 +154,7 @@ class Replica:
             raise ValueError(f"the cost model priced a step at {dt!r} s ({comp}); a step must "
                              f"take more than 0 and at most {MAX_STEP_S:g} s: check its settings")
         end = t + dt
-        self.running_step, self.step_start = out, t
+        self.running_step = out
         if self.record_steps:
             self.steps.append((end, comp))
         return end
