@@ -44,14 +44,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=None)
     ap.add_argument("--load-format", default="auto")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     eng = LLMEngine(EngineConfig(model=a.model, load_format=a.load_format, dtype=a.dtype,
                                  # a decode batch's prompts prefill in one step: budget 16 x 128
                                  max_num_batched_tokens=2048, num_kv_blocks=1024))
-    res = {"model": eng.model_name, "dtype": a.dtype, "torch_threads": torch.get_num_threads(),
+    res = {"model": eng.model_name, "dtype": eng.dtype_choice.dtype, "torch_threads": torch.get_num_threads(),
            "machine": platform.processor() or platform.machine(),
            "decode": [decode_rate(eng, b, 128, a.steps) for b in (1, 16)],
            "prefill": prefill_time(eng, 512, 3)}

@@ -21,14 +21,14 @@ from sloserve.engine.step_profile import time_mixed_steps
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batches", default="1,8,16")
     ap.add_argument("--chunks", default="0,16,32,64,128,256,512")
     ap.add_argument("--context-len", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args()
     eng = LLM(dtype=a.dtype, max_num_batched_tokens=4096).engine
-    print(f"embedded model, {a.dtype}, decodes at context ~{a.context_len}, median of "
+    print(f"embedded model, {eng.dtype_choice.dtype}, decodes at context ~{a.context_len}, median of "
           f"{a.repeats} steps")
     print("| decodes B | chunk C | step ms | added by the chunk ms | per prefill token ms | "
           "decode step share of the step |")

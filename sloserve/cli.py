@@ -21,7 +21,12 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
                        help="GGUF file or Hugging Face folder (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--model", dest="model_flag", default=None, help="same as the positional MODEL")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "bfloat16", "float32", "float16"],
+                   help="auto: bfloat16 where this CPU's bf16 matmul is native, else float32 "
+                        "(the choice is logged at start)")
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
+                   choices=["auto", "bfloat16", "float32", "float16"],
+                   help="dtype of the paged KV cache (auto: the model's dtype)")
     p.add_argument("--load-format", default=d.load_format,
                    choices=["auto", "gguf", "safetensors", "hf", "dummy"])
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")

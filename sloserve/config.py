@@ -11,7 +11,9 @@ class EngineConfig:
     Attributes:
         model: GGUF file or Hugging Face folder; None = the embedded SmolLM2-135M-Instruct GGUF.
         served_model_name: name in the API (default: the model's own name).
-        dtype: "bfloat16" (default on this CPU) or "float32".
+        dtype: "auto" (default: bfloat16 where this CPU's bf16 matmul is native, float32 where it
+            is emulated; see sloserve.platform), "bfloat16", "float32" or "float16".
+        kv_cache_dtype: "auto" (= the chosen dtype) or a dtype for the paged KV cache.
         load_format: "auto", "gguf", "safetensors", or "dummy" (random weights from config.json).
         block_size: tokens per KV block.
         kv_cache_memory: GiB for the KV cache (used when num_kv_blocks is None).
@@ -27,7 +29,8 @@ class EngineConfig:
 
     model: str | None = None
     served_model_name: str | None = None
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     load_format: str = "auto"
     block_size: int = 16
     kv_cache_memory: float = 1.0

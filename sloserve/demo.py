@@ -1,6 +1,6 @@
 """`make demo`: serve the embedded model and drive real streamed chat requests through it.
 
-Starts `sloserve serve` (SmolLM2-135M-Instruct, bfloat16, chunked prefill) in a subprocess,
+Starts `sloserve serve` (SmolLM2-135M-Instruct, the dtype chosen for this CPU, chunked prefill) in a subprocess,
 waits for /health, sends a handful of chat requests concurrently through the official `openai`
 client with streaming, shows the answers as they stream, then prints each request's TTFT and
 TPOT (client-side, vLLM's definitions) and the scheduler summary scraped from /metrics, and

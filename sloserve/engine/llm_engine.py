@@ -22,16 +22,6 @@ from sloserve.sampling_params import ParamError, SamplingParams
 logger = logging.getLogger(__name__)
 
 GiB = 1024 ** 3
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """"float32" | "bfloat16" | "float16" (or a torch dtype) -> torch dtype. Raises ValueError."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
 
 
 class LLMEngine:
@@ -45,7 +35,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None):
         from sloserve.model.attention import get_attention_backend
         from sloserve.model.layers import RotaryEmbedding
-        from sloserve.model.loader import default_model_path, load_model
+        from sloserve.model.loader import default_model_path, load_model, parse_dtype
+        from sloserve.platform import choose_dtype
         from sloserve.model.runner import ModelRunner, kv_bytes_per_block
         from sloserve.model.sampler import Sampler
 
@@ -59,7 +50,11 @@ class LLMEngine:
             raise ValueError(f"num_threads must be >= 1, got {config.num_threads}")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.dtype = parse_dtype(config.dtype)
+        #: the dtypes chosen for this CPU (``--dtype auto``), logged in one line
+        self.dtype_choice = choose_dtype(config.dtype, config.kv_cache_dtype)
+        logger.info("%s", self.dtype_choice.describe())
+        self.dtype = parse_dtype(self.dtype_choice.dtype)
+        self.kv_cache_dtype = parse_dtype(self.dtype_choice.kv_cache_dtype)
         self.model, weights = load_model(config.model, self.dtype, config.load_format)
         self.model_config = weights.config
         self.tokenizer = weights.tokenizer
@@ -75,7 +70,7 @@ class LLMEngine:
             self.model.rope = RotaryEmbedding(self.model_config, self.max_model_len)
         self.model.attn_backend = get_attention_backend(config.attention_backend)
 
-        block_bytes = kv_bytes_per_block(self.model_config, config.block_size, self.dtype)
+        block_bytes = kv_bytes_per_block(self.model_config, config.block_size, self.kv_cache_dtype)
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
@@ -108,7 +103,7 @@ class LLMEngine:
             policy=config.scheduling_policy), self.kv)
         self.sampler = Sampler(config.seed)
         self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size,
-                                  self.dtype, self.sampler)
+                                  self.kv_cache_dtype, self.sampler)
         self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(
             self.tokenizer.eos_token_ids if self.tokenizer else ())))
         self.detoks: dict[str, IncrementalDetokenizer] = {}

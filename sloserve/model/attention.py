@@ -92,8 +92,9 @@ class TorchReferenceBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         n_kv, d = k.shape[1], k.shape[2]
-        k_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, v)
+        # the cache may hold another dtype than the activations (--kv-cache-dtype)
+        k_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
         out = torch.empty_like(q)
         nd = meta.num_decodes
@@ -105,16 +106,17 @@ class TorchReferenceBackend(AttentionBackend):
         return out
 
     @staticmethod
-    def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """[*blocks.shape, block_size, H_kv, D] -> flattened to [..., N * block_size, H_kv, D]."""
-        g = cache.index_select(0, blocks.reshape(-1))
+    def _gather(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[*blocks.shape, block_size, H_kv, D] -> flattened to [..., N * block_size, H_kv, D],
+        in `dtype` (the queries')."""
+        g = cache.index_select(0, blocks.reshape(-1)).to(dtype)
         return g.view(*blocks.shape[:-1], -1, cache.shape[2], cache.shape[3])
 
     @classmethod
     def _decode(cls, q, k_cache, v_cache, meta, scale):
         b, h, d = q.shape
-        kc = cls._gather(k_cache, meta.decode_block_tables).transpose(1, 2)  # [B, H_kv, L, D]
-        vc = cls._gather(v_cache, meta.decode_block_tables).transpose(1, 2)
+        kc = cls._gather(k_cache, meta.decode_block_tables, q.dtype).transpose(1, 2)  # [B, H_kv, L, D]
+        vc = cls._gather(v_cache, meta.decode_block_tables, q.dtype).transpose(1, 2)
         o = F.scaled_dot_product_attention(q.view(b, h, 1, d), kc, vc,
                                            attn_mask=meta.decode_mask[:, None, None, :],
                                            scale=scale, enable_gqa=True)
@@ -129,8 +131,8 @@ class TorchReferenceBackend(AttentionBackend):
                                                v.transpose(0, 1)[None], is_causal=True,
                                                scale=scale, enable_gqa=True)
             return o[0].transpose(0, 1)
-        past_k = cls._gather(k_cache, c.context_blocks)[:c.start_pos]   # [P, H_kv, D]
-        past_v = cls._gather(v_cache, c.context_blocks)[:c.start_pos]
+        past_k = cls._gather(k_cache, c.context_blocks, q.dtype)[:c.start_pos]   # [P, H_kv, D]
+        past_v = cls._gather(v_cache, c.context_blocks, q.dtype)[:c.start_pos]
         if _FLASH_CPU is not None:
             return _split_prefill(q, k, v, past_k, past_v, scale)
         total = c.start_pos + q.shape[0]

@@ -54,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--measure", action="store_true",
                    help="time the engine's model forward for decode batches and prefill chunks "
                         "and compare with the roofline")
-    g.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
-                   help="engine dtype for --measure (weights, activations and KV counted in it)")
+    g.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                   help="engine dtype for --measure (weights, activations and KV counted in it; "
+                        "auto: what the engine picks on this CPU)")
     g.add_argument("--load-format", default="auto",
                    help="engine load format for --measure (auto, gguf, safetensors, dummy)")
     g.add_argument("--measure-batches", type=_int_list, default=[1, 4, 16, 64],

@@ -149,9 +149,11 @@ def measure(config: EngineConfig, spec: ModelSpec, hw: Hardware, *,
     """
     if min(warmup, prefill_warmup) < 0 or min(repeats, prefill_repeats) < 1:
         raise ValueError("warmup must be >= 0 and repeats >= 1")
-    if config.dtype not in ENGINE_TO_OPS_DTYPE:
-        raise ValueError(f"engine dtype {config.dtype!r}; known: {', '.join(ENGINE_TO_OPS_DTYPE)}")
-    dt = ENGINE_TO_OPS_DTYPE[config.dtype]
+    from sloserve.platform import choose_dtype
+    dtype = choose_dtype(config.dtype).dtype  # "auto" -> the dtype the engine will pick here
+    if dtype not in ENGINE_TO_OPS_DTYPE:
+        raise ValueError(f"engine dtype {dtype!r}; known: {', '.join(ENGINE_TO_OPS_DTYPE)}")
+    dt = ENGINE_TO_OPS_DTYPE[dtype]
     notes: list[str] = []
     peak_dtype = dt
     try:
@@ -181,7 +183,7 @@ def measure(config: EngineConfig, spec: ModelSpec, hw: Hardware, *,
         notes.append(f"efficiency above 100 % ({', '.join(over)}): the engine ran faster than this roof "
                      f"allows, so the roof is too low for it (e.g. the {peak_dtype} peak standing in for "
                      f"faster {dt} kernels); those bound times are not lower bounds")
-    return Measurement(eng.model_name, config.dtype, dt, peak_dtype, hw.name, hw.peak(peak_dtype),
+    return Measurement(eng.model_name, dtype, dt, peak_dtype, hw.name, hw.peak(peak_dtype),
                        hw.mem_bandwidth, context_len, warmup, repeats, torch.get_num_threads(),
                        points, notes)
 
