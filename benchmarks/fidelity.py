@@ -71,7 +71,7 @@ def _measure_one(out: str, name: str, policy: str, rate: float, n: int, seed: in
 
 def measure(a) -> None:
     from sloserve.bench.tokenizer import load_tokenizer
-    from sloserve.model.loader import default_model_path
+    from sloserve.embedded import default_model_path
     os.makedirs(a.out, exist_ok=True)
     tok = load_tokenizer(default_model_path())
     for policy in a.policies.split(","):

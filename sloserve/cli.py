@@ -10,54 +10,13 @@ import sys
 from dataclasses import fields
 
 from sloserve.argtypes import port
-from sloserve.config import EngineConfig
-
-
-def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> None:
-    """Engine flags, spelled as vLLM spells them where vLLM has one."""
-    d = EngineConfig()
-    if positional_model:
-        p.add_argument("model", nargs="?", default=None,
-                       help="GGUF file or Hugging Face folder (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--model", dest="model_flag", default=None, help="same as the positional MODEL")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--dtype", default=d.dtype, choices=["auto", "bfloat16", "float32", "float16"],
-                   help="auto: bfloat16 where this CPU's bf16 matmul is native, else float32 "
-                        "(the choice is logged at start)")
-    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
-                   choices=["auto", "bfloat16", "float32", "float16"],
-                   help="dtype of the paged KV cache (auto: the model's dtype)")
-    p.add_argument("--load-format", default=d.load_format,
-                   choices=["auto", "gguf", "safetensors", "hf", "dummy"])
-    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-    p.add_argument("--kv-cache-memory", type=float, default=d.kv_cache_memory,
-                   help="GiB of KV cache (ignored with --num-kv-blocks)")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks")
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                   help="token budget per engine step")
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--scheduling-policy", default=d.scheduling_policy,
-                   choices=["chunked", "naive", "static"])
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--attention-backend", default=d.attention_backend)
-    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
-
-
-def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
-    """EngineConfig from parsed flags (the positional MODEL or --model)."""
-    names = {f.name for f in fields(EngineConfig)}
-    kw = {k: v for k, v in vars(a).items() if k in names}
-    kw["model"] = a.model_flag or getattr(a, "model", None)
-    if kw["load_format"] == "hf":
-        kw["load_format"] = "safetensors"
-    return EngineConfig(**kw)
+from sloserve.config import EngineConfig, add_engine_args, engine_config_from_args
 
 
 def _serve(a: argparse.Namespace) -> int:
     from sloserve.server.api_server import run_server
     run_server(engine_config_from_args(a), host=a.host, port=a.port, log_level=a.log_level,
-               step_trace=a.step_trace)
+               drain_timeout_s=a.shutdown_timeout, step_trace=a.step_trace)
     return 0
 
 
@@ -83,20 +42,23 @@ def _generate(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `sloserve`; returns the exit code (2 for bad settings, with one line)."""
-    parser = argparse.ArgumentParser(prog="sloserve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="sloserve", description=__doc__, allow_abbrev=False)
     sub = parser.add_subparsers(dest="cmd", required=True)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server", allow_abbrev=False)
     add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=port, default=8000)
     s.add_argument("--log-level", default="info")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM/SIGINT, seconds requests in flight get to finish (new ones "
+                        "get 503) before the server exits 0")
     s.add_argument("--step-trace", default=None, metavar="FILE.jsonl",
                    help="write one JSON line per engine step (composition and times), for "
                         "`sloserve profile --from-trace`")
     s.set_defaults(func=_serve)
 
-    g = sub.add_parser("generate", help="generate text for one prompt offline")
+    g = sub.add_parser("generate", help="generate text for one prompt offline", allow_abbrev=False)
     g.add_argument("prompt")
     add_engine_args(g, positional_model=False)
     g.add_argument("--max-tokens", type=int, default=64)
@@ -139,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:  # a missing model, bad settings, an unwritable trace
         print(f"sloserve: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # the engine core crashed while starting (its log says why)
+        print(f"sloserve: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,7 +1,19 @@
-"""Engine configuration (CLI flags follow vLLM's spelling)."""
+"""Engine configuration and its command-line flags (vLLM's spelling), in one place.
+
+``EngineConfig`` holds every engine setting and its default; ``add_engine_args`` /
+``engine_config_from_args`` are the flags of ``sloserve serve``, ``generate``, ``profile`` and the
+simulator's scheduler flags (``add_scheduler_args``), so one default serves them all. Plain Python:
+no torch; nothing here imports the CLI.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import math
+from dataclasses import dataclass, fields
+
+POLICIES = ("chunked", "naive", "static")
+DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
+LOAD_FORMAT_CHOICES = ("auto", "gguf", "safetensors", "hf", "dummy")
 
 
 @dataclass
@@ -20,11 +32,13 @@ class EngineConfig:
         num_kv_blocks: exact number of KV blocks (overrides kv_cache_memory).
         max_num_batched_tokens: token budget per step.
         max_num_seqs: most requests running at once.
-        max_model_len: longest prompt + output (tokens); None = the model's context length.
+        max_model_len: longest prompt + output (tokens); None = the model's context length,
+            capped at what the KV cache holds.
         scheduling_policy: "chunked", "naive" or "static".
         seed: seed of the engine RNG (unseeded sampling requests draw their seeds from it).
-        attention_backend: name of the attention backend.
-        num_threads: torch intra-op threads (None: torch's default).
+        attention_backend: "auto" (the best that runs here) or a registered backend's name.
+        num_threads: torch intra-op threads of the engine core (None: torch's default, every
+            core).
     """
 
     model: str | None = None
@@ -40,5 +54,94 @@ class EngineConfig:
     max_model_len: int | None = None
     scheduling_policy: str = "chunked"
     seed: int = 0
-    attention_backend: str = "torch-ref"
+    attention_backend: str = "auto"
     num_threads: int | None = None
+
+    def validate(self) -> None:
+        """Raise ValueError naming the setting, its value and the allowed range."""
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        for name in ("num_kv_blocks", "max_model_len", "num_threads"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if not (isinstance(self.kv_cache_memory, (int, float))
+                and math.isfinite(self.kv_cache_memory) and self.kv_cache_memory > 0):
+            raise ValueError(f"kv_cache_memory must be a positive number of GiB, got "
+                             f"{self.kv_cache_memory}")
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}, got "
+                             f"{self.scheduling_policy!r}")
+        for name in ("dtype", "kv_cache_dtype"):
+            if getattr(self, name) not in DTYPE_CHOICES:
+                raise ValueError(f"{name} must be one of {', '.join(DTYPE_CHOICES)}, got "
+                                 f"{getattr(self, name)!r}")
+
+    def resolve_max_model_len(self, model_max_len: int, kv_tokens: int) -> int:
+        """max_model_len for a model of context ``model_max_len`` over a cache of ``kv_tokens``.
+
+        Unset: the model's context capped at the cache (a request that can never fit would
+        preempt itself for ever). Set: checked against the cache.
+
+        Raises:
+            ValueError: a set max_model_len the cache cannot hold.
+        """
+        if self.max_model_len is None:
+            return min(model_max_len, kv_tokens)
+        if self.max_model_len > kv_tokens:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} tokens does not fit the KV cache of "
+                f"{kv_tokens // self.block_size} blocks x {self.block_size} = {kv_tokens} tokens; "
+                f"raise --kv-cache-memory / --num-kv-blocks or lower --max-model-len")
+        return self.max_model_len
+
+
+_D = EngineConfig()
+
+
+def add_scheduler_args(p: argparse.ArgumentParser) -> None:
+    """The scheduling flags (shared by ``serve`` and ``sim``): budget, sequences, policy, blocks."""
+    p.add_argument("--max-num-batched-tokens", type=int, default=_D.max_num_batched_tokens,
+                   help=f"token budget per engine step (default {_D.max_num_batched_tokens})")
+    p.add_argument("--max-num-seqs", type=int, default=_D.max_num_seqs,
+                   help=f"most requests running at once (default {_D.max_num_seqs})")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output (default: the model's context, capped at the KV cache)")
+    p.add_argument("--scheduling-policy", default=_D.scheduling_policy, choices=POLICIES)
+    p.add_argument("--block-size", type=int, default=_D.block_size, help="tokens per KV block")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks")
+
+
+def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> None:
+    """Engine flags, spelled as vLLM spells them where vLLM has one."""
+    if positional_model:
+        p.add_argument("model", nargs="?", default=None,
+                       help="GGUF file or Hugging Face folder (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", dest="model_flag", default=None, help="same as the positional MODEL")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--dtype", default=_D.dtype, choices=DTYPE_CHOICES,
+                   help="auto: bfloat16 where this CPU's bf16 matmul is native, else float32 "
+                        "(the choice is logged at start)")
+    p.add_argument("--kv-cache-dtype", default=_D.kv_cache_dtype, choices=DTYPE_CHOICES,
+                   help="dtype of the paged KV cache (auto: the model's dtype)")
+    p.add_argument("--load-format", default=_D.load_format, choices=LOAD_FORMAT_CHOICES)
+    p.add_argument("--kv-cache-memory", type=float, default=_D.kv_cache_memory,
+                   help="GiB of KV cache (ignored with --num-kv-blocks)")
+    add_scheduler_args(p)
+    p.add_argument("--seed", type=int, default=_D.seed)
+    p.add_argument("--attention-backend", default=_D.attention_backend,
+                   help="auto (the fastest that runs here) or a backend name")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch intra-op threads of the engine core (default: every core)")
+
+
+def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from parsed flags (the positional MODEL or --model)."""
+    names = {f.name for f in fields(EngineConfig)}
+    kw = {k: v for k, v in vars(a).items() if k in names}
+    kw["model"] = getattr(a, "model_flag", None) or getattr(a, "model", None)
+    if kw.get("load_format") == "hf":
+        kw["load_format"] = "safetensors"
+    return EngineConfig(**kw)

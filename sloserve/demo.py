@@ -22,6 +22,7 @@ from rich.live import Live
 from rich.table import Table
 
 from sloserve.bench.server_proc import scrape_metrics, sloserve_server
+from sloserve.latency import tpot
 
 QUESTIONS = [
     "What is the capital of France? Answer in one sentence.",
@@ -55,9 +56,10 @@ class Stream:
     @property
     def tpot_ms(self) -> float | None:
         """(E2E - TTFT) / (output tokens - 1), vLLM's per-request TPOT."""
-        if self.first is None or self.last is None or self.output_tokens <= 1:
+        if self.first is None or self.last is None:
             return None
-        return (self.last - self.first) * 1e3 / (self.output_tokens - 1)
+        t = tpot(self.last - self.sent, self.first - self.sent, self.output_tokens)
+        return None if t is None else t * 1e3
 
 
 async def chat_stream(client, model: str, s: Stream, max_tokens: int) -> None:

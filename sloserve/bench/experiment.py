@@ -134,7 +134,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str, console: Console,
     """
     from sloserve.bench.plots import plot_cdfs, plot_itl_timeline
     from sloserve.bench.tokenizer import load_tokenizer, server_models
-    from sloserve.model.loader import default_model_path
+    from sloserve.embedded import default_model_path
     tok = load_tokenizer(default_model_path())
     reqs = mixed_workload(PromptFactory(tok, seed=cfg.seed), cfg.num_prompts, scale=cfg.scale,
                           output_range=cfg.output_range, seed=cfg.seed)

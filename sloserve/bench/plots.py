@@ -18,6 +18,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from sloserve.latency import tpot as request_tpot  # noqa: E402
+
 
 def per_request_ms(result: dict[str, Any]) -> tuple[list[float], list[float]]:
     """(TTFTs, TPOTs) in ms of the successful requests of a detailed result."""
@@ -27,9 +29,9 @@ def per_request_ms(result: dict[str, Any]) -> tuple[list[float], list[float]]:
             continue
         ttft.append(result["ttfts"][i] * 1e3)
         n, ct = result["output_lens"][i], result["chunk_times"][i]
-        if n > 1 and ct:
-            lat = ct[-1] - result["start_times"][i]
-            tpot.append((lat - result["ttfts"][i]) * 1e3 / (n - 1))
+        t = request_tpot(ct[-1] - result["start_times"][i], result["ttfts"][i], n) if ct else None
+        if t is not None:
+            tpot.append(t * 1e3)
     return ttft, tpot
 
 
@@ -79,11 +81,12 @@ def plot_itl_timeline(results: dict[str, dict[str, Any]], path: str, title: str 
     return _save(fig, path)
 
 
-def plot_pareto(rows: list[dict[str, Any]], path: str, operating_point: float | None = None,
-                x_keys: Sequence[str] = ("p99_tpot_ms", "p99_ttft_ms"), title: str = "") -> str:
-    """Output throughput against each of ``x_keys``; points labelled by rate/concurrency,
-    Pareto-optimal points joined, the operating point circled. Returns ``path``."""
-    from sloserve.bench.sweep import pareto_front
+def plot_pareto(rows: list[dict[str, Any]], path: str, fronts: dict[str, list[dict[str, Any]]],
+                operating_point: float | None = None, title: str = "") -> str:
+    """Output throughput against each key of ``fronts`` (a latency column); points labelled by
+    rate/concurrency, the Pareto-optimal points of ``fronts[key]`` joined, the operating point
+    circled. Returns ``path``."""
+    x_keys = list(fronts)
     fig, axes = plt.subplots(1, len(x_keys), figsize=(5.5 * len(x_keys), 4.2), squeeze=False)
     for ax, key in zip(axes[0], x_keys):
         xs = [r[key] for r in rows]
@@ -92,7 +95,7 @@ def plot_pareto(rows: list[dict[str, Any]], path: str, operating_point: float | 
         for r, x, y in zip(rows, xs, ys):
             ax.annotate(str(r["point"]), (x, y), textcoords="offset points", xytext=(4, 4),
                         fontsize=8)
-        front = pareto_front(rows, key)
+        front = fronts[key]
         ax.plot([r[key] for r in front], [r["output_throughput"] for r in front], "-",
                 color="tab:orange", label="Pareto frontier")
         for r in rows:

@@ -17,6 +17,8 @@ from typing import Any, Callable
 
 import httpx
 
+from sloserve.latency import tpot
+
 
 @dataclass
 class RequestInput:
@@ -106,9 +108,7 @@ class RequestRecord:
     @property
     def tpot(self) -> float | None:
         """(E2E - TTFT) / (output tokens - 1) in s; None when output <= 1 or not successful."""
-        if not self.success or self.output_tokens <= 1:
-            return None
-        return (self.latency - self.ttft) / (self.output_tokens - 1)
+        return tpot(self.latency, self.ttft, self.output_tokens) if self.success else None
 
 
 class MalformedEvent(ValueError):

@@ -31,6 +31,9 @@ def pareto_front(rows: Sequence[dict[str, Any]], key: str) -> list[dict[str, Any
     return front
 
 
+#: the tail latencies the Pareto plot puts output throughput against
+PARETO_KEYS = ("p99_tpot_ms", "p99_ttft_ms")
+
 TABLE_COLUMNS = ("point", "request_throughput", "output_throughput", "mean_ttft_ms",
                  "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "p99_itl_ms", "request_goodput",
                  "failed")
@@ -77,6 +80,7 @@ def write_sweep(rows: Sequence[dict[str, Any]], axis: str, slos: dict[str, float
                "rows": [{**r, "point": finite(r["point"])} for r in rows]},
               os.path.join(result_dir, "sweep.json"))
     plotted = [r for r in rows if r["completed"] > 0]  # an all-failed point has no latencies
-    png = plot_pareto(plotted, os.path.join(result_dir, "pareto.png"), op, title=title)
+    fronts = {k: pareto_front(plotted, k) for k in PARETO_KEYS}
+    png = plot_pareto(plotted, os.path.join(result_dir, "pareto.png"), fronts, op, title=title)
     print(f"table: {os.path.join(result_dir, 'sweep.md')}; plot: {png}")
     return op

@@ -5,26 +5,7 @@ import os
 
 import httpx
 
-from sloserve.model.tokenizer import Tokenizer
-
-
-def load_tokenizer(path: str) -> Tokenizer:
-    """A tokenizer from a GGUF file or a Hugging Face folder (``tokenizer.json`` etc.).
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist.
-        ValueError: no tokenizer can be loaded from it (first line of the reason).
-    """
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"tokenizer path {path!r} does not exist")
-    try:
-        if os.path.isfile(path) and path.endswith(".gguf"):
-            return Tokenizer.from_gguf(path)
-        return Tokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ValueError(f"cannot load a tokenizer from {path!r} (a GGUF file or a folder with "
-                         f"tokenizer.json is needed): {first}") from None
+from sloserve.tokenizer import Tokenizer, load_tokenizer
 
 
 def server_models(base_url: str, timeout_s: float = 10.0) -> list[dict]:
@@ -66,6 +47,6 @@ def resolve_tokenizer(tokenizer: str | None, models: list[dict], model: str) -> 
                 return load_tokenizer(root), root
             except ValueError:  # e.g. a dummy-weights folder without tokenizer files
                 break
-    from sloserve.model.loader import default_model_path
+    from sloserve.embedded import default_model_path
     path = default_model_path()
     return load_tokenizer(path), path

@@ -52,6 +52,18 @@ class KVCacheManager:
         table.extend(new)
         return True
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Return the blocks past what positions [0, num_tokens) need (after rejected draft
+        tokens were rolled back); the slots of rejected tokens in kept blocks are overwritten
+        when those positions are computed again."""
+        table = self.block_tables.get(request_id)
+        if table is None:
+            return
+        keep = cdiv(num_tokens, self.block_size)
+        if len(table) > keep:
+            self.pool.free(table[keep:])
+            del table[keep:]
+
     def free(self, request_id: str) -> None:
         """Return all of a request's blocks to the pool (no-op if it holds none)."""
         table = self.block_tables.pop(request_id, None)

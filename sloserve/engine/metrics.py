@@ -1,12 +1,14 @@
-"""Engine-side statistics: per-step and per-finished-request records, and a running summary.
+"""Serving statistics: per-step and per-finished-request records, and a running summary.
 
-The engine produces these records; loggers consume them (the server's Prometheus exporter, the
-demo's summary). The engine itself knows nothing about HTTP or Prometheus.
+The front end's output processor builds these records from what the engine core publishes
+(its step stats) and from when outputs arrive (TTFT, ITL); loggers consume them (the server's
+Prometheus exporter, the demo's summary). The step trace is written by the engine core itself.
+Nothing here knows HTTP or Prometheus.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Protocol
 
 
 @dataclass
@@ -24,8 +26,6 @@ class IterationStats:
         itls: inter-token latencies of the decode tokens sampled this step.
         step_s: wall time of the step; forward_s: of the model forward alone.
         start_time: ``time.monotonic()`` when the step was scheduled (s).
-        scheduled: the step's ``ScheduledRequest`` list as the scheduler made it (a reference:
-            loggers that want the composition derive it, the step loop does no extra work).
     """
 
     num_running: int = 0
@@ -40,7 +40,6 @@ class IterationStats:
     step_s: float = 0.0
     forward_s: float = 0.0
     start_time: float = 0.0
-    scheduled: Sequence[Any] = ()
 
 
 @dataclass
@@ -102,10 +101,9 @@ class StepTraceLogger:
     """Writes one JSON line per engine step (``sloserve serve --step-trace FILE``): start time
     (s, monotonic), step seconds, queue sizes after it, its composition (decode contexts,
     prefill chunks as [tokens, start]) and the requests it admitted ([arrival time, prompt
-    tokens]). The simulator's profiler fits its cost model to the
-    time from one step's start to the next one's while the engine stays busy
-    (``sloserve profile --from-trace``): what a step really costs in a serving process, with the
-    HTTP server and the streams on the same cores.
+    tokens]). The simulator's profiler fits its cost model to the time from one step's start to
+    the next one's while the engine stays busy (``sloserve profile --from-trace``): what a step
+    really costs in a serving process. Written by the engine core (it has the composition).
 
     Raises:
         OSError: the file cannot be opened.
@@ -114,17 +112,20 @@ class StepTraceLogger:
     def __init__(self, path: str):
         self._f = open(path, "w", encoding="utf-8", buffering=1)
 
-    def record(self, it: IterationStats, finished: list[FinishedRequestStats]) -> None:
+    def record(self, out, step, stats, admitted: list[tuple[float, int]]) -> None:
+        """One line for a step.
+
+        Args:
+            out: the step's SchedulerOutput; step: its StepStats; stats: the SchedulerStats after it.
+            admitted: (arrival time, prompt tokens) of the requests first scheduled in it.
+        """
         import json
-        sched = it.scheduled
+        dec, pre = out.composition()
         self._f.write(json.dumps({
-            "t": round(it.start_time, 6), "step_s": round(it.step_s, 6),
-            "running": it.num_running, "waiting": it.num_waiting,
-            "decode_contexts": [s.end_pos for s in sched if s.is_decode],
-            "prefill_chunks": [[s.num_tokens, s.start_pos] for s in sched if not s.is_decode],
-            "admitted": [[round(s.request.arrival_time, 6), s.request.num_prompt_tokens]
-                         for s in sched if s.request.first_scheduled_time == it.start_time]})
-                       + "\n")
+            "t": round(step.start_time, 6), "step_s": round(step.step_s, 6),
+            "running": stats.num_running, "waiting": stats.num_waiting,
+            "decode_contexts": list(dec), "prefill_chunks": [list(c) for c in pre],
+            "admitted": [[round(a, 6), n] for a, n in admitted]}) + "\n")
 
     def close(self) -> None:
         self._f.close()

@@ -38,6 +38,10 @@ class Request:
     1 while decoding. After preemption `num_computed_tokens` drops to 0 and the prompt plus the
     tokens generated so far are recomputed.
 
+    `spec_token_ids` are draft tokens proposed for the request's next positions: the scheduler
+    puts them after its last token in the next decode step, where the runner verifies them
+    (speculative decoding); rejected ones are rolled back.
+
     Times are seconds on whatever clock the caller passes in (the engine uses time.monotonic()).
     """
 
@@ -50,6 +54,8 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
+    parent_request_id: str | None = None
     # timestamps filled by the engine (seconds)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -12,21 +12,29 @@ through the model, under a token budget (`max_num_batched_tokens`) and a sequenc
   max(max_num_batched_tokens, max_model_len) so any admissible prompt fits.
 * ``static``: a batch is admitted only when nothing runs; it runs until all of it finishes.
 
+A request may contribute any number of query tokens to a step: a prefill chunk at any offset,
+one decode token, or a decode token followed by draft tokens to verify (speculative decoding);
+rejected draft tokens are rolled back in `update_from_output`.
+
 When a running request cannot get a KV block the most recently admitted running request is
 preempted: its blocks are freed, it goes back to the front of the waiting queue, and later its
 prompt plus the tokens it already generated are recomputed (vLLM's recompute preemption).
 
 Plain Python: no torch and no clock (the caller passes `now`), so a simulator can drive it with
-a cost model instead of a model runner.
+a cost model instead of a model runner. Its output (`sloserve.step_io.SchedulerOutput`) is plain
+data with no live objects.
 """
 from __future__ import annotations
 
 import enum
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from sloserve.config import EngineConfig
 from sloserve.engine.kv_cache_manager import KVCacheManager
+from sloserve.engine.messages import EngineCoreOutput
 from sloserve.engine.request import Request, RequestStatus
+from sloserve.step_io import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 
 class SchedulingPolicy(str, enum.Enum):
@@ -39,7 +47,8 @@ class SchedulingPolicy(str, enum.Enum):
 
 @dataclass
 class SchedulerConfig:
-    """Scheduler limits.
+    """Scheduler limits (the defaults are EngineConfig's; the engine builds this with
+    ``SchedulerConfig.of``).
 
     Attributes:
         max_num_batched_tokens: token budget per step (tokens).
@@ -48,10 +57,17 @@ class SchedulerConfig:
         policy: chunked, naive or static.
     """
 
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
+    max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
+    max_num_seqs: int = EngineConfig.max_num_seqs
     max_model_len: int = 2048
-    policy: SchedulingPolicy = SchedulingPolicy.CHUNKED
+    policy: SchedulingPolicy = SchedulingPolicy(EngineConfig.scheduling_policy)
+
+    @classmethod
+    def of(cls, config: EngineConfig, max_model_len: int) -> "SchedulerConfig":
+        """The scheduler's view of an engine's settings (``max_model_len`` resolved)."""
+        return cls(max_num_batched_tokens=config.max_num_batched_tokens,
+                   max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
+                   policy=config.scheduling_policy)
 
     def __post_init__(self) -> None:
         self.policy = SchedulingPolicy(self.policy)
@@ -68,56 +84,6 @@ class SchedulerConfig:
         return max(self.max_num_batched_tokens, self.max_model_len)
 
 
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step: positions [start_pos, start_pos + num_tokens)."""
-
-    request: Request
-    num_tokens: int
-    start_pos: int
-    #: this chunk reaches the request's newest token, so a next token is sampled after it
-    samples: bool = field(init=False)
-    #: a decode: one new token of a request that already has output and a full KV cache
-    is_decode: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.samples = self.end_pos == self.request.num_tokens
-        self.is_decode = (self.num_tokens == 1 and self.samples
-                          and self.request.num_output_tokens > 0)
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def end_pos(self) -> int:
-        return self.start_pos + self.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    """What one engine step runs. `scheduled` lists decodes first, then prefill chunks."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted_request_ids: list[str] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return sum(1 for s in self.scheduled if s.is_decode)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return self.num_batched_tokens - self.num_decode_tokens
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
 class Scheduler:
     """Owns the waiting queue, the running list (in admission order) and the KV cache manager."""
 
@@ -128,6 +94,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        #: finished or aborted since the last schedule(): the runner forgets them next step
+        self._finished_ids: list[str] = []
 
     # ----------------------------------------------------------------- queue management
     def add_request(self, request: Request) -> None:
@@ -155,7 +123,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
-        """Finish (stop string, abort, ...) a queued or running request and free its blocks.
+        """Finish (abort, ...) a queued or running request and free its blocks.
 
         Unknown or already finished ids are ignored (returns None).
         """
@@ -171,6 +139,7 @@ class Scheduler:
                 pass
         req.status = status
         self.kv.free(request_id)
+        self._finished_ids.append(request_id)
         return req
 
     @property
@@ -181,21 +150,21 @@ class Scheduler:
         return bool(self.requests)
 
     # ----------------------------------------------------------------- scheduling
-    def _preempt(self, req: Request, out: SchedulerOutput, scheduled: dict[str, ScheduledRequest]) -> int:
+    def _preempt(self, req: Request, out: SchedulerOutput, scheduled: dict[str, int]) -> int:
         """Free `req` and queue it at the front for recompute. Returns budget refunded."""
         self.running.remove(req)
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        req.spec_token_ids = []
         self.num_preemptions += 1
         self.waiting.appendleft(req)
         out.preempted_request_ids.append(req.request_id)
-        sr = scheduled.pop(req.request_id, None)
-        return sr.num_tokens if sr else 0
+        return scheduled.pop(req.request_id, 0)
 
     def _allocate_or_preempt(self, req: Request, num_tokens: int, out: SchedulerOutput,
-                             scheduled: dict[str, ScheduledRequest]) -> tuple[bool, int]:
+                             scheduled: dict[str, int]) -> tuple[bool, int]:
         """Make room for `num_tokens` more of running `req`, preempting the newest requests.
 
         Returns (allocated, budget refunded by preempting already scheduled requests).
@@ -214,19 +183,22 @@ class Scheduler:
         chunked = cfg.policy is SchedulingPolicy.CHUNKED
         budget = cfg.token_budget
         out = SchedulerOutput()
-        scheduled: dict[str, ScheduledRequest] = {}
+        scheduled: dict[str, int] = {}  # request id -> query tokens this step
 
-        # 1. running decodes, one token each, in admission order
+        # 1. running decodes, one token each plus their draft tokens, in admission order
         for req in list(self.running):
             if budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING or req.num_tokens_to_compute != 1:
                 continue
-            ok, refund = self._allocate_or_preempt(req, 1, out, scheduled)
+            # drafts fit the budget and the context: positions up to num_tokens - 1 + len(spec)
+            spec = req.spec_token_ids[:max(0, min(budget - 1, cfg.max_model_len - req.num_tokens))]
+            req.spec_token_ids = spec
+            ok, refund = self._allocate_or_preempt(req, 1 + len(spec), out, scheduled)
             budget += refund
             if ok:
-                scheduled[req.request_id] = ScheduledRequest(req, 1, req.num_computed_tokens)
-                budget -= 1
+                scheduled[req.request_id] = 1 + len(spec)
+                budget -= 1 + len(spec)
 
         # 2. running requests part-way through their prefill (chunked, or a static batch)
         for req in list(self.running):
@@ -242,7 +214,7 @@ class Scheduler:
             ok, refund = self._allocate_or_preempt(req, n, out, scheduled)
             budget += refund
             if ok:
-                scheduled[req.request_id] = ScheduledRequest(req, n, req.num_computed_tokens)
+                scheduled[req.request_id] = n
                 budget -= n
 
         # 3. admit waiting requests FCFS (not in a step that preempted: it would thrash)
@@ -263,49 +235,99 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             self.running.append(req)
-            scheduled[req.request_id] = ScheduledRequest(req, n, req.num_computed_tokens)
+            scheduled[req.request_id] = n
             budget -= n
 
-        # decodes first, then prefill chunks in admission order
-        order = {r.request_id: i for i, r in enumerate(self.running)}
-        items = list(scheduled.values())
-        items.sort(key=lambda s: (not s.is_decode, order[s.request_id]))
+        # decodes first, then prefill chunks, each in admission order
+        items = [self._scheduled(r, scheduled[r.request_id]) for r in self.running
+                 if r.request_id in scheduled]
+        items.sort(key=lambda s: not s.is_decode)  # stable: admission order kept
         out.scheduled = items
+        out.finished_request_ids, self._finished_ids = self._finished_ids, []
         return out
 
+    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+        """The plain-data record of `req` computing `n` query tokens from num_computed_tokens."""
+        start = req.num_computed_tokens
+        spec = req.spec_token_ids if n > 1 and start + 1 == req.num_tokens else []
+        end = start + n - len(spec)
+        return ScheduledRequest(
+            request_id=req.request_id, num_computed_tokens=start, num_new_tokens=n,
+            token_ids=req.token_ids_range(start, end) + spec,
+            block_ids=list(self.kv.get_block_table(req.request_id)),
+            sampling_params=req.sampling_params, samples=end == req.num_tokens,
+            is_decode=end == req.num_tokens and end - start == 1 and req.num_output_tokens > 0,
+            spec_token_ids=list(spec))
+
     # ----------------------------------------------------------------- results
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
-                           now: float = 0.0) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, finish requests that hit a stop condition.
+    def update_from_output(self, out: SchedulerOutput, runner_out: ModelRunnerOutput,
+                           now: float = 0.0) -> list[EngineCoreOutput]:
+        """Advance computed tokens, append sampled tokens, roll back rejected draft tokens,
+        finish requests that hit a stop condition.
 
         Args:
             out: the SchedulerOutput this step ran.
-            sampled: request id -> new token id, for every scheduled request whose chunk `samples`.
+            runner_out: its sampled tokens, one list per scheduled request in ``out`` order
+                (empty for a prefill chunk that does not reach the end of the prompt; for a
+                verify step of k drafts, the accepted drafts plus one: 1 to k + 1 tokens).
             now: time of the step's end (seconds), stamped on token and finish times.
 
         Returns:
-            Requests finished by EOS / stop token ids (FINISHED_STOPPED) or by max_tokens /
-            max_model_len (FINISHED_LENGTH); their blocks are already freed.
+            One output per request that got tokens or finished: finished by EOS / a stop token id
+            (``stop``) or by max_tokens / max_model_len (``length``); their blocks are already
+            freed. Tokens sampled after a stop condition are dropped.
+
+        Raises:
+            ValueError: the runner output does not match the scheduler output.
         """
-        finished: list[Request] = []
-        for sr in out.scheduled:
-            req = sr.request
-            if req.status is not RequestStatus.RUNNING:
+        if runner_out.req_ids != [s.request_id for s in out.scheduled]:
+            raise ValueError("runner output is not for this scheduler output: request ids differ")
+        outputs: list[EngineCoreOutput] = []
+        for sr, toks in zip(out.scheduled, runner_out.sampled_token_ids):
+            req = self.requests.get(sr.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # finished or preempted meanwhile
+            req.num_computed_tokens += sr.num_new_tokens
+            req.spec_token_ids = []
+            if not sr.samples:
+                if toks:
+                    raise ValueError(f"{sr.request_id}: tokens sampled after a chunk that does "
+                                     f"not reach the end of its prompt")
                 continue
-            req.num_computed_tokens += sr.num_tokens
-            if req.num_computed_tokens != req.num_tokens:
-                continue
-            tok = sampled[req.request_id]
-            req.output_token_ids.append(tok)
+            k = len(sr.spec_token_ids)
+            if not 1 <= len(toks) <= k + 1 or toks[:-1] != sr.spec_token_ids[:len(toks) - 1]:
+                raise ValueError(f"{sr.request_id}: {len(toks)} sampled tokens {toks[:4]} do "
+                                 f"not fit {k} draft tokens")
+            if k:  # rejected drafts: their KV is not valid; free blocks past what is kept
+                req.num_computed_tokens -= k + 1 - len(toks)
+            new: list[int] = []
+            status = None
+            for tok in toks:
+                req.output_token_ids.append(tok)
+                new.append(tok)
+                status = self._check_stop(req, tok)
+                if status is not None:
+                    break
+            if k:
+                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+                self.kv.trim(req.request_id, req.num_computed_tokens)
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
-            status = self._check_stop(req, tok)
+            o = EngineCoreOutput(request_id=req.request_id, new_token_ids=new,
+                                 num_output_tokens=req.num_output_tokens,
+                                 num_accepted_draft_tokens=len(new) - 1 if k else 0,
+                                 num_preemptions=req.num_preemptions,
+                                 parent_request_id=req.parent_request_id)
             if status is not None:
                 self.finish_request(req.request_id, status)
                 req.finished_time = now
-                finished.append(req)
-        return finished
+                o.finish_reason = status.finish_reason
+                o.first_scheduled_time = req.first_scheduled_time
+                if status is RequestStatus.FINISHED_STOPPED:
+                    o.stop_reason = new[-1]
+            outputs.append(o)
+        return outputs
 
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         sp = req.sampling_params

@@ -1,7 +1,9 @@
-"""Time engine steps of a known composition: pure decode batches and single-step prefills.
+"""Time engine steps of a known composition: pure decode batches, single-step prefills, and
+decodes mixed with a prefill chunk.
 
 One place for the step-driving logic that `benchmarks/engine_bench.py`, `sloserve roofline
---measure` (and later the profiled cost model of the simulator) need. Times are seconds
+--measure` and the simulator's grid profile (`sloserve profile`) need. Decode and prefill steps
+run through the whole engine (`LLMEngine.step`); mixed steps run on the model runner alone. Times are seconds
 (perf_counter); `forward_s`/`prepare_s`/`sample_s` are the model runner's own timings.
 """
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 
 from sloserve.engine.llm_engine import LLMEngine
 from sloserve.sampling_params import SamplingParams
+from sloserve.step_io import ScheduledRequest, SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,7 @@ def _timed_step(eng: LLMEngine, context: int | None = None) -> StepSample:
     t0 = time.perf_counter()
     eng.step()
     wall = time.perf_counter() - t0
-    tm = eng.runner.last_timings
+    tm = eng.core.last_runner_output
     return StepSample(wall, tm.prepare_s, tm.forward_s, tm.sample_s, context)
 
 
@@ -111,44 +114,48 @@ def time_prefill_steps(eng: LLMEngine, n: int, warmup: int, repeats: int) -> lis
 
 def time_mixed_steps(eng: LLMEngine, batch: int, context_len: int, chunk: int, warmup: int,
                      repeats: int) -> list[StepSample]:
-    """`repeats` timed steps of `batch` decodes (at about `context_len`) plus one prefill chunk
-    of exactly `chunk` tokens, as the chunked scheduler builds them (Sarathi-Serve's hybrid
-    batch). `chunk` = 0 times pure decode steps.
+    """`repeats` timed steps of `batch` decodes plus one prefill chunk of exactly `chunk` tokens
+    (Sarathi-Serve's hybrid batch; `chunk` = 0: pure decode steps), run on the engine's model
+    runner as plain-data scheduler outputs.
 
-    Sets the scheduler's token budget to batch + chunk for the timed steps and restores it.
+    Step k (warm-up included) has decodes at context ``context_len + k + 1`` and a chunk at
+    positions ``chunk * k .. chunk * (k + 1) - 1`` of one prompt, what the chunked scheduler
+    builds with a budget of batch + chunk. The scheduler is not involved, so no budget has to
+    be bent and any composition can be timed; ``wall_s`` is the runner's whole ``execute``
+    (inputs, forward, sampling), without the scheduler's own ~1 ms. The blocks are the
+    engine's; what they hold does not change the cost.
 
     Raises:
-        ValueError: the engine is not using the chunked policy.
-        RuntimeError: a timed step had another composition.
+        ValueError: the engine has requests in flight (their KV would be overwritten), or its
+            cache has too few blocks for the composition.
     """
-    from sloserve.engine.scheduler import SchedulingPolicy
-    if eng.scheduler.config.policy is not SchedulingPolicy.CHUNKED:
-        raise ValueError("mixed steps need --scheduling-policy chunked")
+    if eng.has_unfinished_requests():
+        raise ValueError("time_mixed_steps needs an idle engine (its blocks are used directly)")
     steps = warmup + repeats
+    bs = eng.config.block_size
+    per_decode = -(-(context_len + steps) // bs)
+    need = batch * per_decode + -(-chunk * steps // bs)
+    if need > eng.num_kv_blocks:
+        raise ValueError(f"{batch} decodes at context {context_len} + a {chunk}-token chunk "
+                         f"for {steps} steps need {need} KV blocks; the engine has "
+                         f"{eng.num_kv_blocks}")
     vocab = eng.model_config.vocab_size
-    ids = _start_decodes(eng, batch, context_len, steps + 4)
-    cfg = eng.scheduler.config
-    old_budget = cfg.max_num_batched_tokens
-    cfg.max_num_batched_tokens = batch + chunk
-    if chunk:
-        ids.append(eng.add_request(synthetic_prompt(chunk * steps + 1, 4242 + chunk, vocab),
-                                   SamplingParams(temperature=0.0, max_tokens=1)))
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    tables = [list(range(i * per_decode, (i + 1) * per_decode)) for i in range(batch)]
+    chunk_blocks = list(range(batch * per_decode, need))
+    prompt = synthetic_prompt(chunk * steps, 4242 + chunk, vocab)
     out = []
-    try:
-        for k in range(steps):
-            before = {r.request_id: r.num_computed_tokens for r in eng.scheduler.running}
-            s = _timed_step(eng, context_len + k + 1)
-            done = sum(r.num_computed_tokens - before.get(r.request_id, 0)
-                       for r in eng.scheduler.running)
-            if done != batch + chunk:
-                raise RuntimeError(f"mixed step {k}: {done} tokens computed, expected {batch} "
-                                   f"decodes + {chunk} prefill tokens")
-            if k >= warmup:
-                out.append(s)
-    finally:
-        cfg.max_num_batched_tokens = old_budget
-        for rid in ids:
-            eng.abort_request(rid)
-        while eng.has_unfinished_requests():
-            eng.step()
+    for k in range(steps):
+        ctx = context_len + k + 1
+        sched = [ScheduledRequest(f"profile-d{i}", ctx - 1, 1, [10 + i], tables[i], greedy,
+                                  samples=True, is_decode=True) for i in range(batch)]
+        if chunk:
+            sched.append(ScheduledRequest("profile-p", chunk * k, chunk,
+                                          prompt[chunk * k:chunk * (k + 1)], chunk_blocks, greedy,
+                                          samples=False, is_decode=False))
+        t0 = time.perf_counter()
+        ro = eng.runner.execute(SchedulerOutput(sched))
+        wall = time.perf_counter() - t0
+        if k >= warmup:
+            out.append(StepSample(wall, ro.prepare_s, ro.forward_s, ro.sample_s, ctx))
     return out

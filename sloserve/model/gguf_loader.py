@@ -382,13 +382,13 @@ def gguf_model_name(gf: GGUFFile) -> str:
 
 
 def load_gguf_tokenizer(gf: GGUFFile, config: ModelConfig):
-    """Build a :class:`sloserve.model.tokenizer.Tokenizer` from the GGUF's ``tokenizer.*`` metadata
+    """Build a :class:`sloserve.tokenizer.Tokenizer` from the GGUF's ``tokenizer.*`` metadata
     via transformers' own GGUF tokenizer conversion (offline, nothing written to disk).
 
     Raises:
         ValueError: the file carries no tokenizer (``tokenizer.ggml.tokens`` missing).
     """
-    from sloserve.model.tokenizer import Tokenizer
+    from sloserve.tokenizer import Tokenizer
 
     if "tokenizer.ggml.tokens" not in gf.metadata:
         raise ValueError(f"{gf.path} carries no tokenizer (tokenizer.ggml.tokens missing)")

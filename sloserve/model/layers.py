@@ -64,21 +64,27 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables [max_positions, head_dim] (float32); HF rotate_half layout."""
+    """RoPE (Su et al. 2021) in Hugging Face's rotate_half layout.
 
-    def __init__(self, config: ModelConfig, max_positions: int):
+    cos/sin are computed from the step's positions once per forward pass (angle = position x
+    inverse frequency in float32, as transformers computes them), so there is no table and no
+    longest position to size in advance.
+    """
+
+    def __init__(self, config: ModelConfig):
         super().__init__()
-        inv = rope_inv_freq(config)
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        # a plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies
+        self.inv_freq = rope_inv_freq(config)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """Rotate q [T, H, D] and k [T, H_kv, D] by their token positions [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] int64 -> (cos, sin), each [T, 1, head_dim] in ``dtype``."""
+        freqs = positions.to(torch.float32).unsqueeze(1) * self.inv_freq.unsqueeze(0)
+        emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @staticmethod
+    def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rotate q [T, H, D] and k [T, H_kv, D] by (cos, sin) from :meth:`cos_sin`."""
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

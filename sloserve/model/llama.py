@@ -9,7 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sloserve.model.attention import AttentionBackend, AttentionMetadata, TorchReferenceBackend
+from typing import Any
+
+from sloserve.model.attention import AttentionBackend
 from sloserve.model.config import ModelConfig
 from sloserve.model.layers import MLP, RMSNorm, RotaryEmbedding
 
@@ -30,14 +32,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=False)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, meta: AttentionMetadata,
-                backend: AttentionBackend):
+    def forward(self, x, cos_sin, kv_cache, backend: AttentionBackend, meta: Any):
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(t, self.n_kv, self.head_dim)
-        q, k = rope(positions, q, k)
-        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        q, k = RotaryEmbedding.apply(q, k, *cos_sin)
+        o = backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.n_heads * self.head_dim))
 
 
@@ -51,8 +52,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions, rope, kv_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta, backend)
+    def forward(self, x, cos_sin, kv_cache, backend, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, backend, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -69,14 +70,13 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Decoder-only LM. Build with a ModelConfig, then load a Hugging Face-named state dict."""
 
-    def __init__(self, config: ModelConfig, max_positions: int | None = None):
+    def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
-        self.attn_backend: AttentionBackend = TorchReferenceBackend()
+        self.rope = RotaryEmbedding(config)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -85,22 +85,24 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                kv_caches: list[torch.Tensor], attn_backend: AttentionBackend, attn_meta: Any,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """One step over a flattened batch.
 
         Args:
             input_ids: [T] int64 token ids.
             positions: [T] int64 position of each token in its request.
-            kv_caches: per layer (K, V), each [num_blocks, block_size, H_kv, D].
-            meta: attention metadata for the step.
+            kv_caches: one tensor per layer, in ``attn_backend``'s layout.
+            attn_backend: computes attention (and owns the cache layout).
+            attn_meta: ``attn_backend.build_metadata(...)`` of this step.
             logits_indices: [S] int64 rows of T whose next-token logits are needed.
 
         Returns:
             [S, vocab_size] float32 logits.
         """
         x = self.model.embed_tokens(input_ids)
+        cos_sin = self.rope.cos_sin(positions, x.dtype)
         for layer, kv in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, self.rope, kv, meta, self.attn_backend)
+            x = layer(x, cos_sin, kv, attn_backend, attn_meta)
         x = self.model.norm(x[logits_indices])
         return (x @ self.lm_head_weight.t()).float()

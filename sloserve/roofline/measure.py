@@ -1,7 +1,7 @@
 """``sloserve roofline --measure``: time the engine's own forward pass against the roofline.
 
 For each point the engine runs one real step of a given composition and the model forward is
-timed (``runner.last_timings.forward_s``: the ``model(...)`` call alone, not input preparation or
+timed (the runner output's ``forward_s``: the ``model(...)`` call alone, not input preparation or
 sampling); the reported time is the median of ``repeats`` steps after ``warmup`` untimed ones.
 
 - decode batch ``B`` at context ``C``: ``B`` requests are prefilled first in one untimed step (the

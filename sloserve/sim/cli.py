@@ -192,7 +192,7 @@ class _Sim:
         if a.dataset_name == "sharegpt":
             from sloserve.bench.datasets import PromptFactory
             from sloserve.bench.tokenizer import load_tokenizer
-            from sloserve.model.loader import default_model_path
+            from sloserve.embedded import default_model_path
             factory = PromptFactory(load_tokenizer(default_model_path()), seed=a.seed)
         else:
             factory = LengthOnlyFactory()

@@ -41,14 +41,8 @@ class StepComposition:
 
     @classmethod
     def of(cls, out) -> "StepComposition":
-        """From a :class:`~sloserve.engine.scheduler.SchedulerOutput`."""
-        dec, pre = [], []
-        for sr in out.scheduled:
-            if sr.is_decode:
-                dec.append(sr.end_pos)
-            else:
-                pre.append((sr.num_tokens, sr.start_pos))
-        return cls(tuple(dec), tuple(pre))
+        """From a :class:`~sloserve.step_io.SchedulerOutput` (its ``composition()``)."""
+        return cls(*out.composition())
 
     def features(self) -> np.ndarray:
         """The model's feature vector (see the module docstring), float64 of shape (6,)."""

@@ -224,7 +224,7 @@ def load_profile(path: str) -> LinearCostModel:
 
 def main(argv: list[str] | None = None) -> int:
     """``sloserve profile [--out FILE] [engine flags]``."""
-    from sloserve.cli import add_engine_args, engine_config_from_args
+    from sloserve.config import add_engine_args, engine_config_from_args
     ap = argparse.ArgumentParser(prog="sloserve profile", description=__doc__)
     add_engine_args(ap)
     ap.add_argument("--out", default="profile.json")

@@ -28,6 +28,7 @@ from sloserve.engine.scheduler import Scheduler, SchedulerConfig
 from sloserve.sampling_params import SamplingParams
 from sloserve.sim.cost_model import CostModel, StepComposition
 from sloserve.sim.kv_transfer import Disaggregation
+from sloserve.step_io import ModelRunnerOutput
 
 
 @dataclass
@@ -166,13 +167,13 @@ class Replica:
             (request index, its first scheduled time) of each request that finished here.
         """
         out, self.running_step = self.running_step, None
-        before = {sr.request_id: sr.request.num_output_tokens for sr in out.scheduled}
-        done = self.sched.update_from_output(
-            out, {sr.request_id: 1 for sr in out.scheduled if sr.samples}, t)
-        for sr in out.scheduled:
-            if sr.request.num_output_tokens > before[sr.request_id]:
-                self.recs[int(sr.request_id)].chunk_times.append(t + self.token_out_s)
-        return [(int(r.request_id), r.first_scheduled_time) for r in done]
+        outs = self.sched.update_from_output(out, ModelRunnerOutput(
+            req_ids=[sr.request_id for sr in out.scheduled],
+            sampled_token_ids=[[1] if sr.samples else [] for sr in out.scheduled]), t)
+        for o in outs:
+            if o.new_token_ids:
+                self.recs[int(o.request_id)].chunk_times.append(t + self.token_out_s)
+        return [(int(o.request_id), o.first_scheduled_time) for o in outs if o.finished]
 
 
 ROUTERS = ("round-robin", "least-outstanding", "prefix-affinity")

@@ -224,7 +224,7 @@ def test_bad_output_flags_are_rejected_before_the_run(mock_server, gguf_path, ca
 
 def test_server_models_and_tokenizer_fallback(mock_server, gguf_path, tmp_path, fast_tokenizer, bench_tokenizer):
     from sloserve.bench.tokenizer import resolve_tokenizer, server_models
-    from sloserve.model.loader import default_model_path
+    from sloserve.embedded import default_model_path
 
     models = server_models(mock_server.base_url + "/")
     assert [m["id"] for m in models] == [MODEL_ID]

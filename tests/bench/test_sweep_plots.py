@@ -5,7 +5,7 @@ import pytest
 
 from sloserve.bench.plots import per_request_ms, plot_cdfs, plot_itl_timeline, plot_pareto
 from sloserve.bench.results import result_json
-from sloserve.bench.sweep import format_table, meets_slo, operating_point, pareto_front
+from sloserve.bench.sweep import PARETO_KEYS, format_table, meets_slo, operating_point, pareto_front
 
 from .test_results import make_run
 
@@ -101,7 +101,9 @@ def test_plots_write_png(tmp_path, detailed_result):
     assert p == str(tmp_path / "x" / "cdf.png") and _png_ok(p)
     p = plot_itl_timeline({"a": detailed_result, "b": detailed_result}, str(tmp_path / "itl.png"))
     assert _png_ok(p)
-    p = plot_pareto(ROWS, str(tmp_path / "pareto.png"), operating_point=8, title="sweep")
+    fronts = {k: pareto_front(ROWS, k) for k in PARETO_KEYS}
+    p = plot_pareto(ROWS, str(tmp_path / "pareto.png"), fronts, operating_point=8, title="sweep")
     assert _png_ok(p)
-    p = plot_pareto(ROWS[:1], str(tmp_path / "pareto1.png"), operating_point=None)
+    p = plot_pareto(ROWS[:1], str(tmp_path / "pareto1.png"),
+                    {k: pareto_front(ROWS[:1], k) for k in PARETO_KEYS}, operating_point=None)
     assert _png_ok(p)

@@ -14,9 +14,11 @@ from typing import Callable
 import pytest
 
 from sloserve.engine.kv_cache_manager import KVCacheManager, cdiv
+from sloserve.engine.messages import EngineCoreOutput
 from sloserve.engine.request import Request, RequestStatus
-from sloserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from sloserve.engine.scheduler import Scheduler, SchedulerConfig
 from sloserve.sampling_params import SamplingParams
+from sloserve.step_io import ModelRunnerOutput, SchedulerOutput
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -64,17 +66,27 @@ def make_scheduler(*, num_blocks: int = 64, block_size: int = 4, budget: int = 1
 
 
 def composition(out: SchedulerOutput) -> list[tuple[str, int, int]]:
-    """(request id, start_pos, num_tokens) of every scheduled chunk, in batch order."""
-    return [(s.request_id, s.start_pos, s.num_tokens) for s in out.scheduled]
+    """(request id, start position, query tokens) of every scheduled chunk, in batch order."""
+    return [(s.request_id, s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled]
+
+
+def fake_runner_output(sched: Scheduler, out: SchedulerOutput,
+                       token_fn: Callable[[Request], int] = fake_token) -> ModelRunnerOutput:
+    """One fake token for every chunk that samples (no model)."""
+    return ModelRunnerOutput(
+        req_ids=[s.request_id for s in out.scheduled],
+        sampled_token_ids=[[token_fn(sched.requests[s.request_id])] if s.samples else []
+                           for s in out.scheduled])
 
 
 def drive_step(sched: Scheduler, token_fn: Callable[[Request], int] = fake_token,
                now: float = 0.0) -> tuple[SchedulerOutput, list[Request]]:
-    """schedule + fake sampling + update_from_output."""
+    """schedule + fake sampling + update_from_output; returns (output, finished requests)."""
     out = sched.schedule(now)
-    sampled = {sr.request_id: token_fn(sr.request) for sr in out.scheduled if sr.samples}
-    finished = sched.update_from_output(out, sampled, now)
-    return out, finished
+    reqs = {s.request_id: sched.requests[s.request_id] for s in out.scheduled}
+    outs: list[EngineCoreOutput] = sched.update_from_output(
+        out, fake_runner_output(sched, out, token_fn), now)
+    return out, [reqs[o.request_id] for o in outs if o.finished]
 
 
 def check_kv_invariants(sched: Scheduler) -> None:
@@ -164,6 +176,7 @@ def run_model_loop(tiny: TinyLlama, prompts: dict[str, list[int]],
     LLMEngine.step does. `arrivals[rid]` = step before which the request is added (default 0)."""
     import torch
 
+    from sloserve.model.attention import get_attention_backend
     from sloserve.model.runner import ModelRunner
     from sloserve.model.sampler import Sampler
 
@@ -171,7 +184,8 @@ def run_model_loop(tiny: TinyLlama, prompts: dict[str, list[int]],
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                       max_model_len=max_model_len, policy=policy), kv)
     sampler = Sampler(seed)
-    runner = ModelRunner(tiny.model, tiny.config, num_blocks, block_size, torch.float32, sampler)
+    runner = ModelRunner(tiny.model, tiny.config, num_blocks, block_size, torch.float32, sampler,
+                         get_attention_backend("torch-ref"))
     arrivals = arrivals or {}
     pending = sorted(prompts, key=lambda r: arrivals.get(r, 0))
     reqs: dict[str, Request] = {}
@@ -185,10 +199,7 @@ def run_model_loop(tiny: TinyLlama, prompts: dict[str, list[int]],
         out = sched.schedule(float(step))
         if not out.is_empty:
             max_tokens_seen = max(max_tokens_seen, out.num_batched_tokens)
-            tables = {s.request_id: kv.get_block_table(s.request_id) for s in out.scheduled}
-            sampled = runner.execute(out, tables)
-            for r in sched.update_from_output(out, sampled, float(step)):
-                sampler.release(r.request_id)
+            sched.update_from_output(out, runner.execute(out), float(step))
         else:
             assert pending, "scheduler returned an empty step with work left"
         step += 1
@@ -206,8 +217,8 @@ def run_model_loop(tiny: TinyLlama, prompts: dict[str, list[int]],
 def smol_tokenizer():
     """The embedded SmolLM2 tokenizer (skipped if the loader or the model package is missing)."""
     try:
-        from sloserve.model.loader import default_model_path
-        from sloserve.model.tokenizer import Tokenizer
+        from sloserve.embedded import default_model_path
+        from sloserve.tokenizer import Tokenizer
         path = default_model_path()
     except (ImportError, FileNotFoundError) as e:  # pragma: no cover - environment dependent
         pytest.skip(f"embedded model not available: {e}")

@@ -100,7 +100,9 @@ def test_freeing_a_table_twice_through_the_pool_raises():
 def test_slot_arithmetic(block_size):
     """Token at position p lives at slot table[p // bs] * bs + p % bs: the slots of one request
     are distinct, and slots of different requests never collide."""
-    from sloserve.model.runner import ModelRunner
+    from sloserve.model.runner import build_step_inputs
+    from sloserve.sampling_params import SamplingParams
+    from sloserve.step_io import ScheduledRequest, SchedulerOutput
 
     kv = KVCacheManager(64, block_size)
     lengths = {"a": 37, "b": 5, "c": 2 * block_size}
@@ -110,11 +112,12 @@ def test_slot_arithmetic(block_size):
     for rid, n in lengths.items():
         table = kv.get_block_table(rid)
         slots = [table[p // block_size] * block_size + p % block_size for p in range(n)]
-        # ModelRunner uses the same formula (checked against a runner-less stand-in object)
-        runner = ModelRunner.__new__(ModelRunner)
-        runner.block_size = block_size
-        assert runner._slots(table, 0, n) == slots
-        assert runner._slots(table, 3, n) == slots[3:]
+        # the model runner uses the same formula
+        for start in (0, min(3, n - 1)):
+            sr = ScheduledRequest(rid, start, n - start, [1] * (n - start), table,
+                                  SamplingParams(), samples=True, is_decode=False)
+            inputs = build_step_inputs(SchedulerOutput([sr]), block_size)
+            assert inputs.slot_mapping.tolist() == slots[start:]
         for p, s in enumerate(slots):
             assert s // block_size == table[p // block_size]
             assert s % block_size == p % block_size

@@ -16,7 +16,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 @pytest.fixture(scope="module")
 def llm():
     try:
-        from sloserve.model.loader import default_model_path
+        from sloserve.embedded import default_model_path
         default_model_path()
     except (ImportError, FileNotFoundError) as e:  # pragma: no cover - environment dependent
         pytest.skip(f"embedded model not available: {e}")
@@ -128,7 +128,8 @@ def test_abort_frees_blocks(engine):
     engine.abort_request(other)
     assert engine.kv.num_free_blocks == NUM_KV_BLOCKS
     assert not engine.has_unfinished_requests()
-    assert rid not in engine.detoks and other not in engine.detoks
+    assert engine.output_processor.get_state(rid) is None
+    assert not engine.output_processor.has_unfinished()
 
 
 def test_streamed_deltas_add_up(engine):
@@ -255,7 +256,7 @@ def test_a_failing_detokenizer_fails_only_its_request(llm, engine, monkeypatch):
     keeps the step's other outputs."""
     a = engine.add_request("Hello", greedy(4), request_id="a")
     b = engine.add_request("Hello", greedy(4), request_id="b")
-    boom = engine.detoks["a"]
+    boom = engine.output_processor.get_state("a").detok
     monkeypatch.setattr(boom, "add_token", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("x")))
     outs = {}
     while engine.has_unfinished_requests():

@@ -4,12 +4,12 @@ from __future__ import annotations
 import pytest
 
 from sloserve.engine.request import Request, RequestStatus
-from sloserve.engine.scheduler import (ScheduledRequest, Scheduler, SchedulerConfig,
-                                       SchedulingPolicy)
+from sloserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulingPolicy
 from sloserve.sampling_params import SamplingParams
+from sloserve.step_io import ModelRunnerOutput
 
 from .conftest import (check_kv_invariants, composition, drive_step, expected_outputs,
-                       fake_token, make_request, make_scheduler)
+                       fake_runner_output, fake_token, make_request, make_scheduler)
 
 
 def run_to_completion(sched: Scheduler, token_fn=fake_token, max_steps: int = 1000):
@@ -40,16 +40,23 @@ def test_config_validation_and_token_budget():
     assert SchedulerConfig(policy="naive").policy is SchedulingPolicy.NAIVE
 
 
-def test_scheduled_request_flags():
-    r = make_request("a", 10)
-    sr = ScheduledRequest(r, 4, 0)
-    assert (sr.end_pos, sr.samples, sr.is_decode) == (4, False, False)
-    sr = ScheduledRequest(r, 6, 4)
-    assert (sr.end_pos, sr.samples, sr.is_decode) == (10, True, False)
-    r.output_token_ids.append(5)
-    r.num_computed_tokens = 10
-    sr = ScheduledRequest(r, 1, 10)
-    assert (sr.end_pos, sr.samples, sr.is_decode) == (11, True, True)
+def test_scheduled_request_is_plain_data():
+    """Budget 4, block size 4: a 10-token prompt runs as chunks 0-3, 4-7, 8-9 (+ its first decode
+    in the last step), then decodes; each record carries its token ids and whole block table."""
+    sched = make_scheduler(budget=4, block_size=4)
+    r = make_request("a", 10, max_tokens=3)
+    sched.add_request(r)
+    seen = []
+    while sched.has_unfinished():
+        out, _ = drive_step(sched)
+        sr = out.scheduled[0]
+        seen.append((sr.num_computed_tokens, sr.num_new_tokens, sr.end_pos, sr.samples,
+                     sr.is_decode, len(sr.block_ids)))
+        assert sr.token_ids == (r.prompt_token_ids + r.output_token_ids)[sr.start_pos:sr.end_pos]
+        assert sr.sampling_params is r.sampling_params and sr.spec_token_ids == []
+    assert seen == [(0, 4, 4, False, False, 1), (4, 4, 8, False, False, 2),
+                    (8, 2, 10, True, False, 3), (10, 1, 11, True, True, 3),
+                    (11, 1, 12, True, True, 3)]
 
 
 # ----------------------------------------------------------------------------- add / validation
@@ -90,7 +97,7 @@ def test_empty_scheduler_schedules_nothing():
     sched = make_scheduler()
     out = sched.schedule(0.0)
     assert out.is_empty and out.num_batched_tokens == 0
-    assert sched.update_from_output(out, {}) == []
+    assert sched.update_from_output(out, ModelRunnerOutput()) == []
 
 
 # ----------------------------------------------------------------------------- chunked
@@ -180,23 +187,16 @@ def test_chunked_decodes_listed_before_prefill_even_if_admitted_later():
 def test_chunked_budget_respected_every_step(budget):
     sched = make_scheduler(budget=budget, block_size=4, num_blocks=200)
     lens = [13, 1, 40, 7, 25]
-    for i, n in enumerate(lens):
-        sched.add_request(make_request(f"r{i}", n, max_tokens=3))
+    reqs = [make_request(f"r{i}", n, max_tokens=3) for i, n in enumerate(lens)]
+    for r in reqs:
+        sched.add_request(r)
     outs = run_to_completion(sched)
     for out in outs:
         assert 1 <= out.num_batched_tokens <= budget
     # every prompt token and every non-final output token went through the model exactly once
     assert sum(o.num_batched_tokens for o in outs) == sum(n + 3 - 1 for n in lens)
-    for i in range(len(lens)):
-        assert sched_request_outputs(outs, f"r{i}") == expected_outputs(f"r{i}", 3)
-
-
-def sched_request_outputs(outs, rid):
-    for o in outs:
-        for s in o.scheduled:
-            if s.request_id == rid:
-                return s.request.output_token_ids
-    raise AssertionError(rid)
+    for i, r in enumerate(reqs):
+        assert r.output_token_ids == expected_outputs(f"r{i}", 3)
 
 
 def test_chunked_start_pos_is_contiguous_per_request():
@@ -257,7 +257,7 @@ def test_naive_never_chunks():
     for out in run_to_completion(sched):
         assert out.num_batched_tokens <= 64
         for s in out.scheduled:
-            if s.start_pos < s.request.num_prompt_tokens:
+            if not s.is_decode:
                 assert s.start_pos == 0 and s.samples, "naive must prefill a prompt whole"
 
 
@@ -426,7 +426,7 @@ def test_preemption_in_naive_and_static_recomputes_whole():
                       if s.request_id == "b" and s.start_pos == 0]
         assert len(recomputes) == 1 + b.num_preemptions
         for s in recomputes[1:]:
-            assert s.num_tokens > 6 and s.samples  # prompt + generated tokens, in one piece
+            assert s.num_new_tokens > 6 and s.samples  # prompt + generated tokens, in one piece
         assert a.output_token_ids == expected_outputs("a", 10)
         assert b.output_token_ids == expected_outputs("b", 10)
         assert sched.kv.num_free_blocks == 5
@@ -606,10 +606,10 @@ def test_abort_between_schedule_and_update():
     sched.add_request(b)
     out = sched.schedule(0.0)
     assert composition(out) == [("a", 0, 6), ("b", 0, 6)]
+    runner_out = fake_runner_output(sched, out)  # a's token is sampled before the abort lands
     sched.finish_request("a", RequestStatus.FINISHED_ABORTED)
-    sampled = {s.request_id: fake_token(s.request) for s in out.scheduled if s.samples}
-    finished = sched.update_from_output(out, sampled)
-    assert finished == []
+    finished = sched.update_from_output(out, runner_out)
+    assert [o.request_id for o in finished] == ["b"] and not finished[0].finished
     assert a.output_token_ids == [] and a.status is RequestStatus.FINISHED_ABORTED
     assert b.num_output_tokens == 1
     check_kv_invariants(sched)

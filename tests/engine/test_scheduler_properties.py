@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from sloserve.engine.kv_cache_manager import cdiv
 from sloserve.engine.request import RequestStatus
+from sloserve.step_io import ModelRunnerOutput
 
 from .conftest import (check_kv_invariants, expected_outputs, fake_token, make_request,
                        make_scheduler)
@@ -92,9 +93,11 @@ def run_workload(policy, block_size, num_blocks, budget, max_num_seqs, specs):
         decodes = [sr.is_decode for sr in out.scheduled]
         assert decodes == sorted(decodes, reverse=True), "decodes must come first"
         for sr in out.scheduled:
-            r = sr.request
+            r = reqs[sr.request_id]
             assert r.status is RequestStatus.RUNNING
-            assert sr.num_tokens >= 1
+            assert sr.block_ids == sched.kv.get_block_table(r.request_id)
+            assert sr.token_ids == (r.prompt_token_ids + r.output_token_ids)[sr.start_pos:sr.end_pos]
+            assert sr.num_new_tokens >= 1
             assert sr.start_pos == r.num_computed_tokens
             assert sr.end_pos <= r.num_tokens
             assert len(sched.kv.get_block_table(r.request_id)) >= cdiv(sr.end_pos, block_size)
@@ -127,15 +130,19 @@ def run_workload(policy, block_size, num_blocks, budget, max_num_seqs, specs):
                 sched.finish_request(rid, RequestStatus.FINISHED_ABORTED)
                 aborted.add(rid)
 
-        sampled = {sr.request_id: token(sr.request) for sr in out.scheduled if sr.samples}
-        finished = sched.update_from_output(out, sampled, float(step))
+        runner_out = ModelRunnerOutput(
+            req_ids=[sr.request_id for sr in out.scheduled],
+            sampled_token_ids=[[token(reqs[sr.request_id])] if sr.samples else []
+                               for sr in out.scheduled])
+        finished = [reqs[o.request_id] for o in
+                    sched.update_from_output(out, runner_out, float(step)) if o.finished]
         for r in finished:
             assert r.is_finished and r.request_id not in sched.requests
             assert not sched.kv.get_block_table(r.request_id)
         for sr in out.scheduled:
-            r = sr.request
+            r = reqs[sr.request_id]
             if r.request_id not in aborted:
-                assert r.num_computed_tokens == computed_before[r.request_id] + sr.num_tokens
+                assert r.num_computed_tokens == computed_before[r.request_id] + sr.num_new_tokens
 
         for rid, s in spec_of.items():
             if s.abort_at == step and not s.abort_mid_step and rid in sched.requests:

@@ -21,7 +21,15 @@ def test_mixed_steps_have_the_asked_composition_and_free_everything(engine, chun
     assert all(s.wall_s >= s.forward_s > 0 for s in samples)
     assert not engine.has_unfinished_requests()
     assert engine.kv.num_free_blocks == 64
-    assert engine.scheduler.config.max_num_batched_tokens == 64  # budget restored
+
+
+def test_mixed_steps_refuse_a_busy_engine_or_too_few_blocks(engine):
+    with pytest.raises(ValueError, match="need 66 KV blocks; the engine has 64"):
+        time_mixed_steps(engine, batch=8, context_len=30, chunk=4, warmup=1, repeats=1)
+    rid = engine.add_request([11, 12, 13], sloserve.SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="idle engine"):
+        time_mixed_steps(engine, batch=1, context_len=4, chunk=0, warmup=0, repeats=1)
+    engine.abort_request(rid)
 
 
 def test_decode_steps_still_pure(engine):

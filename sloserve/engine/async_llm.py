@@ -1,0 +1,240 @@
+"""The async front end of the server: tokenization, validation, detokenization and stop strings
+in the API process; the engine core in its own process behind ZeroMQ (``core_client``).
+
+A receiver thread takes each message the core publishes, turns it into per-request outputs
+(``OutputProcessor``) and hands them to the requests' asyncio queues with
+``call_soon_threadsafe``, so the event loop never waits on the core and any event loop may call
+``generate`` (the server's, a test's). Stop strings matched here go back to the core as aborts.
+The core's published snapshot (``stats``) is what ``/metrics`` and ``/health`` read.
+
+If the core process dies, every request in flight ends at once with :class:`EngineDeadError`
+(HTTP 503 or an SSE error event) and ``is_running`` turns False (``/health`` answers 503).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import threading
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator
+
+from sloserve.config import EngineConfig
+from sloserve.engine.core_client import CoreClient
+from sloserve.engine.llm_engine import log_stats
+from sloserve.engine.messages import (EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest,
+                                      SchedulerStats)
+from sloserve.engine.metrics import StatLogger
+from sloserve.engine.output_processor import OutputProcessor
+from sloserve.engine.outputs import RequestOutput
+from sloserve.engine.processor import Processor
+from sloserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core is not running (it died, or the front end shut down)."""
+
+
+class AsyncLLM:
+    """Usage:
+        engine = AsyncLLM(EngineConfig(...)); engine.start()
+        async for out in engine.generate(engine.make_request("Hello", SamplingParams(max_tokens=8))): ...
+        engine.shutdown()
+
+    Args:
+        config: the engine's settings.
+        stat_loggers: get every step's stats (the Prometheus exporter).
+        step_trace: the core writes its step trace here.
+        log_level: the core process's logging level.
+
+    Raises (constructor): what :class:`CoreClient` raises (a refused model or setting, a core
+    that died while starting).
+    """
+
+    def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None,
+                 step_trace: str | None = None, log_level: str = "info"):
+        from sloserve.model.loader import load_model_tokenizer
+
+        self.config = config
+        self.client = CoreClient(config, step_trace, log_level)
+        try:  # the tokenizer loads here while the core loads the weights
+            tokenizer = load_model_tokenizer(config.model, config.load_format)
+            self.info = self.client.wait_ready()
+        except BaseException:
+            self.client.shutdown()
+            raise
+        self.tokenizer = tokenizer
+        self.processor = Processor(tokenizer, self.info)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
+        #: the core's latest published snapshot
+        self.stats = SchedulerStats(num_free_blocks=self.info.num_kv_blocks,
+                                    num_blocks=self.info.num_kv_blocks)
+        self._pending_finished: list = []
+        self._stop = threading.Event()
+        self._dead: str | None = None
+        self._threads: list[threading.Thread] = []
+
+    # ------------------------------------------------------------------ what the server reads
+    @property
+    def model_name(self) -> str:
+        return self.info.model_name
+
+    @property
+    def model_path(self) -> str:
+        return self.info.model_path
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        """The receiver runs and the core process is alive."""
+        return bool(self._threads) and self._dead is None and self.client.is_alive
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests the front end is still waiting on."""
+        return self.output_processor.num_unfinished
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start the receiver and the core watcher (idempotent)."""
+        if self._threads:
+            return
+        for target, name in ((self._receive_loop, "sloserve-outputs"),
+                             (self._watch_core, "sloserve-core-watch")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def shutdown(self) -> None:
+        """Stop the threads and the core process (idempotent)."""
+        self._stop.set()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=5)
+        self.client.shutdown()
+        if self._dead is None:
+            self._dead = "the engine was shut down"
+        self._fail_all(self._dead)
+
+    # ------------------------------------------------------------------ requests
+    def make_request(self, prompt: str | list[int], params: SamplingParams,
+                     request_id: str | None = None,
+                     arrival_time: float | None = None) -> EngineCoreRequest:
+        """Validate and tokenize (raises ParamError) without queueing."""
+        return self.processor.make_request(prompt, params, request_id, arrival_time)
+
+    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[RequestOutput]:
+        """Send a request made by make_request and yield its outputs until it finishes.
+
+        Leaving the iteration early (the client went away, the task was cancelled) aborts the
+        request in the core, which frees its KV blocks before its next step.
+
+        Raises:
+            EngineDeadError: the core is not running, or died meanwhile.
+            ValueError: a duplicate request id.
+        """
+        if not self.is_running:
+            raise EngineDeadError(self._dead or "the engine is not running")
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        rid = request.request_id
+        self.output_processor.add_request(request, sink=(loop, q))
+        self.client.send(request)
+        finished = False
+        try:
+            while True:
+                out = await q.get()
+                if isinstance(out, BaseException):
+                    finished = True
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._abort(rid)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (the core frees its blocks before its next step)."""
+        self._abort(request_id)
+
+    def _abort(self, rid: str) -> None:
+        res = self.output_processor.abort_request(rid, time.monotonic())
+        if res is not None:
+            self._pending_finished.append(res[1])
+            if self._dead is None:
+                self.client.send(EngineCoreAbort([rid]))
+
+    # ------------------------------------------------------------------ threads
+    def _receive_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                msg = self.client.recv(100)
+            except Exception:  # closed sockets at shutdown, a malformed message
+                if self._stop.is_set():
+                    return
+                logger.exception("bad message from the engine core")
+                continue
+            if isinstance(msg, EngineCoreOutputs):
+                try:
+                    self._handle(msg)
+                except Exception:  # never lose the receiver
+                    logger.exception("processing engine outputs failed")
+
+    def _handle(self, msg: EngineCoreOutputs) -> None:
+        self.stats = msg.scheduler_stats
+        res = self.output_processor.process_outputs(msg, time.monotonic())
+        if res.reqs_to_abort:
+            self.client.send(EngineCoreAbort(res.reqs_to_abort))
+        self._deliver(res.request_outputs)
+        finished = res.finished
+        if self._pending_finished:
+            finished, self._pending_finished = self._pending_finished + finished, []
+        if res.iteration is not None:
+            log_stats(self.stat_loggers, res.iteration, finished, logger)
+        else:
+            self._pending_finished = finished + self._pending_finished
+
+    def _deliver(self, items) -> None:
+        """Put outputs on their requests' queues, one wake-up per event loop."""
+        by_loop: dict = defaultdict(list)
+        for sink, out in items:
+            if sink is not None:
+                by_loop[sink[0]].append((sink[1], out))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # that event loop is closed
+                pass
+
+    def _watch_core(self) -> None:
+        proc = self.client.proc
+        while not self._stop.is_set():
+            try:
+                proc.wait(0.2)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        if self._stop.is_set():
+            return
+        self._dead = f"the engine core process died (exit code {proc.returncode})"
+        logger.error("%s; failing %d requests in flight", self._dead,
+                     self.output_processor.num_unfinished)
+        self._fail_all(self._dead)
+
+    def _fail_all(self, message: str) -> None:
+        err = EngineDeadError(message)
+        self._deliver([(sink, err) for sink, _ in self.output_processor.fail_all(message)])
+
+
+def _put_all(batch) -> None:
+    for q, item in batch:
+        q.put_nowait(item)

@@ -1,0 +1,202 @@
+"""The engine core: scheduler, KV cache manager, model runner and sampler, and nothing else.
+
+It takes tokenized requests (:class:`~sloserve.engine.messages.EngineCoreRequest`) and aborts,
+and each :meth:`EngineCore.step` returns an :class:`~sloserve.engine.messages.EngineCoreOutputs`
+(new token ids per request, finish reasons, the step's stats and a scheduler snapshot). It knows
+no HTTP, no tokenizer and no text: detokenization and stop strings live in the front end
+(``output_processor``). It runs in its own process behind the server (``core_proc``) or in the
+caller's process for the offline ``LLM`` and the benchmarks (same class, no socket).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from sloserve.config import EngineConfig
+from sloserve.engine.kv_cache_manager import KVCacheManager
+from sloserve.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
+                                      EngineInfo, SchedulerStats, StepStats)
+from sloserve.engine.request import Request, RequestStatus
+from sloserve.engine.scheduler import Scheduler, SchedulerConfig
+from sloserve.step_io import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+GiB = 1024 ** 3
+#: tests set this to N to make the core's first N model steps fail (an engine bug's path)
+INJECT_FAILURES_ENV = "SLOSERVE_INJECT_STEP_FAILURES"
+
+
+class EngineCore:
+    """Owns the model runner, the scheduler and the KV cache manager; not thread-safe.
+
+    Args:
+        config: the engine's settings.
+        step_trace: write one JSON line per step to this file (``--step-trace``).
+
+    Raises (constructor): FileNotFoundError for a missing model, ValueError for bad settings,
+    OSError for a step trace that cannot be opened.
+    """
+
+    def __init__(self, config: EngineConfig, step_trace: str | None = None):
+        from sloserve.embedded import default_model_path
+        from sloserve.model.attention import get_attention_backend
+        from sloserve.model.loader import load_model, parse_dtype
+        from sloserve.model.runner import ModelRunner, kv_bytes_per_block
+        from sloserve.model.sampler import Sampler
+        from sloserve.platform import choose_dtype
+
+        config.validate()
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        #: the dtypes chosen for this CPU (``--dtype auto``), logged in one line
+        self.dtype_choice = choose_dtype(config.dtype, config.kv_cache_dtype)
+        logger.info("%s", self.dtype_choice.describe())
+        self.dtype = parse_dtype(self.dtype_choice.dtype)
+        self.kv_cache_dtype = parse_dtype(self.dtype_choice.kv_cache_dtype)
+        attn = get_attention_backend(config.attention_backend)
+        self.model, weights = load_model(config.model, self.dtype, config.load_format,
+                                         with_tokenizer=False)
+        self.model_config = weights.config
+        model_name = config.served_model_name or weights.name
+        model_path = os.path.abspath(config.model) if config.model else default_model_path()
+
+        block_bytes = kv_bytes_per_block(self.model_config, config.block_size, self.kv_cache_dtype)
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None:
+            num_blocks = int(config.kv_cache_memory * GiB // block_bytes)
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache must hold at least one block of {block_bytes} bytes "
+                             f"(num_kv_blocks={config.num_kv_blocks}, "
+                             f"kv_cache_memory={config.kv_cache_memory} GiB)")
+        phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if num_blocks * block_bytes > 0.9 * phys:
+            raise ValueError(f"a KV cache of {num_blocks} blocks needs "
+                             f"{num_blocks * block_bytes / GiB:.1f} GiB, more than 90% of this "
+                             f"machine's {phys / GiB:.1f} GiB of memory")
+        self.max_model_len = config.resolve_max_model_len(
+            self.model_config.max_position_embeddings, num_blocks * config.block_size)
+        self.num_kv_blocks = num_blocks
+        self.kv_cache_bytes = num_blocks * block_bytes
+        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(SchedulerConfig.of(config, self.max_model_len), self.kv)
+        self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size,
+                                  self.kv_cache_dtype, Sampler(config.seed), attn)
+        self.info = EngineInfo(
+            model_name=model_name, model_path=model_path, max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+            eos_token_ids=list(self.model_config.eos_token_ids), num_kv_blocks=num_blocks,
+            block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens,
+            dtype=self.dtype_choice.dtype, kv_cache_dtype=self.dtype_choice.kv_cache_dtype,
+            dtype_reason=self.dtype_choice.describe(), pid=os.getpid())
+        from sloserve.engine.metrics import StepTraceLogger
+        self._trace = StepTraceLogger(step_trace) if step_trace else None
+        self.num_steps = 0
+        #: fault injection for tests of the failure paths: the first N model steps raise
+        self._inject_failures = int(os.environ.get(INJECT_FAILURES_ENV, "0") or 0)
+        #: the last step's runner output (its timings), for benchmarks
+        self.last_runner_output: ModelRunnerOutput | None = None
+        logger.info("engine core: %s, %d layers, dtype %s, KV %s, %d KV blocks x %d tokens "
+                    "(%.2f GiB), max_model_len %d, policy %s, attention %s, %d torch threads",
+                    model_name, self.model_config.num_hidden_layers, self.dtype,
+                    self.kv_cache_dtype, num_blocks, config.block_size,
+                    self.kv_cache_bytes / GiB, self.max_model_len, config.scheduling_policy,
+                    attn.name, torch.get_num_threads())
+
+    # ------------------------------------------------------------------ inputs
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Queue a request. Raises ValueError (duplicate id, over the KV capacity, ...)."""
+        self.scheduler.add_request(Request(
+            request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids),
+            sampling_params=req.sampling_params, arrival_time=req.arrival_time,
+            eos_token_ids=tuple(req.eos_token_ids), parent_request_id=req.parent_request_id))
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        """Finish queued or running requests now and free their KV blocks; unknown ids are
+        ignored. Returns an ``abort`` output for each one that was unfinished."""
+        outs = []
+        for rid in request_ids:
+            req = self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+            if req is not None:
+                outs.append(EngineCoreOutput(request_id=rid, finish_reason="abort",
+                                             num_output_tokens=req.num_output_tokens,
+                                             num_preemptions=req.num_preemptions,
+                                             first_scheduled_time=req.first_scheduled_time,
+                                             parent_request_id=req.parent_request_id))
+        return outs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> SchedulerStats:
+        """The snapshot the front end publishes (``/metrics``, overload control)."""
+        s, kv = self.scheduler, self.kv
+        return SchedulerStats(num_running=len(s.running), num_waiting=len(s.waiting),
+                              num_free_blocks=kv.num_free_blocks, num_blocks=self.num_kv_blocks,
+                              kv_cache_usage=kv.usage, num_preemptions_total=s.num_preemptions,
+                              num_steps_total=self.num_steps)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> EngineCoreOutputs | None:
+        """Schedule, run the model once, update; None when there was nothing to run."""
+        t0 = time.monotonic()
+        out = self.scheduler.schedule(now=t0)
+        if out.is_empty:
+            return None
+        kv_usage = self.kv.usage
+        try:
+            if self._inject_failures > 0:
+                self._inject_failures -= 1
+                raise RuntimeError(f"injected failure ({INJECT_FAILURES_ENV})")
+            runner_out = self.runner.execute(out)
+            now = time.monotonic()
+            outputs = self.scheduler.update_from_output(out, runner_out, now)
+        except Exception as e:  # a bug must not kill the loop: fail this step's requests
+            logger.exception("model step failed")
+            return EngineCoreOutputs(self._fail(out, f"engine step failed: {type(e).__name__}: {e}"),
+                                     self.stats(), timestamp=time.monotonic())
+        self.last_runner_output = runner_out
+        self.num_steps += 1
+        step = StepStats(start_time=t0, step_s=now - t0, forward_s=runner_out.forward_s,
+                         num_batched_tokens=out.num_batched_tokens,
+                         num_prefill_tokens=out.num_prefill_tokens,
+                         num_decode_tokens=out.num_decode_tokens,
+                         num_generation_tokens=sum(len(o.new_token_ids) for o in outputs),
+                         num_preemptions=len(out.preempted_request_ids), kv_cache_usage=kv_usage)
+        stats = self.stats()
+        if self._trace is not None:
+            self._record_trace(out, step, stats)
+        return EngineCoreOutputs(outputs, stats, step, timestamp=now)
+
+    def _record_trace(self, out: SchedulerOutput, step: StepStats, stats: SchedulerStats) -> None:
+        reqs = self.scheduler.requests
+        admitted = []
+        for s in out.scheduled:
+            r = reqs.get(s.request_id)
+            if r is not None and r.first_scheduled_time == step.start_time:
+                admitted.append((r.arrival_time, r.num_prompt_tokens))
+        try:
+            self._trace.record(out, step, stats, admitted)
+        except Exception:  # a full disk must not cost the outputs
+            logger.exception("step trace failed; it is dropped")
+            self._trace = None
+
+    def _fail(self, out: SchedulerOutput, message: str) -> list[EngineCoreOutput]:
+        outs = []
+        for sr in out.scheduled:
+            req = self.scheduler.finish_request(sr.request_id, RequestStatus.FINISHED_ABORTED)
+            if req is not None:
+                outs.append(EngineCoreOutput(request_id=sr.request_id, finish_reason="abort",
+                                             num_output_tokens=req.num_output_tokens,
+                                             first_scheduled_time=req.first_scheduled_time,
+                                             error=message))
+        return outs
+
+    def close(self) -> None:
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None

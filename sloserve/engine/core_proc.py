@@ -1,0 +1,150 @@
+"""The engine core in its own process (``sloserve serve``), talking ZeroMQ to the front end.
+
+Sockets (the front end binds both, this process connects): ``input`` PULL (EngineCoreRequest /
+EngineCoreAbort from the front end) and ``output`` PUSH (EngineCoreReady once, then one
+EngineCoreOutputs per step, plus one after inputs that changed state while idle). Messages are
+msgpack through msgspec (``sloserve.engine.messages``).
+
+The step loop never waits on the front end: an input thread receives and decodes messages into
+a queue, and the loop drains it between steps (blocking on it only when nothing is left to run).
+SIGINT is ignored (a Ctrl-C in a terminal reaches the whole process group; the API process
+decides how to stop); SIGTERM, or the parent process going away, ends the loop.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+
+from sloserve.config import EngineConfig
+from sloserve.engine.messages import (EngineCoreAbort, EngineCoreOutput, EngineCoreOutputs,
+                                      EngineCoreReady, EngineCoreRequest, decode_to_core, encoder)
+
+logger = logging.getLogger("sloserve.engine.core")
+
+#: exit codes: the model or the settings were refused (the user's to fix), or the core crashed
+EXIT_BAD_SETTINGS, EXIT_CRASH = 2, 1
+
+
+def run_engine_core(config: EngineConfig, step_trace: str | None, input_addr: str,
+                    output_addr: str, log_level: str, parent_pid: int) -> None:
+    """Process entry point: build the core, say ready, serve until told to stop."""
+    import zmq
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
+    ctx = zmq.Context(io_threads=1)
+    out_sock = ctx.socket(zmq.PUSH)
+    out_sock.setsockopt(zmq.LINGER, 2000)
+    out_sock.connect(output_addr)
+    in_sock = ctx.socket(zmq.PULL)
+    in_sock.setsockopt(zmq.LINGER, 0)
+    in_sock.connect(input_addr)
+
+    def send(msg) -> None:
+        out_sock.send(encoder.encode(msg), copy=False)
+
+    from sloserve.engine.core import EngineCore
+    try:
+        core = EngineCore(config, step_trace)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        send(EngineCoreReady(error=str(e), error_type=type(e).__name__))
+        out_sock.close()
+        ctx.term()
+        sys.exit(EXIT_BAD_SETTINGS)
+    except BaseException as e:  # noqa: BLE001 - report, then die
+        logger.exception("engine core failed to start")
+        send(EngineCoreReady(error=f"{type(e).__name__}: {e}", error_type="RuntimeError"))
+        out_sock.close()
+        ctx.term()
+        sys.exit(EXIT_CRASH)
+    send(EngineCoreReady(info=core.info))
+
+    inbox: queue.Queue = queue.Queue()
+
+    def receive() -> None:  # the input thread: the only user of in_sock
+        while not stop.is_set():
+            if not in_sock.poll(200):
+                continue
+            data = in_sock.recv(copy=False)
+            try:
+                inbox.put(decode_to_core(data.buffer))
+            except Exception:  # a malformed message is a front-end bug: say so, keep serving
+                logger.exception("undecodable message from the front end (%d bytes)", len(data))
+
+    reader = threading.Thread(target=receive, name="sloserve-core-input", daemon=True)
+    reader.start()
+    try:
+        _serve(core, inbox, send, stop, parent_pid)
+    finally:
+        stop.set()
+        core.close()
+        reader.join(timeout=1)
+        in_sock.close()
+        out_sock.close()
+        ctx.term()
+
+
+def _serve(core, inbox: queue.Queue, send, stop: threading.Event, parent_pid: int) -> None:
+    """The busy loop: drain inputs, step while there is work, publish every step."""
+    pending: list[EngineCoreOutput] = []
+    while not stop.is_set():
+        if os.getppid() != parent_pid:
+            logger.warning("the API process is gone; the engine core stops")
+            return
+        idle = not core.has_unfinished_requests()
+        changed = _drain(core, inbox, pending, block=idle)
+        if core.has_unfinished_requests():
+            outs = core.step()
+            if outs is not None:
+                if pending:
+                    outs.outputs[:0] = pending
+                    pending = []
+                send(outs)
+                continue
+        if changed or pending:
+            send(EngineCoreOutputs(pending, core.stats(), None, time.monotonic()))
+            pending = []
+
+
+def _drain(core, inbox: queue.Queue, pending: list[EngineCoreOutput], block: bool) -> bool:
+    """Apply every queued input; wait up to 0.5 s for one when ``block``. Returns whether any
+    input arrived (the state the front end sees changed)."""
+    try:
+        msg = inbox.get(timeout=0.5) if block else inbox.get_nowait()
+    except queue.Empty:
+        return False
+    while True:
+        if isinstance(msg, EngineCoreRequest):
+            try:
+                core.add_request(msg)
+            except Exception as e:  # the front end validated it: this is an engine fault
+                logger.exception("could not queue %s", msg.request_id)
+                pending.append(EngineCoreOutput(request_id=msg.request_id, finish_reason="abort",
+                                                error=f"engine could not queue the request: "
+                                                      f"{type(e).__name__}: {e}"))
+        elif isinstance(msg, EngineCoreAbort):
+            pending.extend(core.abort_requests(msg.request_ids))
+        try:
+            msg = inbox.get_nowait()
+        except queue.Empty:
+            return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m sloserve.engine.core_proc SPEC_JSON`` (what CoreClient starts)."""
+    import json
+    spec = json.loads((sys.argv[1:] if argv is None else argv)[0])
+    run_engine_core(EngineConfig(**spec["config"]), spec["step_trace"], spec["input"],
+                    spec["output"], spec["log_level"], spec["parent_pid"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""The typed messages between the API process (front end) and the engine core.
+
+Front end -> core: :class:`EngineCoreRequest` (a tokenized, validated request) and
+:class:`EngineCoreAbort`. Core -> front end: one :class:`EngineCoreOutputs` per engine step
+(per request: new token ids, finish reason, counters; per step: :class:`StepStats`; always: a
+:class:`SchedulerStats` snapshot, which is all ``/metrics`` reads of the core), and a
+:class:`EngineCoreReady` once, when the model is loaded (or failed to load).
+
+All are ``msgspec.Struct``s, encoded as msgpack (:data:`encoder`, :func:`decode_to_core`,
+:func:`decode_from_core`); in one process (offline ``LLM``, benchmarks) the same objects pass by
+reference. Plain Python: no torch, no clock (times are the sender's ``time.monotonic()``, which on
+Linux is one clock for every process of the machine).
+
+Fields for what comes next are here already: per-token and prompt logprobs (:class:`Logprobs`),
+a parent id for the ``n`` sibling requests of one API request, ``priority``, ``cache_salt``, and the
+number of accepted draft tokens of a verify step.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from sloserve.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, omit_defaults=True, tag=True):
+    """A request the front end validated and tokenized.
+
+    Attributes:
+        request_id: unique among the core's unfinished requests.
+        prompt_token_ids: the prompt (>= 1 token, every id in the vocabulary).
+        sampling_params: sampling and stopping (max_tokens already resolved, never None).
+        arrival_time: when the front end received it (s, monotonic): TTFT and queue time start here.
+        eos_token_ids: the ids that end it (the model's and its tokenizer's; ignored with
+            ``ignore_eos``).
+        parent_request_id: the API request it belongs to when ``n`` > 1 (its siblings share it).
+        priority: lower runs first under ``--scheduling-policy priority`` (later).
+        cache_salt: requests with different salts never share prefix-cache blocks (later).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    eos_token_ids: list[int] = []
+    parent_request_id: str | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class EngineCoreAbort(msgspec.Struct, tag=True):
+    """Finish these requests now (client gone, stop string matched) and free their KV blocks;
+    unknown or finished ids are ignored."""
+
+    request_ids: list[str]
+
+
+class Logprobs(msgspec.Struct, array_like=True):
+    """Log probabilities of consecutive positions (for the ``logprobs`` API, later).
+
+    Attributes:
+        token_ids: per position, the sampled (or prompt) token first, then the top-k ids.
+        logprobs: per position, their log probabilities (same shape as token_ids).
+        ranks: per position, the rank of the first token in the distribution (1 = most likely).
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
+    """One request's progress in one step.
+
+    Attributes:
+        request_id: the request.
+        new_token_ids: tokens generated this step (0 when only the finish is news, several
+            after a verify step accepted draft tokens).
+        finish_reason: None while running; ``stop`` (EOS or a stop token id), ``length``
+            (max_tokens or max_model_len), ``abort`` (aborted, or failed: see ``error``).
+        stop_reason: the stop token id that finished it (it is not part of the text).
+        num_output_tokens: output tokens so far, the new ones included (core's count).
+        num_cached_tokens: prompt tokens served from the prefix cache (later).
+        num_accepted_draft_tokens: draft tokens this step accepted.
+        num_preemptions: times the request was preempted so far.
+        first_scheduled_time: when it was first scheduled (s, monotonic; set on finish).
+        new_logprobs, new_prompt_logprobs: when asked for (later).
+        parent_request_id: see :class:`EngineCoreRequest`.
+        error: the core failed the request (an engine fault: HTTP 500, not a client error).
+    """
+
+    request_id: str
+    new_token_ids: list[int] = []
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    new_logprobs: Logprobs | None = None
+    new_prompt_logprobs: Logprobs | None = None
+    parent_request_id: str | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct):
+    """The core's state after its latest step or input (what ``/metrics`` and overload control
+    read; never the scheduler's live objects).
+
+    Attributes:
+        num_running, num_waiting: requests in the running list / the waiting queue.
+        num_free_blocks, num_blocks: KV cache blocks free / in all.
+        kv_cache_usage: 1 - free / all, in [0, 1].
+        num_preemptions_total: preemptions since start.
+        num_steps_total: engine steps since start.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions_total: int = 0
+    num_steps_total: int = 0
+
+
+class StepStats(msgspec.Struct):
+    """One engine step, for ``/metrics`` and the demo's summary. Times in seconds.
+
+    Attributes:
+        start_time: when it was scheduled (monotonic).
+        step_s: schedule + model + update; forward_s: the model forward alone.
+        num_batched_tokens, num_prefill_tokens, num_decode_tokens: query tokens in the forward pass.
+        num_generation_tokens: tokens sampled (accepted) this step.
+        num_preemptions: requests preempted this step.
+        kv_cache_usage: after scheduling, before finished requests freed blocks ([0, 1]).
+    """
+
+    start_time: float
+    step_s: float
+    forward_s: float
+    num_batched_tokens: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_generation_tokens: int
+    num_preemptions: int
+    kv_cache_usage: float
+
+
+class EngineCoreOutputs(msgspec.Struct, tag=True):
+    """What the core publishes after a step (``step`` set) or after inputs that changed its
+    state without a step (aborts, adds: ``step`` None).
+
+    Attributes:
+        outputs: requests with news (tokens or a finish).
+        scheduler_stats: the snapshot after it.
+        step: the step's stats, None for a message sent without a step.
+        timestamp: when it was sent (s, monotonic).
+    """
+
+    outputs: list[EngineCoreOutput]
+    scheduler_stats: SchedulerStats
+    step: StepStats | None = None
+    timestamp: float = 0.0
+
+
+class EngineInfo(msgspec.Struct):
+    """What the front end needs to know of the loaded engine (sent once, in EngineCoreReady).
+
+    Attributes:
+        model_name: served name; model_path: where the weights came from (``/v1/models`` root).
+        max_model_len: longest prompt + output (tokens).
+        vocab_size: token ids must be below it.
+        eos_token_ids: the model's end-of-sequence ids (the core stops on them).
+        num_kv_blocks, block_size: the KV cache (a request needing more than their product of
+            tokens can never run).
+        max_num_batched_tokens: the step's token budget.
+        dtype, kv_cache_dtype: what the engine computes in and caches KV in.
+        dtype_reason: the one-line choice the core logged.
+        pid: the core process (0 in-process).
+    """
+
+    model_name: str
+    model_path: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    num_kv_blocks: int
+    block_size: int
+    max_num_batched_tokens: int
+    dtype: str
+    kv_cache_dtype: str
+    dtype_reason: str = ""
+    pid: int = 0
+
+
+class EngineCoreReady(msgspec.Struct, tag=True):
+    """The core's first message: its EngineInfo, or why it could not start (a missing model,
+    bad settings: ``error`` is one line for the user, ``error_type`` the exception's class)."""
+
+    info: EngineInfo | None = None
+    error: str | None = None
+    error_type: str | None = None
+
+
+ToCore = EngineCoreRequest | EngineCoreAbort
+FromCore = EngineCoreOutputs | EngineCoreReady
+
+encoder = msgspec.msgpack.Encoder()
+_to_core = msgspec.msgpack.Decoder(ToCore)
+_from_core = msgspec.msgpack.Decoder(FromCore)
+
+
+def decode_to_core(data: bytes) -> ToCore:
+    """A front-end message. Raises msgspec.ValidationError / DecodeError on bad bytes."""
+    return _to_core.decode(data)
+
+
+def decode_from_core(data: bytes) -> FromCore:
+    """A core message. Raises msgspec.ValidationError / DecodeError on bad bytes."""
+    return _from_core.decode(data)

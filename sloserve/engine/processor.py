@@ -1,0 +1,86 @@
+"""Front-end request processing: tokenize and validate a request into an EngineCoreRequest.
+
+Everything a client can get wrong is checked here, in the API process, before the engine core
+sees the request, so a bad request is a 400 that names the limit and the core only ever gets
+requests it can run (what the core still refuses is an engine fault, a 500).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from sloserve.engine.messages import EngineCoreRequest, EngineInfo
+from sloserve.sampling_params import ParamError, SamplingParams
+
+
+class Processor:
+    """Turns prompts into validated :class:`EngineCoreRequest` objects.
+
+    Args:
+        tokenizer: the model's tokenizer (None: only token-id prompts are accepted).
+        info: the engine's limits (max_model_len, vocabulary, KV capacity, eos ids).
+    """
+
+    def __init__(self, tokenizer, info: EngineInfo):
+        self.tokenizer = tokenizer
+        self.info = info
+        self.eos_token_ids = sorted(set(info.eos_token_ids) | set(
+            tokenizer.eos_token_ids if tokenizer is not None else ()))
+        self._counter = 0
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """Prompt text -> token ids (token id lists pass through). Raises ParamError."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ParamError("this model has no tokenizer; pass token ids", "prompt")
+            try:
+                return self.tokenizer.encode(prompt)
+            except (TypeError, ValueError) as e:  # e.g. lone surrogates
+                raise ParamError(f"cannot tokenize the prompt: {e}", "prompt") from e
+        return list(prompt)
+
+    def make_request(self, prompt: str | list[int], params: SamplingParams,
+                     request_id: str | None = None, arrival_time: float | None = None,
+                     parent_request_id: str | None = None) -> EngineCoreRequest:
+        """Tokenize and validate (thread-safe; touches no engine state).
+
+        max_tokens=None becomes "up to max_model_len".
+
+        Raises:
+            ParamError: empty prompt, token id out of the vocabulary, prompt + max_tokens over
+                max_model_len or over the KV cache (the message names the numbers and the limit).
+        """
+        info = self.info
+        ids = self.encode(prompt)
+        n = len(ids)
+        if n == 0:
+            raise ParamError("prompt must contain at least 1 token, got 0", "prompt")
+        vocab = info.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ParamError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ParamError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+        mt = params.max_tokens
+        if mt is None:
+            if n >= info.max_model_len:
+                raise ParamError(
+                    f"This model's maximum context length is {info.max_model_len} tokens. "
+                    f"However, your prompt has {n} tokens, leaving no room for output.", "prompt")
+            params = replace(params, max_tokens=info.max_model_len - n)
+        elif n + mt > info.max_model_len:
+            raise ParamError(
+                f"This model's maximum context length is {info.max_model_len} tokens. However, "
+                f"you requested {n + mt} tokens ({n} in the prompt, {mt} in the completion "
+                f"(max_tokens)). Please reduce the prompt or max_tokens.", "max_tokens")
+        capacity = info.num_kv_blocks * info.block_size
+        if n + params.max_tokens > capacity:  # it could never run: it would preempt itself
+            raise ParamError(f"request needs up to {n + params.max_tokens} tokens of KV cache "
+                             f"(prompt {n} + max_tokens {params.max_tokens}), over the cache "
+                             f"capacity of {capacity} tokens", "max_tokens")
+        if request_id is None:
+            self._counter += 1
+            request_id = f"req-{self._counter}"
+        return EngineCoreRequest(
+            request_id=request_id, prompt_token_ids=ids, sampling_params=params,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            eos_token_ids=list(self.eos_token_ids), parent_request_id=parent_request_id)

@@ -1,0 +1,105 @@
+"""The error model: OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
+
+400 BadRequestError for invalid parameters and malformed / schema-invalid JSON (FastAPI's 422
+becomes 400), 404 NotFoundError for an unknown model, 500 InternalServerError when the engine
+failed a request (an engine fault, never the client's), 503 ServiceUnavailableError while the
+engine core is not running or the server drains. Only validation errors are 4xx.
+"""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from sloserve.engine.async_llm import EngineDeadError
+from sloserve.server.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+                413: "RequestTooLargeError", 429: "RateLimitError", 499: "ClientClosedRequest",
+                500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+class APIError(Exception):
+    """An error to answer with OpenAI's error body.
+
+    Args:
+        status: HTTP status code (400, 404, 500, 503, ...).
+        message: human-readable message.
+        param: the offending request field, if any.
+    """
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    @property
+    def type(self) -> str:
+        return _ERROR_TYPES.get(self.status, "APIError")
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type,
+                                             param=self.param, code=self.status))
+
+    def response(self, headers: dict | None = None) -> JSONResponse:
+        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=headers)
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    """A JSONResponse with OpenAI's error body (type derived from the status code)."""
+    return APIError(status, message, param).response()
+
+
+def engine_error(e: BaseException) -> APIError:
+    """What a failure inside the engine means for the client: 503 while the core is down, 500
+    for anything else (an engine fault; the client's mistakes were refused before)."""
+    if isinstance(e, EngineDeadError):
+        return APIError(503, f"engine is not running: {e}")
+    logger.error("request failed: %s: %s", type(e).__name__, e, exc_info=e)
+    return APIError(500, f"internal error: {type(e).__name__}: {e}")
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """(message, param) of a FastAPI validation error (malformed JSON or schema mismatch)."""
+    errors = exc.errors()
+    for e in errors:
+        if e.get("type") == "json_invalid":
+            detail = (e.get("ctx") or {}).get("error")
+            return (f"malformed JSON body: {e.get('msg')}" + (f" ({detail})" if detail else ""),
+                    None)
+    parts, param = [], None
+    for e in errors:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        if param is None and loc and not loc[0].isdigit():
+            param = loc[0]
+        parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg')}")
+    n = len(errors)
+    head = f"{n} validation error{'s' if n != 1 else ''}: " if n else "invalid request: "
+    return head + "; ".join(parts), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer APIError, validation errors and HTTP errors with OpenAI's body."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(exc)
+        return error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).response(getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        return engine_error(exc).response()  # an engine or server bug: 500, never a 4xx

@@ -1,0 +1,111 @@
+"""The HTTP routes.
+
+    POST /v1/completions        text completion (streamed as SSE with ``"stream": true``)
+    POST /v1/chat/completions   chat completion through the model's chat template
+    GET  /v1/models             the served model
+    GET  /health                200 while the engine core runs; 503 when it is down or the
+                                server drains
+    GET  /metrics               Prometheus text format (from the core's published snapshot)
+"""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from sloserve.engine.async_llm import AsyncLLM
+from sloserve.engine.messages import EngineCoreRequest
+from sloserve.sampling_params import ParamError
+from sloserve.server.errors import APIError, error_response
+from sloserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
+from sloserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
+                                      ModelList, now_s, random_id)
+from sloserve.server.serving import ChatBuilder, CompletionBuilder, stream_response, whole_response
+
+
+def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIRouter:
+    """The routes over ``engine``; ``state.draining`` (set on SIGTERM) turns new generations
+    and /health into 503."""
+    r = APIRouter()
+    model_name = engine.model_name
+
+    def check_model(requested: str | None) -> None:
+        if requested is not None and requested != model_name:
+            raise APIError(404, f"The model `{requested}` does not exist.", "model")
+
+    def check_admitting() -> None:
+        if getattr(state, "draining", False):
+            raise APIError(503, "the server is shutting down")
+        if not engine.is_running:
+            raise APIError(503, "engine is not running")
+
+    def make_request(prompt: str | list[int], body, request_id: str) -> EngineCoreRequest:
+        try:
+            body.unsupported()
+            return engine.make_request(prompt, body.to_sampling_params(), request_id)
+        except ParamError as e:
+            param = e.param
+            if param == "max_tokens" and isinstance(body, ChatCompletionRequest):
+                param = body.max_tokens_param
+            raise APIError(400, str(e), param) from e
+
+    @r.api_route("/health", methods=["GET", "HEAD"])
+    async def health() -> Response:
+        """200 while the engine core runs and the server admits requests, 503 otherwise."""
+        if getattr(state, "draining", False):
+            return error_response(503, "the server is shutting down")
+        if engine.is_running:
+            return Response(status_code=200)
+        return error_response(503, "engine is not running")
+
+    @r.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        """Prometheus text exposition; queue and KV gauges from the core's latest snapshot."""
+        s = engine.stats
+        metrics.set_queue_sizes(s.num_running, s.num_waiting)
+        metrics.set_kv_usage(s.kv_cache_usage)
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @r.get("/v1/models", response_model=ModelList)
+    async def list_models() -> ModelList:
+        """The served model (one entry)."""
+        return ModelList(data=[ModelCard(id=model_name, root=engine.model_path,
+                                         max_model_len=engine.max_model_len)])
+
+    @r.post("/v1/completions", response_model=None)
+    async def create_completion(body: CompletionRequest, raw: Request) -> Response:
+        """OpenAI text completion. Errors: 400 (parameters), 404 (model), 500 (engine), 503."""
+        check_model(body.model)
+        check_admitting()
+        b = CompletionBuilder(random_id("cmpl"), now_s(), model_name)
+        try:
+            prompt = body.single_prompt()
+        except ParamError as e:
+            raise APIError(400, str(e), e.param) from e
+        req = make_request(prompt, body, b.id)
+        if body.stream:
+            return stream_response(engine, req, body.include_usage, b)
+        return await whole_response(engine, req, raw, b)
+
+    @r.post("/v1/chat/completions", response_model=None)
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
+        """OpenAI chat completion via the chat template. Errors: 400, 404, 500, 503."""
+        check_model(body.model)
+        check_admitting()
+        b = ChatBuilder(random_id("chatcmpl"), now_s(), model_name)
+        tok = engine.tokenizer
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer, so no chat template", "messages")
+        try:
+            body.unsupported()
+            messages = [m.to_template_dict() for m in body.messages]
+            ids = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+        except ParamError as e:
+            raise APIError(400, str(e), e.param) from e
+        except Exception as e:  # no template (ValueError), template errors (jinja2), ...
+            raise APIError(400, f"cannot apply the chat template: {e}", "messages") from e
+        req = make_request(ids, body, b.id)
+        if body.stream:
+            return stream_response(engine, req, body.include_usage, b)
+        return await whole_response(engine, req, raw, b)
+
+    return r

@@ -1,0 +1,148 @@
+"""What crosses the seam between the scheduler and the model runner, as plain data.
+
+The scheduler decides a step (:class:`SchedulerOutput`); the model runner computes it and hands
+back the sampled tokens (:class:`ModelRunnerOutput`). Neither holds a live object of the other
+side (no ``Request``, no tensor), so both can be encoded (:func:`encode_scheduler_output`,
+msgpack through msgspec), sent to another process and decoded: the seam a worker process, a KV
+connector or the simulator can stand on. This module imports neither the scheduler nor torch.
+
+Block ids: every scheduled request carries its **whole** block table (not only the blocks new
+this step), so the runner keeps no per-request block state; a step after preemption or a KV
+move needs no special case.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from sloserve.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: it computes positions
+    ``[num_computed_tokens, num_computed_tokens + num_new_tokens)``.
+
+    Attributes:
+        request_id: the request.
+        num_computed_tokens: tokens already in its KV cache (the first position computed now).
+        num_new_tokens: query tokens this step (a prefill chunk, 1 for a decode, 1 + k for a
+            decode that verifies k draft tokens).
+        token_ids: the ``num_new_tokens`` token ids of those positions: the prompt chunk, or the
+            last sampled token, then the draft tokens.
+        block_ids: the request's whole block table after this step's allocation.
+        sampling_params: how to sample its next token(s).
+        samples: the chunk reaches the request's newest token, so 1 + len(spec_token_ids)
+            tokens are sampled after it (the runner returns between 1 and that many).
+        is_decode: one new token of a request that already has output (its KV is complete),
+            possibly followed by draft tokens; prefill chunks and recomputation are not decodes.
+        spec_token_ids: draft tokens proposed for verification (the last entries of token_ids).
+    """
+
+    request_id: str
+    num_computed_tokens: int
+    num_new_tokens: int
+    token_ids: list[int]
+    block_ids: list[int]
+    sampling_params: SamplingParams
+    samples: bool
+    is_decode: bool
+    spec_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def start_pos(self) -> int:
+        """First position computed (= num_computed_tokens)."""
+        return self.num_computed_tokens
+
+    @property
+    def end_pos(self) -> int:
+        """Tokens in the request's KV cache after this step (its context length)."""
+        return self.num_computed_tokens + self.num_new_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """What one engine step runs.
+
+    Attributes:
+        scheduled: decodes first, then prefill chunks, each in admission order.
+        preempted_request_ids: requests preempted (blocks freed) while scheduling this step.
+        finished_request_ids: requests that finished or were aborted since the previous step:
+            the runner drops what it keeps per request (sampling generators).
+    """
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        """Query tokens of decodes (1 each, plus their draft tokens)."""
+        return sum(s.num_new_tokens for s in self.scheduled if s.is_decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_batched_tokens - self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    def composition(self) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+        """(context length of each decode after the step, (tokens, start position) of each
+        prefill chunk): what a step cost model prices and what the step trace records."""
+        dec, pre = [], []
+        for s in self.scheduled:
+            if s.is_decode:
+                dec.append(s.end_pos)
+            else:
+                pre.append((s.num_new_tokens, s.num_computed_tokens))
+        return tuple(dec), tuple(pre)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the runner computed for one :class:`SchedulerOutput`.
+
+    Attributes:
+        req_ids: every scheduled request, in the scheduler output's order.
+        sampled_token_ids: per request, the tokens sampled after its chunk: none for a prefill
+            chunk that does not finish the prompt, one for a decode or a finished prompt, and
+            for a verify step the accepted draft tokens plus one more (between 1 and 1 + k).
+        prepare_s, forward_s, sample_s: seconds the runner spent building the inputs, in the
+            model forward and sampling (perf_counter).
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+
+
+_encoder = msgspec.msgpack.Encoder()
+_sched_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+_runner_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
+
+
+def encode_scheduler_output(out: SchedulerOutput) -> bytes:
+    """msgpack bytes of a scheduler output (for another process)."""
+    return _encoder.encode(out)
+
+
+def decode_scheduler_output(data: bytes) -> SchedulerOutput:
+    """Inverse of :func:`encode_scheduler_output`. Raises msgspec.ValidationError on bad data."""
+    return _sched_decoder.decode(data)
+
+
+def encode_runner_output(out: ModelRunnerOutput) -> bytes:
+    return _encoder.encode(out)
+
+
+def decode_runner_output(data: bytes) -> ModelRunnerOutput:
+    return _runner_decoder.decode(data)

@@ -1,0 +1,144 @@
+"""The engine core in its own process: an engine fault is a 500 (never a 400) and the server keeps
+serving; a core killed mid-stream ends the stream with an error within 2 s and /health turns 503;
+SIGTERM drains (in-flight requests complete, new ones get 503) and the server exits 0."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from sloserve.config import EngineConfig
+from sloserve.engine.core import INJECT_FAILURES_ENV
+
+CFG = dict(model=None, dtype="float32", num_kv_blocks=128, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def faulty_server(helpers):
+    """A server whose engine core fails its first two model steps."""
+    old = os.environ.get(INJECT_FAILURES_ENV)
+    os.environ[INJECT_FAILURES_ENV] = "2"
+    try:
+        srv = helpers.start_server(EngineConfig(**CFG))
+    finally:
+        if old is None:
+            os.environ.pop(INJECT_FAILURES_ENV)
+        else:
+            os.environ[INJECT_FAILURES_ENV] = old
+    yield srv
+    srv.stop()
+
+
+def test_engine_faults_are_500_and_the_server_keeps_serving(faulty_server, helpers):
+    srv = faulty_server
+    with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+        r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        assert err["type"] == "InternalServerError" and "injected failure" in err["message"]
+        with c.stream("POST", "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+                "stream": True}) as r:
+            assert r.status_code == 200
+            events = helpers.sse_events(r.iter_lines())
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+        assert err["code"] == 500 and "injected failure" in err["message"]
+        helpers.wait_all_blocks_free(srv.engine)
+        assert c.get("/health").status_code == 200
+        r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_killed_core_ends_streams_within_2s_and_health_turns_503(helpers):
+    srv = helpers.start_server(EngineConfig(**CFG))
+    try:
+        body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 400, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=srv.base_url, timeout=30) as c:
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                got = [next(ln for ln in lines if ln.startswith("data: ")) for _ in range(3)]
+                assert all('"text"' in g for g in got)
+                t_kill = time.monotonic()
+                srv.engine.client.proc.kill()
+                rest = [ln for ln in lines if ln.startswith("data: ")]
+                t_end = time.monotonic()
+            assert t_end - t_kill < 2.0, f"the stream ended {t_end - t_kill:.2f} s after the kill"
+            assert rest[-1] == "data: [DONE]"
+            err = json.loads(rest[-2][len("data: "):])["error"]
+            assert err["code"] == 503 and "engine core process died" in err["message"]
+            h = c.get("/health")
+            assert h.status_code == 503 and h.json()["error"]["type"] == "ServiceUnavailableError"
+            r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            assert r.status_code == 503
+    finally:
+        srv.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path):
+    port = _free_port()
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "sloserve.cli", "serve", "--dtype", "float32",
+                             "--num-kv-blocks", "128", "--max-model-len", "512", "--port",
+                             str(port), "--log-level", "warning"], stdout=log,
+                            stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not get healthy"
+            time.sleep(0.2)
+        results: dict[int, object] = {}
+
+        def stream(i: int) -> None:
+            body = {"prompt": f"Story {i}:", "max_tokens": 48, "temperature": 0,
+                    "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+                ev = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+            results[i] = ev
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # they are running
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        late = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                          timeout=10)
+        assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
+        assert httpx.get(base + "/health", timeout=5).status_code == 503
+        for t in threads:
+            t.join(timeout=60)
+        assert proc.wait(timeout=60) == 0, (tmp_path / "server.log").read_text()
+        for i in range(3):
+            ev = results[i]
+            assert ev[-1] == "data: [DONE]"
+            usage = json.loads(ev[-2][len("data: "):])["usage"]
+            assert usage["completion_tokens"] == 48, ev[-3:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
