@@ -41,7 +41,7 @@ def prefill_time(eng: LLMEngine, n: int, reps: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     ap.add_argument("--model", default=None)
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--dtype", default="auto")

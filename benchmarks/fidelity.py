@@ -239,10 +239,10 @@ def report(a) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    m = sub.add_parser("measure")
+    m = sub.add_parser("measure", allow_abbrev=False)
     m.add_argument("--out", default="benchmarks/results/fidelity")
     m.add_argument("--policies", default="naive,chunked")
     m.add_argument("--rates", default="0.4,0.8,1.1", help="Poisson req/s of the validation runs")
@@ -251,7 +251,7 @@ def main(argv=None) -> int:
     m.add_argument("--calibration-rate", type=float, default=1.0)
     m.add_argument("--calibration-prompts", type=int, default=60, help="0: skip calibration")
     m.add_argument("--calibration-seed", type=int, default=1)
-    r = sub.add_parser("report")
+    r = sub.add_parser("report", allow_abbrev=False)
     r.add_argument("--out", default="benchmarks/results/fidelity")
     r.add_argument("--grid-profile", default=None)
     r.add_argument("--repeats", nargs="*", default=[],

@@ -20,7 +20,7 @@ from sloserve.engine.step_profile import time_mixed_steps
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batches", default="1,8,16")
     ap.add_argument("--chunks", default="0,16,32,64,128,256,512")

@@ -63,3 +63,37 @@ def port(v: str, lowest: int = 0) -> int:
 def client_port(v: str) -> int:
     """A port to connect to: 1-65535."""
     return port(v, lowest=1)
+
+
+def parse_given(parser: argparse.ArgumentParser, argv: list[str],
+                defaults: dict | None = None) -> tuple[argparse.Namespace, set[str]]:
+    """Parse ``argv`` once and say which options the user gave.
+
+    Every option's default is left out of the parse (``argparse.SUPPRESS``), so what the parse
+    returns is exactly what was given (no re-reading of argv, no abbreviation guessing: build
+    the parser with ``allow_abbrev=False``); then ``defaults`` (e.g. a preset's settings) and
+    the parser's own defaults fill the rest, in that order.
+
+    Returns:
+        (the complete namespace, the dests of the options given).
+    """
+    saved, types = {}, {}
+    for act in parser._actions:
+        if act.dest != "help" and act.option_strings:
+            saved[act.dest] = act.default
+            types[act.dest] = act.type
+            act.default = argparse.SUPPRESS
+    try:
+        ns = parser.parse_args(argv)
+    finally:
+        for act in parser._actions:
+            if act.dest in saved:
+                act.default = saved[act.dest]
+    given = set(vars(ns))
+    for dest, value in saved.items():  # as argparse would: a string default goes through type
+        if isinstance(value, str) and types[dest] is not None:
+            saved[dest] = types[dest](value)
+    for dest, value in {**saved, **(defaults or {})}.items():
+        if dest not in given:
+            setattr(ns, dest, value)
+    return ns, given

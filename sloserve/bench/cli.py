@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``sloserve bench [sweep] ...``; returns the exit code (2: bad settings)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     sweep = argv[:1] == ["sweep"]
-    p = argparse.ArgumentParser(prog="sloserve bench sweep" if sweep else "sloserve bench",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="sloserve bench sweep" if sweep else "sloserve bench",
                                 description=(__doc__ if not sweep else
                                              "Benchmarks at a series of request rates or "
                                              "concurrencies; writes the table, the Pareto "

@@ -26,7 +26,7 @@ def compare(a: dict, b: dict) -> list[tuple[str, float | None, float | None, flo
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; 2 for unreadable files."""
-    ap = argparse.ArgumentParser(prog="sloserve compare", description=__doc__)
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="sloserve compare", description=__doc__)
     ap.add_argument("a", help="reference result JSON (e.g. measured)")
     ap.add_argument("b", help="result JSON to compare (e.g. simulated)")
     args = ap.parse_args(argv)

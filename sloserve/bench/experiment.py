@@ -183,7 +183,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str, console: Console,
 def main(argv: list[str] | None = None) -> int:
     """``python -m sloserve.bench.experiment``: run the experiment alone."""
     d = ExperimentConfig()
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     ap.add_argument("--num-prompts", type=int, default=d.num_prompts)
     ap.add_argument("--request-rate", type=float, default=d.request_rate)
     ap.add_argument("--scale", type=float, default=d.scale)

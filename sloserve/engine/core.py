@@ -48,6 +48,7 @@ class EngineCore:
         from sloserve.model.runner import ModelRunner, kv_bytes_per_block
         from sloserve.model.sampler import Sampler
         from sloserve.platform import choose_dtype
+        from sloserve.roofline.kv import blocks_that_fit
 
         config.validate()
         self.config = config
@@ -68,7 +69,8 @@ class EngineCore:
         block_bytes = kv_bytes_per_block(self.model_config, config.block_size, self.kv_cache_dtype)
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
-            num_blocks = int(config.kv_cache_memory * GiB // block_bytes)
+            num_blocks = blocks_that_fit(config.kv_cache_memory * GiB,
+                                         block_bytes / config.block_size, config.block_size)
         if num_blocks < 1:
             raise ValueError(f"the KV cache must hold at least one block of {block_bytes} bytes "
                              f"(num_kv_blocks={config.num_kv_blocks}, "

@@ -44,6 +44,9 @@ class SchedulingPolicy(str, enum.Enum):
     NAIVE = "naive"
     STATIC = "static"
 
+    def __str__(self) -> str:
+        return self.value
+
 
 @dataclass
 class SchedulerConfig:
@@ -53,13 +56,13 @@ class SchedulerConfig:
     Attributes:
         max_num_batched_tokens: token budget per step (tokens).
         max_num_seqs: most requests running at once.
-        max_model_len: longest prompt + output (tokens).
+        max_model_len: longest prompt + output (tokens; default: the embedded model's context).
         policy: chunked, naive or static.
     """
 
     max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
     max_num_seqs: int = EngineConfig.max_num_seqs
-    max_model_len: int = 2048
+    max_model_len: int = 8192
     policy: SchedulingPolicy = SchedulingPolicy(EngineConfig.scheduling_policy)
 
     @classmethod

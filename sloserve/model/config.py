@@ -114,8 +114,3 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
-
-    @property
-    def kv_bytes_per_token_per_elem(self) -> int:
-        """Elements of K plus V cached per token over all layers (multiply by dtype bytes)."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim

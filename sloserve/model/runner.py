@@ -17,13 +17,15 @@ import torch
 from sloserve.model.attention import AttentionBackend, StepInputs
 from sloserve.model.config import ModelConfig
 from sloserve.model.sampler import Sampler
+from sloserve.roofline.kv import gqa_kv_bytes_per_token
 from sloserve.step_io import ModelRunnerOutput, SchedulerOutput
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes of K and V for one token over all layers: 2 * layers * H_kv * head_dim * dtype bytes
-    (vLLM/PagedAttention)."""
-    return config.kv_bytes_per_token_per_elem * torch.tensor([], dtype=dtype).element_size()
+    (vLLM/PagedAttention; ``sloserve.roofline.kv``'s formula)."""
+    return int(gqa_kv_bytes_per_token(config.num_hidden_layers, config.num_key_value_heads,
+                                      config.head_dim, torch.tensor([], dtype=dtype).element_size()))
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

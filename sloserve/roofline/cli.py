@@ -20,7 +20,7 @@ from sloserve.roofline.units import fmt_bandwidth, fmt_bytes, fmt_flops, fmt_flo
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sloserve roofline",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="sloserve roofline",
                                 description="Roofline, KV-cache and capacity calculator.")
     p.add_argument("--hardware", default="H100-SXM", help=f"one of {', '.join(list_hardware())}")
     p.add_argument("--model", nargs="?", const=EMBEDDED, default=None,

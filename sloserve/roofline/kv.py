@@ -32,6 +32,19 @@ def dtype_bytes(dtype: str) -> float:
         raise KeyError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}") from None
 
 
+def gqa_kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
+                           elem_bytes: float) -> float:
+    """KV bytes per token of MHA/GQA/MQA: 2 x layers x kv_heads x head_dim x bytes (the one
+    formula; the engine sizes its cache with it too)."""
+    return 2 * num_layers * num_kv_heads * head_dim * elem_bytes
+
+
+def blocks_that_fit(memory_bytes: float, bytes_per_token: float, block_size: int) -> int:
+    """Whole KV blocks of ``block_size`` tokens in ``memory_bytes`` (the engine's and the
+    simulator's cache sizing)."""
+    return int(memory_bytes // (bytes_per_token * block_size))
+
+
 def kv_elems_per_token_per_layer(spec: ModelSpec) -> int:
     """Cached elements per token per layer: 2 x kv_heads x head_dim, or MLA's latent + RoPE key."""
     if spec.mla is not None:
@@ -41,6 +54,9 @@ def kv_elems_per_token_per_layer(spec: ModelSpec) -> int:
 
 def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str = "fp16") -> float:
     """KV-cache bytes per token over all layers (see module docstring)."""
+    if spec.mla is None:
+        return gqa_kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                      dtype_bytes(kv_dtype))
     return kv_elems_per_token_per_layer(spec) * spec.num_layers * dtype_bytes(kv_dtype)
 
 

@@ -3,8 +3,9 @@ simulator's linear cost model (:class:`~sloserve.sim.cost_model.LinearCostModel`
 
 Grid: pure decode steps (batch x context), hybrid steps (decodes + one prefill chunk at a
 start position), and whole-prompt prefills. Every point is the median of a few timed steps
-after warm-up (``sloserve.engine.step_profile``), timing the engine's whole ``step()``
-(scheduling, model forward, sampling, detokenization). Every fourth point is held out of the fit
+after warm-up (``sloserve.engine.step_profile``): decode and hybrid points time the model
+runner's whole ``execute`` on plain-data steps of that composition (inputs, forward, sampling:
+the scheduler's ~1 ms is not in them), prefill points the engine's whole ``step()``. Every fourth point is held out of the fit
 and the fit's relative error on it is printed.
 """
 from __future__ import annotations
@@ -225,7 +226,7 @@ def load_profile(path: str) -> LinearCostModel:
 def main(argv: list[str] | None = None) -> int:
     """``sloserve profile [--out FILE] [engine flags]``."""
     from sloserve.config import add_engine_args, engine_config_from_args
-    ap = argparse.ArgumentParser(prog="sloserve profile", description=__doc__)
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="sloserve profile", description=__doc__)
     add_engine_args(ap)
     ap.add_argument("--out", default="profile.json")
     ap.add_argument("--repeats", type=int, default=3)
@@ -246,9 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     from sloserve.engine.llm_engine import LLMEngine
     cfg = engine_config_from_args(a)
     cfg.scheduling_policy = "chunked"
-    # the grid's largest prefill (16 x 512 tokens) must fit one step; an engine allowed such
-    # steps was seen to run later decode steps slower (see docs/sim.md), so no larger
-    cfg.max_num_batched_tokens = max(cfg.max_num_batched_tokens, 16 * 512)
+    # the grid's largest whole-prompt prefill must fit one step (the decode and mixed points
+    # run on the model runner directly, whatever the budget)
+    cfg.max_num_batched_tokens = max(cfg.max_num_batched_tokens, max(PREFILL_GRID))
     try:
         eng = LLMEngine(cfg)
     except (ValueError, FileNotFoundError) as e:
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     samples = profile_engine(eng, a.repeats, log=lambda s: print(s, file=sys.stderr))
     model, err = fit_with_holdout(samples)
-    save_profile(a.out, samples, model, {"model": eng.model_name, "dtype": cfg.dtype,
+    save_profile(a.out, samples, model, {"model": eng.model_name, "dtype": eng.dtype_choice.dtype,
                                          "num_threads": cfg.num_threads})
     _report(model, err, a.out, f"{len(samples)} grid points")
     print("note: this timed an isolated engine; a serving process pays more per step (HTTP, "

@@ -14,6 +14,7 @@ code, JSON and plots apply. ``simulate_cluster`` runs several replicas behind a 
 """
 from __future__ import annotations
 
+import enum
 import heapq
 import math
 import zlib
@@ -22,6 +23,7 @@ from typing import Sequence
 
 from sloserve.bench.datasets import PREFIX_GROUP_TAG, SampleRequest
 from sloserve.bench.request_func import RequestRecord
+from sloserve.config import EngineConfig
 from sloserve.engine.kv_cache_manager import KVCacheManager
 from sloserve.engine.request import Request
 from sloserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -32,12 +34,15 @@ from sloserve.step_io import ModelRunnerOutput
 
 
 @dataclass
-class SimConfig:
-    """The simulated engine (same meaning as the ``sloserve serve`` flags).
+class SimConfig(SchedulerConfig):
+    """The simulated engine: the scheduler's own settings (inherited, with the engine's
+    defaults) plus the KV cache and the server's path.
 
     Attributes:
-        max_num_batched_tokens, max_num_seqs, max_model_len, policy: the scheduler's settings.
-        num_kv_blocks, block_size: the KV cache.
+        max_num_batched_tokens, max_num_seqs, max_model_len, policy: see SchedulerConfig.
+        num_kv_blocks: KV blocks per instance (default: what ``--kv-cache-memory``'s default
+            holds for the embedded SmolLM2 in bf16, :func:`sloserve.sim.capacity.kv_blocks`).
+        block_size: tokens per KV block (the engine's default).
         request_in_s: the server's path from a client's send to the engine's queue (HTTP,
             validation, tokenization), seconds; measured by ``sloserve profile --from-trace
             ... --bench-result``.
@@ -45,14 +50,17 @@ class SimConfig:
             (detokenization, the SSE event), seconds.
     """
 
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    max_model_len: int = 8192
-    policy: str = "chunked"
-    num_kv_blocks: int = 4096
-    block_size: int = 16
+    num_kv_blocks: int | None = None
+    block_size: int = EngineConfig.block_size
     request_in_s: float = 0.0
     token_out_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_kv_blocks is None:
+            from sloserve.sim.capacity import kv_blocks
+            self.num_kv_blocks = kv_blocks(EngineConfig.kv_cache_memory, "SmolLM2-135M", "bf16",
+                                           self.block_size)
 
 
 @dataclass
@@ -91,10 +99,7 @@ class Replica:
                  recs: list[RequestRecord], record_steps: bool, role: str = "both"):
         self.index, self.cost, self.requests, self.recs, self.role = index, cost, requests, recs, role
         self.token_out_s = cfg.token_out_s
-        self.sched = Scheduler(SchedulerConfig(
-            max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-            max_model_len=cfg.max_model_len, policy=cfg.policy),
-            KVCacheManager(cfg.num_kv_blocks, cfg.block_size))
+        self.sched = Scheduler(cfg, KVCacheManager(cfg.num_kv_blocks, cfg.block_size))
         self.inbox: list[int] = []
         self.incoming = 0  # KV transfers on their way here
         self.running_step = None
@@ -189,6 +194,26 @@ def _route(policy: str, replicas: Sequence[Replica], req: SampleRequest, counter
     return min(replicas, key=lambda r: (r.outstanding, r.index))
 
 
+class EventKind(enum.Enum):
+    """What happens at an event's time."""
+
+    STEP_END = "step end"                   # a replica's running step finishes
+    REACHES_ENGINE = "reaches engine"       # a request arrives in a replica's queue (through
+                                            # the server path, or its KV over the link)
+    CLIENT_HAS_LAST = "client has last"     # the client got a request's last token
+
+
+@dataclass(order=True)
+class Event:
+    """One entry of the event heap, ordered by (time, seq); seq keeps insertion order."""
+
+    time: float
+    seq: int
+    kind: EventKind = field(compare=False)
+    replica: int = field(compare=False, default=-1)
+    request: int = field(compare=False, default=-1)
+
+
 def simulate_cluster(requests: Sequence[SampleRequest], arrivals: Sequence[float], cfg: SimConfig,
                      cost: CostModel, num_replicas: int = 1, router: str = "least-outstanding",
                      record_steps: bool = False, max_concurrency: int | None = None,
@@ -232,101 +257,132 @@ def simulate_cluster(requests: Sequence[SampleRequest], arrivals: Sequence[float
     for name, v in (("request_in_s", cfg.request_in_s), ("token_out_s", cfg.token_out_s)):
         if not (math.isfinite(v) and v >= 0):
             raise ValueError(f"{name} must be a finite number of seconds >= 0, got {v}")
-    n = len(requests)
-    order = sorted(range(n), key=lambda i: (arrivals[i], i))
-    recs = [RequestRecord(prompt_len=r.prompt_len, tag=r.tag, send_time=float(arrivals[i]))
-            for i, r in enumerate(requests)]
-    dis = disaggregation
-    if dis is None:
-        reps = [Replica(j, cfg, cost, requests, recs, record_steps) for j in range(num_replicas)]
-        front, back = reps, []
-    else:
-        front = [Replica(j, cfg, cost, requests, recs, record_steps, "prefill")
-                 for j in range(dis.num_prefill)]
-        back = [Replica(dis.num_prefill + j, cfg, cost, requests, recs, record_steps, "decode")
-                for j in range(dis.num_decode)]
-        reps = front + back
-    # (time, seq, replica, request reaching its queue (through the front end or over the KV
-    # link) or -1 for the end of its step); replica -1: the client got the request's last token
-    heap: list[tuple[float, int, int, int]] = []
-    seq = 0
-    replica_of = [0] * n
-    sent = [float(a) for a in arrivals]
-    transfer_s = [0.0] * n if dis is not None else []
-    k = in_flight = 0
-    now = area = 0.0
-    inf = float("inf")
+    return _Cluster(requests, arrivals, cfg, cost, num_replicas, router, record_steps,
+                    max_concurrency, disaggregation).run()
 
-    while True:
-        can_send = k < n and (max_concurrency is None or in_flight < max_concurrency)
-        t_send = max(float(arrivals[order[k]]), now) if can_send else inf
-        t_ev = heap[0][0] if heap else inf
-        if t_send == inf and t_ev == inf:
-            break
-        t = min(t_send, t_ev)
-        area += in_flight * (t - now)
-        now = t
-        if t_ev < t_send:
-            _, _, j, i = heapq.heappop(heap)
-            if j < 0:  # the client got request i's last token: its slot is free
-                in_flight -= 1
+
+class _Cluster:
+    """The event loop of :func:`simulate_cluster` (one run)."""
+
+    def __init__(self, requests, arrivals, cfg: SimConfig, cost, num_replicas, router,
+                 record_steps, max_concurrency, dis: Disaggregation | None):
+        self.requests, self.arrivals, self.cfg = requests, arrivals, cfg
+        self.router, self.max_concurrency, self.dis = router, max_concurrency, dis
+        n = len(requests)
+        self.order = sorted(range(n), key=lambda i: (arrivals[i], i))
+        self.recs = [RequestRecord(prompt_len=r.prompt_len, tag=r.tag, send_time=float(arrivals[i]))
+                     for i, r in enumerate(requests)]
+        if dis is None:
+            self.front = [Replica(j, cfg, cost, requests, self.recs, record_steps)
+                          for j in range(num_replicas)]
+            self.back: list[Replica] = []
+        else:
+            self.front = [Replica(j, cfg, cost, requests, self.recs, record_steps, "prefill")
+                          for j in range(dis.num_prefill)]
+            self.back = [Replica(dis.num_prefill + j, cfg, cost, requests, self.recs,
+                                 record_steps, "decode") for j in range(dis.num_decode)]
+        self.reps = self.front + self.back
+        self.heap: list[Event] = []
+        self.seq = 0
+        self.replica_of = [0] * n
+        self.sent = [float(a) for a in arrivals]
+        self.transfer_s = [0.0] * n if dis is not None else []
+        self.k = 0           # requests sent so far (in arrival order)
+        self.in_flight = 0   # sent and not yet fully received by the client
+        self.now = 0.0
+        self.area = 0.0      # integral of in_flight over time (Little's L)
+
+    def _push(self, t: float, kind: EventKind, replica: int = -1, request: int = -1) -> None:
+        heapq.heappush(self.heap, Event(t, self.seq, kind, replica, request))
+        self.seq += 1
+
+    def _may_send(self) -> bool:
+        return self.k < len(self.requests) and (
+            self.max_concurrency is None or self.in_flight < self.max_concurrency)
+
+    def run(self) -> SimResult:
+        inf = float("inf")
+        while True:
+            t_send = max(float(self.arrivals[self.order[self.k]]), self.now) \
+                if self._may_send() else inf
+            t_ev = self.heap[0].time if self.heap else inf
+            if t_send == inf and t_ev == inf:
+                break
+            t = min(t_send, t_ev)
+            self.area += self.in_flight * (t - self.now)
+            self.now = t
+            if t_ev < t_send:
+                self._handle(heapq.heappop(self.heap))
+            self._send_due()
+            self._start_idle()
+        return self._result()
+
+    def _handle(self, ev: Event) -> None:
+        if ev.kind is EventKind.CLIENT_HAS_LAST:  # its slot is free
+            self.in_flight -= 1
+        elif ev.kind is EventKind.REACHES_ENGINE:
+            r = self.reps[ev.replica]
+            r.incoming -= 1
+            r.inbox.append(ev.request)
+        else:
+            self._step_end(self.reps[ev.replica])
+
+    def _step_end(self, r: Replica) -> None:
+        """A replica's step ended: its finished requests leave it (to the client, or with
+        disaggregation from a prefill instance over the KV link to a decode instance)."""
+        for i, first_sched in r.complete(self.now):
+            if r.role != "prefill" or self.requests[i].expected_output_len <= 1:
+                if self.cfg.token_out_s > 0:
+                    self._push(self.now + self.cfg.token_out_s, EventKind.CLIENT_HAS_LAST,
+                               request=i)
+                else:
+                    self.in_flight -= 1
                 continue
-            r = reps[j]
-            if i >= 0:
-                r.incoming -= 1
-                r.inbox.append(i)
-            else:
-                for i, first_sched in r.complete(now):
-                    if r.role != "prefill" or requests[i].expected_output_len <= 1:
-                        if cfg.token_out_s > 0:
-                            heapq.heappush(heap, (now + cfg.token_out_s, seq, -1, i))
-                            seq += 1
-                        else:
-                            in_flight -= 1
-                        continue
-                    d = min(back, key=lambda b: (b.outstanding, b.index))
-                    x = dis.link.exposed_s(requests[i].prompt_len, now - first_sched)
-                    transfer_s[i] = x
-                    d.incoming += 1
-                    heapq.heappush(heap, (now + x, seq, d.index, i))
-                    seq += 1
-        # send what is due (arrivals at or before now, while the concurrency limit allows)
-        while k < n and arrivals[order[k]] <= now and (
-                max_concurrency is None or in_flight < max_concurrency):
-            i = order[k]
-            sent[i] = now if max_concurrency is not None else float(arrivals[i])
-            rep = _route(router, front, requests[i], k)
-            if cfg.request_in_s > 0:
+            d = min(self.back, key=lambda b: (b.outstanding, b.index))
+            x = self.dis.link.exposed_s(self.requests[i].prompt_len, self.now - first_sched)
+            self.transfer_s[i] = x
+            d.incoming += 1
+            self._push(self.now + x, EventKind.REACHES_ENGINE, d.index, i)
+
+    def _send_due(self) -> None:
+        """Send what is due (arrivals at or before now, while the concurrency limit allows)."""
+        while self._may_send() and self.arrivals[self.order[self.k]] <= self.now:
+            i = self.order[self.k]
+            self.sent[i] = self.now if self.max_concurrency is not None else float(self.arrivals[i])
+            rep = _route(self.router, self.front, self.requests[i], self.k)
+            if self.cfg.request_in_s > 0:
                 rep.incoming += 1
-                heapq.heappush(heap, (now + cfg.request_in_s, seq, rep.index, i))
-                seq += 1
+                self._push(self.now + self.cfg.request_in_s, EventKind.REACHES_ENGINE, rep.index, i)
             else:
                 rep.inbox.append(i)
-            replica_of[i] = rep.index
-            in_flight += 1
-            k += 1
-        for r in reps:
+            self.replica_of[i] = rep.index
+            self.in_flight += 1
+            self.k += 1
+
+    def _start_idle(self) -> None:
+        for r in self.reps:
             if not r.busy and r.inbox:
-                in_flight -= len(r.admit(sent))
+                self.in_flight -= len(r.admit(self.sent))
             if not r.busy:
-                end = r.start(now)
+                end = r.start(self.now)
                 if end is not None:
-                    heapq.heappush(heap, (end, seq, r.index, -1))
-                    seq += 1
-    for i, rec in enumerate(recs):
-        rec.send_time = sent[i]
-        rec.queue_time = sent[i] - float(arrivals[i])
-        if rec.error:
-            continue
-        rec.success = True
-        rec.output_tokens = len(rec.chunk_times)
-        rec.set_times_from_chunks()
-    start = min(arrivals, default=0.0)
-    end = max((r.chunk_times[-1] for r in recs if r.chunk_times), default=start)
-    duration = max(end - start, 1e-9)
-    steps = sorted((s for r in reps for s in r.steps), key=lambda s: s[0])
-    return SimResult(recs, duration, steps, sum(r.preemptions for r in reps), replica_of,
-                     area / duration, transfer_s)
+                    self._push(end, EventKind.STEP_END, r.index)
+
+    def _result(self) -> SimResult:
+        for i, rec in enumerate(self.recs):
+            rec.send_time = self.sent[i]
+            rec.queue_time = self.sent[i] - float(self.arrivals[i])
+            if rec.error:
+                continue
+            rec.success = True
+            rec.output_tokens = len(rec.chunk_times)
+            rec.set_times_from_chunks()
+        start = min(self.arrivals, default=0.0)
+        end = max((r.chunk_times[-1] for r in self.recs if r.chunk_times), default=start)
+        duration = max(end - start, 1e-9)
+        steps = sorted((s for r in self.reps for s in r.steps), key=lambda s: s[0])
+        return SimResult(self.recs, duration, steps, sum(r.preemptions for r in self.reps),
+                         self.replica_of, self.area / duration, self.transfer_s)
 
 
 def simulate(requests: Sequence[SampleRequest], arrivals: Sequence[float], cfg: SimConfig,

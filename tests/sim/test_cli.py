@@ -195,3 +195,28 @@ def test_preset_table_counts_failures_and_exits_1(capsys):
     assert sim_main(["--preset", "lecture", "--num-prompts", "20", "--num-kv-blocks", "50"]) == 1
     out = capsys.readouterr().out
     assert "| failed |" in out and "requests failed (over max_model_len or the KV cache)" in out
+
+
+def test_flags_are_parsed_once_and_never_abbreviated(capsys):
+    """`--find-cap --request-rates 1,2` used to run a capacity search that ignored the rates
+    (the check re-read argv and missed the abbreviation): now an abbreviation is an error."""
+    with pytest.raises(SystemExit) as e:
+        sim_main([*LECTURE, "--find-cap", "--request-rates", "1,2"])
+    assert e.value.code == 2
+    assert "unrecognized arguments: --find-cap" in capsys.readouterr().err
+    assert sim_main([*LECTURE, "--find-capacity", "--request-rates", "1,2"]) == 2
+    assert "--find-capacity and --request-rates are different runs" in capsys.readouterr().err
+
+
+def test_default_kv_cache_is_what_1_gib_holds_for_the_model_simulated(capsys):
+    from sloserve.sim.capacity import kv_blocks
+    from sloserve.sim.simulator import SimConfig
+    assert SimConfig().num_kv_blocks == kv_blocks(1.0, "SmolLM2-135M", "bf16", 16) == 2912
+    assert kv_blocks(2.0, "SmolLM2-135M", "bf16", 16) == 5825
+    overlap = [a for a in LECTURE if a not in ("--num-kv-blocks", "100000")]
+    assert sim_main([*overlap, "--num-prompts", "20", "--kv-cache-memory", "0.01"]) == 0
+    # 0.01 GiB of SmolLM2 KV: 29 blocks of 16 = 464 tokens, so max_model_len is capped there
+    # and the mixed workload's long prompts (2048 and 4096 tokens) are refused
+    out = capsys.readouterr()
+    assert "policy chunked" in out.err
+    assert "Failed requests:                        10" in out.out
