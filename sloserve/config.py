@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, fields
 
 POLICIES = ("chunked", "naive", "static")
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
 LOAD_FORMAT_CHOICES = ("auto", "gguf", "safetensors", "hf", "dummy")
 
@@ -39,6 +40,10 @@ class EngineConfig:
         attention_backend: "auto" (the best that runs here) or a registered backend's name.
         num_threads: torch intra-op threads of the engine core (None: torch's default, every
             core).
+        quantization: "auto" (a GGUF's weights as stored, dense bf16/fp32 for HF folders),
+            "none" (dense), "gguf" (as stored), "int8" / "int4" (requantize every linear weight).
+        enforce_eager: run every step on the model's plain torch path (no fused quantized
+            kernels; vLLM's flag for "no compiled graphs").
     """
 
     model: str | None = None
@@ -56,6 +61,8 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     num_threads: int | None = None
+    quantization: str = "auto"
+    enforce_eager: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the setting, its value and the allowed range."""
@@ -71,6 +78,9 @@ class EngineConfig:
                 and math.isfinite(self.kv_cache_memory) and self.kv_cache_memory > 0):
             raise ValueError(f"kv_cache_memory must be a positive number of GiB, got "
                              f"{self.kv_cache_memory}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                             f"got {self.quantization!r}")
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}, got "
                              f"{self.scheduling_policy!r}")
@@ -127,6 +137,12 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
     p.add_argument("--kv-cache-dtype", default=_D.kv_cache_dtype, choices=DTYPE_CHOICES,
                    help="dtype of the paged KV cache (auto: the model's dtype)")
     p.add_argument("--load-format", default=_D.load_format, choices=LOAD_FORMAT_CHOICES)
+    p.add_argument("--quantization", default=_D.quantization, choices=QUANTIZATION_CHOICES,
+                   help="auto: a GGUF's weights as stored (Q4_1, Q8_0, K-quants ...), dense for "
+                        "HF folders; none: dense in --dtype; int8/int4: requantize every linear "
+                        "weight (per group of 32)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="every step on the plain torch path (no fused quantized kernels)")
     p.add_argument("--kv-cache-memory", type=float, default=_D.kv_cache_memory,
                    help="GiB of KV cache (ignored with --num-kv-blocks)")
     add_scheduler_args(p)

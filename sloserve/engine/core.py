@@ -30,6 +30,37 @@ GiB = 1024 ** 3
 INJECT_FAILURES_ENV = "SLOSERVE_INJECT_STEP_FAILURES"
 
 
+#: steps with at most this many query tokens run the fused quantized path (decodes, short
+#: chunks: memory-bound); larger ones the dense GEMM path (compute-bound)
+FAST_PATH_MAX_TOKENS = 16
+
+
+def build_fast_path(model, weights, config: EngineConfig):
+    """(FastPath or None, the one log line saying which weights and kernels serve which steps)."""
+    from collections import Counter
+
+    from sloserve.model.fast_path import FastPath
+    q = weights.quantized
+    dense_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    if not q:
+        return None, f"weights: dense {dtype} ({dense_mb:.0f} MB), every step on torch"
+    kinds = ", ".join(f"{k} x {n}" for k, n in Counter(w.source for w in q.values()).items())
+    qmb = sum(w.nbytes for w in q.values()) / 1e6
+    head = f"weights: {weights.quantization} ({kinds}; {qmb:.0f} MB)"
+    if config.enforce_eager:
+        return None, f"{head}; --enforce-eager: every step on torch with their dense {dtype} values"
+    from sloserve import kernels
+    k = kernels.load()
+    if k is None:
+        return None, f"{head}; no CPU kernels here: every step on torch, dense {dtype}"
+    fp = FastPath(model.config, q, dict(model.named_parameters()), k, model.rope.inv_freq,
+                  FAST_PATH_MAX_TOKENS)
+    return fp, (f"{head}; steps of <= {fp.max_tokens} tokens on the {k.variant} kernels "
+                f"({fp.weight_bytes / 1e6:.0f} MB read per step), larger ones on torch with "
+                f"their dense {dtype} values ({dense_mb:.0f} MB)")
+
+
 class EngineCore:
     """Owns the model runner, the scheduler and the KV cache manager; not thread-safe.
 
@@ -61,7 +92,8 @@ class EngineCore:
         self.kv_cache_dtype = parse_dtype(self.dtype_choice.kv_cache_dtype)
         attn = get_attention_backend(config.attention_backend)
         self.model, weights = load_model(config.model, self.dtype, config.load_format,
-                                         with_tokenizer=False)
+                                         with_tokenizer=False,
+                                         quantization=config.quantization)
         self.model_config = weights.config
         model_name = config.served_model_name or weights.name
         model_path = os.path.abspath(config.model) if config.model else default_model_path()
@@ -86,15 +118,17 @@ class EngineCore:
         self.kv_cache_bytes = num_blocks * block_bytes
         self.kv = KVCacheManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(SchedulerConfig.of(config, self.max_model_len), self.kv)
+        self.fast_path, self.weights_line = build_fast_path(self.model, weights, config)
+        logger.info("%s", self.weights_line)
         self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size,
-                                  self.kv_cache_dtype, Sampler(config.seed), attn)
+                                  self.kv_cache_dtype, Sampler(config.seed), attn, self.fast_path)
         self.info = EngineInfo(
             model_name=model_name, model_path=model_path, max_model_len=self.max_model_len,
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=list(self.model_config.eos_token_ids), num_kv_blocks=num_blocks,
             block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens,
             dtype=self.dtype_choice.dtype, kv_cache_dtype=self.dtype_choice.kv_cache_dtype,
-            dtype_reason=self.dtype_choice.describe(), pid=os.getpid())
+            dtype_reason=f"{self.dtype_choice.describe()}; {self.weights_line}", pid=os.getpid())
         from sloserve.engine.metrics import StepTraceLogger
         self._trace = StepTraceLogger(step_trace) if step_trace else None
         self.num_steps = 0

@@ -332,14 +332,72 @@ def unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
+def is_quantizable(hf_name: str) -> bool:
+    """The weights the quantized path serves: every linear projection, the embedding and the
+    LM head (norm weights and biases stay float)."""
+    return hf_name.endswith("_proj.weight") or hf_name in ("model.embed_tokens.weight",
+                                                           "lm_head.weight")
+
+
+def _rope_rows(rows: int, n_head: int) -> torch.Tensor:
+    """The row order :func:`unpermute_rope` gives, as indices (new row i = old row idx[i])."""
+    return unpermute_rope(torch.arange(rows).unsqueeze(1), n_head).squeeze(1)
+
+
+def load_gguf_quantized(gf: GGUFFile, config: ModelConfig, mode: str = "gguf") -> dict[str, Any]:
+    """The linear weights of ``gf`` as :class:`~sloserve.model.quant.QuantizedWeight`s (HF names).
+
+    ``mode``: ``gguf`` keeps each tensor's stored encoding where it maps exactly (Q4_0/Q4_1/Q8_0,
+    Q5_x, the K-quants) and requantizes the rest (float tensors, IQ types) to int8; ``int8`` /
+    ``int4`` requantize every weight from its float values.
+
+    Raises:
+        ValueError: an unknown mode.
+    """
+    from gguf import GGMLQuantizationType
+
+    from sloserve.model import quant
+    if mode not in ("gguf", "int8", "int4"):
+        raise ValueError(f"quantization must be gguf, int8 or int4, got {mode!r}")
+    permute = gf.architecture == "llama"
+    out: dict[str, Any] = {}
+    for name, info in gf.tensors.items():
+        hf = gguf_name_to_hf(name)
+        if hf is None or not is_quantizable(hf) or len(info.shape) != 2:
+            continue
+        tname = GGMLQuantizationType(info.ggml_type).name
+        qw = None
+        if mode == "gguf":
+            try:
+                qw = quant.from_gguf(raw_bytes(gf, name), tname, info.shape)
+            except ValueError:
+                qw = None
+        if qw is None:
+            dense = gf.dequantize(name)
+            qw = (quant.quantize_int4 if mode == "int4" else quant.quantize_int8)(dense, tname)
+        if permute and ".self_attn.q_proj." in hf:
+            qw = qw.select_rows(_rope_rows(info.shape[0], config.num_attention_heads))
+        elif permute and ".self_attn.k_proj." in hf:
+            qw = qw.select_rows(_rope_rows(info.shape[0], config.num_key_value_heads))
+        out[hf] = qw
+    return out
+
+
+def raw_bytes(gf: GGUFFile, name: str) -> np.ndarray:
+    """Tensor ``name``'s stored bytes (memory-mapped), uint8."""
+    return np.asarray(gf.reader_tensors[name].data).view(np.uint8)
+
+
 def load_gguf_state_dict(gf: GGUFFile, config: ModelConfig,
-                         dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+                         dtype: torch.dtype = torch.float32,
+                         skip: set[str] = frozenset()) -> dict[str, torch.Tensor]:
     """Dequantize every tensor of ``gf`` into a Hugging Face-named state dict.
 
     Args:
         gf: parsed file from :func:`read_gguf`.
         config: its config (from :func:`gguf_to_config`; heads are used for the Q/K un-permute).
         dtype: dtype of the returned tensors (dequantization itself is float32).
+        skip: HF names to leave out (the caller has them, e.g. from the quantized weights).
 
     Returns:
         ``{hf_name: tensor}``, shapes as in Hugging Face (e.g. q_proj ``(H*head_dim, hidden)``);
@@ -352,7 +410,7 @@ def load_gguf_state_dict(gf: GGUFFile, config: ModelConfig,
     out: dict[str, torch.Tensor] = {}
     for name in gf.tensors:
         hf = gguf_name_to_hf(name)
-        if hf is None:
+        if hf is None or hf in skip:
             continue
         t = gf.dequantize(name)
         if permute and ".self_attn.q_proj." in hf:

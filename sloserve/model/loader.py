@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import glob
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from sloserve.model.llama import LlamaForCausalLM
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "hf", "dummy")
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -43,6 +44,10 @@ class LoadedWeights:
         name: served model name (GGUF: file stem without the quant tag, e.g.
             ``SmolLM2-135M-Instruct``; folder: its basename).
         source: resolved absolute path that was loaded.
+        quantized: HF name -> QuantizedWeight of every linear weight, the embedding and the LM
+            head, when the weights are served quantized (empty otherwise); the state dict then
+            holds their dequantized values.
+        quantization: what was applied: ``none``, ``gguf`` (as stored), ``int8``, ``int4``.
     """
 
     config: ModelConfig
@@ -50,6 +55,8 @@ class LoadedWeights:
     tokenizer: Tokenizer | None
     name: str
     source: str
+    quantized: dict = field(default_factory=dict)
+    quantization: str = "none"
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -205,7 +212,8 @@ def load_model_tokenizer(path: str | None, load_format: str = "auto") -> Tokeniz
 
 
 def load_weights(path: str | None, dtype: str | torch.dtype = "bfloat16",
-                 load_format: str = "auto", with_tokenizer: bool = True) -> LoadedWeights:
+                 load_format: str = "auto", with_tokenizer: bool = True,
+                 quantization: str = "none") -> LoadedWeights:
     """Load config, weights and tokenizer from ``path``.
 
     Args:
@@ -218,6 +226,10 @@ def load_weights(path: str | None, dtype: str | torch.dtype = "bfloat16",
             tokenizer loaded if the folder has tokenizer files, else None).
         with_tokenizer: False skips the tokenizer (``tokenizer`` is None): the engine core
             needs none, the front end loads its own (:func:`load_model_tokenizer`).
+        quantization: ``none`` (dense, the default here), ``gguf`` (a GGUF's weights as stored,
+            see ``gguf_loader.load_gguf_quantized``; HF folders have nothing stored quantized
+            and stay dense), ``int8`` / ``int4`` (requantize every linear weight), ``auto``
+            (``gguf`` for a GGUF file, ``none`` otherwise).
 
     Returns:
         :class:`LoadedWeights` whose state dict keys are exactly ``expected_state_dict_keys(config)``.
@@ -225,9 +237,11 @@ def load_weights(path: str | None, dtype: str | torch.dtype = "bfloat16",
     Raises:
         FileNotFoundError: ``path`` (or config.json / weight files / tokenizer files of an hf folder,
             or the default model package) does not exist.
-        ValueError: unknown ``load_format``, bad ``dtype``, unsupported architecture / tensor type, or
-            weights that do not match the config.
+        ValueError: unknown ``load_format`` or ``quantization``, bad ``dtype``, unsupported
+            architecture / tensor type, or weights that do not match the config.
     """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; allowed: {', '.join(QUANTIZATIONS)}")
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; allowed: {', '.join(LOAD_FORMATS)}")
     torch_dtype = parse_dtype(dtype)
@@ -239,24 +253,48 @@ def load_weights(path: str | None, dtype: str | torch.dtype = "bfloat16",
     if not os.path.exists(source):
         raise FileNotFoundError(f"model path does not exist: {source}")
     fmt = _detect_format(source) if load_format == "auto" else load_format
+    if quantization == "auto":
+        quantization = "gguf" if fmt == "gguf" else "none"
     if fmt == "gguf":
-        lw = _load_gguf(_single_gguf(source), torch_dtype, with_tokenizer)
+        lw = _load_gguf(_single_gguf(source), torch_dtype, with_tokenizer, quantization)
     elif fmt in ("hf", "safetensors"):
         lw = _load_hf(source, torch_dtype, with_tokenizer)
     else:
         lw = _load_dummy(source, torch_dtype, with_tokenizer)
+    if fmt != "gguf" and quantization in ("int8", "int4"):
+        _requantize(lw, quantization, torch_dtype)
     validate_state_dict(lw.state_dict, lw.config, lw.source)
     return lw
 
 
-def _load_gguf(path: str, dtype: torch.dtype, with_tokenizer: bool) -> LoadedWeights:
+def _requantize(lw: LoadedWeights, mode: str, dtype: torch.dtype) -> None:
+    """Quantize a dense checkpoint's linear weights (``--quantization int8|int4``)."""
+    from sloserve.model import quant
+    from sloserve.model.gguf_loader import is_quantizable
+    fn = quant.quantize_int4 if mode == "int4" else quant.quantize_int8
+    sd = lw.state_dict
+    if lw.config.tie_word_embeddings is False and "lm_head.weight" not in sd:
+        raise ValueError(f"{lw.source}: an untied model without lm_head.weight")
+    for name in [n for n in sd if is_quantizable(n)]:
+        qw = fn(sd[name], str(sd[name].dtype).removeprefix("torch."))
+        lw.quantized[name] = qw
+        sd[name] = qw.dequantize().to(dtype)
+    lw.quantization = mode
+
+
+def _load_gguf(path: str, dtype: torch.dtype, with_tokenizer: bool,
+               quantization: str) -> LoadedWeights:
     from sloserve.model import gguf_loader as gl
 
     gf = gl.read_gguf(path)
     config = gl.gguf_to_config(gf)
-    sd = gl.load_gguf_state_dict(gf, config, dtype)
+    qw = gl.load_gguf_quantized(gf, config, quantization) if quantization != "none" else {}
+    sd = gl.load_gguf_state_dict(gf, config, dtype, skip=set(qw))
+    for name, w in qw.items():  # the dense path computes with exactly the served values
+        sd[name] = w.dequantize().to(dtype)
     tok = gl.load_gguf_tokenizer(gf, config) if with_tokenizer else None
-    return LoadedWeights(config, sd, tok, gl.gguf_model_name(gf), gf.path)
+    return LoadedWeights(config, sd, tok, gl.gguf_model_name(gf), gf.path, qw,
+                         quantization if qw else "none")
 
 
 def _load_hf(folder: str, dtype: torch.dtype, with_tokenizer: bool) -> LoadedWeights:
@@ -285,7 +323,8 @@ def _load_dummy(path: str, dtype: torch.dtype, with_tokenizer: bool) -> LoadedWe
 
 def load_model(path: str | None = None, dtype: str | torch.dtype = "bfloat16", load_format: str = "auto",
                device: str | torch.device | None = None,
-               with_tokenizer: bool = True) -> tuple["LlamaForCausalLM", LoadedWeights]:
+               with_tokenizer: bool = True,
+               quantization: str = "none") -> tuple["LlamaForCausalLM", LoadedWeights]:
     """Build ``sloserve.model.llama.LlamaForCausalLM`` and load weights into it.
 
     Args:
@@ -302,7 +341,8 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "bfloat16", l
     """
     from sloserve.model.llama import LlamaForCausalLM  # lazy: the model module is optional here
 
-    lw = load_weights(path, dtype=dtype, load_format=load_format, with_tokenizer=with_tokenizer)
+    lw = load_weights(path, dtype=dtype, load_format=load_format, with_tokenizer=with_tokenizer,
+                      quantization=quantization)
     torch_dtype = parse_dtype(dtype)
     model = LlamaForCausalLM(lw.config)
     model.load_state_dict(lw.state_dict, strict=True)

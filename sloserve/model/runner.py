@@ -95,11 +95,13 @@ class ModelRunner:
         sampler: picks the next tokens.
         attn_backend: computes attention; its ``kv_cache_shape`` lays out the cache, one tensor
             per layer, allocated once.
+        fast_path: the fused quantized forward (``sloserve.model.fast_path.FastPath``) for
+            steps of at most ``fast_path.max_tokens`` query tokens; None: always the model.
     """
 
     def __init__(self, model: torch.nn.Module, config: ModelConfig, num_blocks: int,
                  block_size: int, kv_cache_dtype: torch.dtype, sampler: Sampler,
-                 attn_backend: AttentionBackend):
+                 attn_backend: AttentionBackend, fast_path=None):
         self.model = model
         self.config = config
         self.num_blocks = num_blocks
@@ -107,6 +109,7 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype
         self.sampler = sampler
         self.attn_backend = attn_backend
+        self.fast_path = fast_path
         shape = attn_backend.kv_cache_shape(num_blocks, block_size, config.num_key_value_heads,
                                             config.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=kv_cache_dtype)
@@ -131,8 +134,10 @@ class ModelRunner:
         inputs = build_step_inputs(out, self.block_size)
         meta = self.attn_backend.build_metadata(inputs)
         t1 = time.perf_counter()
-        logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches,
-                            self.attn_backend, meta, inputs.logits_indices)
+        fp = self.fast_path
+        forward = fp.forward if fp is not None and inputs.num_tokens <= fp.max_tokens else self.model
+        logits = forward(inputs.input_ids, inputs.positions, self.kv_caches, self.attn_backend,
+                         meta, inputs.logits_indices)
         t2 = time.perf_counter()
         rids, params = [], []
         for sr in out.scheduled:

@@ -84,10 +84,14 @@ def _check(backend_name, seed, h, n_kv, cache_dtype, act_dtype, atol):
     torch.testing.assert_close(flat_k[inputs.slot_mapping].float(), k.to(cache_dtype).float())
 
 
+BACKENDS = available_backends()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("h,n_kv", [(8, 2), (4, 1), (4, 4)])
-def test_random_mixes_match_float64_dense_attention(seed, h, n_kv):
-    _check("torch-ref", seed, h, n_kv, torch.float32, torch.float32, 2e-5)
+def test_random_mixes_match_float64_dense_attention(backend, seed, h, n_kv):
+    _check(backend, seed, h, n_kv, torch.float32, torch.float32, 2e-5)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -107,6 +111,8 @@ def test_bf16_cache_and_activations(seed):
 def test_registry():
     assert "torch-ref" in available_backends()
     assert get_attention_backend("auto").name == available_backends()[0]
+    from sloserve import kernels
+    assert ("cpu-paged" in available_backends()) == (kernels.load() is not None)
     with pytest.raises(ValueError, match="unknown attention backend 'flash'; available: auto"):
         get_attention_backend("flash")
 

@@ -1,0 +1,164 @@
+"""The CPU kernels (``csrc/kernels.cpp``) through ctypes, for the instruction set this CPU has.
+
+``load()`` picks the library: AVX-512 (F/BW/VL/DQ + FMA) where the CPU has it, else AVX2/FMA,
+else the generic build; ``SLOSERVE_KERNEL_ISA=avx512|avx2|generic`` forces one (an AVX-512
+machine exercises the AVX2 path this way), ``none`` turns the kernels off. A library missing for
+the current source is built first (``build.py``, a few seconds). ``load()`` returns None when no
+library can be built or loaded: the engine then runs its torch path and says so.
+
+Every function takes contiguous float32 tensors (and int64 index tensors) and calls the library
+with their data pointers; shapes are checked here, once per call.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+
+import torch
+
+from sloserve.kernels.build import KernelBuildError, build
+
+logger = logging.getLogger(__name__)
+
+ISA_ENV = "SLOSERVE_KERNEL_ISA"
+VARIANTS = ("avx512", "avx2", "generic")
+_P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_SIGS = {
+    "sl_isa": ([], _I32),
+    "sl_num_threads": ([], _I32),
+    "sl_set_num_threads": ([_I32], None),
+    "sl_qlinear": ([_P, _I64, _I64, _P, _P, _P, _I32, _I32, _I64, _P, _P], _I32),
+    "sl_qembed": ([_P, _I64, _P, _P, _P, _I32, _I32, _I64, _P], _I32),
+    "sl_rms_norm": ([_P, _P, _I64, _I64, _F, _P], None),
+    "sl_add_rms_norm": ([_P, _P, _P, _I64, _I64, _F, _P], None),
+    "sl_silu_mul": ([_P, _I64, _I64, _P], None),
+    "sl_rope": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64], None),
+    "sl_cache_write": ([_P, _I64, _P, _I64, _P, _I32, _P, _I64, _I64, _I64], None),
+    "sl_paged_attn_decode": ([_P, _I64, _P, _I32, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64,
+                              _I64, _F, _I64, _I64, _P, _P], None),
+}
+
+
+def best_variant(flags) -> str:
+    """The library for a CPU with these /proc/cpuinfo flags."""
+    f = set(flags)
+    if {"avx512f", "avx512bw", "avx512vl", "fma"} <= f:
+        return "avx512"
+    if {"avx2", "fma"} <= f:
+        return "avx2"
+    return "generic"
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+class Kernels:
+    """The loaded library of one variant (``variant``: avx512, avx2 or generic)."""
+
+    def __init__(self, path: str, variant: str):
+        self.path, self.variant = path, variant
+        self.lib = ctypes.CDLL(path)
+        for name, (args, res) in _SIGS.items():
+            fn = getattr(self.lib, name)
+            fn.argtypes, fn.restype = args, res
+        self.isa = self.lib.sl_isa()
+
+    def set_num_threads(self, n: int) -> None:
+        self.lib.sl_set_num_threads(n)
+
+    # ------------------------------------------------------------------ linear
+    def qlinear(self, x: torch.Tensor, w) -> torch.Tensor:
+        """x [M, K] float32 contiguous @ W^T for a QuantizedWeight ``w`` -> [M, N] float32."""
+        M, K = x.shape
+        N = w.shape[0]
+        y = torch.empty(M, N, dtype=torch.float32)
+        xsum = torch.empty(M * (K // w.group_size), dtype=torch.float32) if w.has_mins else None
+        rc = self.lib.sl_qlinear(_ptr(x), M, K, _ptr(w.qweight), _ptr(w.scales),
+                                 _ptr(w.mins) if w.has_mins else None, w.bits, w.group_size, N,
+                                 _ptr(y), _ptr(xsum) if xsum is not None else None)
+        if rc:
+            raise ValueError(f"no kernel for {w.bits}-bit weights in groups of {w.group_size}")
+        return y
+
+    def qembed(self, ids: torch.Tensor, w) -> torch.Tensor:
+        """Rows ``ids`` [T] int64 of a QuantizedWeight, dequantized -> [T, K] float32."""
+        T = ids.shape[0]
+        out = torch.empty(T, w.shape[1], dtype=torch.float32)
+        self.lib.sl_qembed(_ptr(ids), T, _ptr(w.qweight), _ptr(w.scales),
+                           _ptr(w.mins) if w.has_mins else None, w.bits, w.group_size,
+                           w.shape[1], _ptr(out))
+        return out
+
+    # ------------------------------------------------------------------ elementwise
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        out = torch.empty_like(x)
+        self.lib.sl_rms_norm(_ptr(x), _ptr(w), x.shape[0], x.shape[1], eps, _ptr(out))
+        return out
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, w: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """``h += delta`` in place, returns rmsnorm(h) * w."""
+        out = torch.empty_like(h)
+        self.lib.sl_add_rms_norm(_ptr(h), _ptr(delta), _ptr(w), h.shape[0], h.shape[1], eps,
+                                 _ptr(out))
+        return out
+
+    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        T, F2 = gu.shape
+        out = torch.empty(T, F2 // 2, dtype=torch.float32)
+        self.lib.sl_silu_mul(_ptr(gu), T, F2 // 2, _ptr(out))
+        return out
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+             inv_freq: torch.Tensor) -> None:
+        """In place on q [T, Hq, D] and k [T, Hk, D] (float32 views; heads contiguous)."""
+        T, hq, d = q.shape
+        self.lib.sl_rope(_ptr(q), q.stride(0), _ptr(k), k.stride(0), _ptr(positions),
+                         _ptr(inv_freq), T, hq, k.shape[1], d)
+
+    # ------------------------------------------------------------------ attention
+    def cache_write(self, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                    slots: torch.Tensor) -> None:
+        """k, v [T, Hkv, D] float32 views -> one layer's cache [2, blocks, bs, Hkv, D] at slots."""
+        T, hk, d = k.shape
+        nslots = cache.shape[1] * cache.shape[2]
+        self.lib.sl_cache_write(_ptr(k), k.stride(0), _ptr(v), v.stride(0), _ptr(cache),
+                                int(cache.dtype == torch.bfloat16), _ptr(slots), T, nslots, hk * d)
+
+    def paged_attn_decode(self, q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+                          seq_lens: torch.Tensor, max_seq_len: int, scale: float,
+                          split_len: int) -> torch.Tensor:
+        """One query token per request: q [B, H, D] float32 (heads contiguous) over one
+        layer's cache at block_table [B, N] / seq_lens [B] (int64) -> [B, H, D] float32."""
+        B, H, D = q.shape
+        hkv = cache.shape[3]
+        splits = max(1, -(-max_seq_len // split_len))
+        out = torch.empty(B, H, D, dtype=torch.float32)
+        work = torch.empty(B * hkv * splits * (H // hkv) * (D + 2), dtype=torch.float32)
+        self.lib.sl_paged_attn_decode(
+            _ptr(q), q.stride(0), _ptr(cache), int(cache.dtype == torch.bfloat16),
+            _ptr(block_table), block_table.shape[1], _ptr(seq_lens), B, H, hkv, D,
+            cache.shape[2], cache.shape[1], scale, split_len, splits, _ptr(out), _ptr(work))
+        return out
+
+
+@functools.lru_cache(maxsize=None)
+def load(variant: str | None = None) -> Kernels | None:
+    """The kernels for this CPU (or ``variant``, or ``$SLOSERVE_KERNEL_ISA``); None when they
+    are turned off (``none``) or cannot be built or loaded (logged once)."""
+    from sloserve.platform import detect_cpu
+    want = variant or os.environ.get(ISA_ENV) or best_variant(detect_cpu().flags)
+    if want == "none":
+        return None
+    if want not in VARIANTS:
+        raise ValueError(f"{ISA_ENV} must be one of {', '.join((*VARIANTS, 'none'))}, got {want!r}")
+    try:
+        k = Kernels(build(want), want)
+    except (KernelBuildError, OSError) as e:
+        logger.warning("CPU kernels unavailable (%s); the engine uses its torch path", e)
+        return None
+    k.set_num_threads(torch.get_num_threads())
+    return k

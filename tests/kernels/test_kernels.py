@@ -1,0 +1,160 @@
+"""The CPU kernels against torch references, for every instruction-set variant this machine can
+run (an AVX-512 machine runs the AVX2 and generic builds too; an AVX2 host skips AVX-512)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from sloserve import kernels
+from sloserve.model.quant import QuantizedWeight, from_gguf, quantize_int4, quantize_int8
+from sloserve.platform import detect_cpu
+
+RUNNABLE = [v for v in ("generic", "avx2", "avx512")
+            if v == "generic" or kernels.VARIANTS.index(kernels.best_variant(detect_cpu().flags))
+            <= kernels.VARIANTS.index(v)]
+
+
+@pytest.fixture(params=RUNNABLE)
+def k(request):
+    lib = kernels.load(request.param)
+    if lib is None:
+        pytest.skip(f"the {request.param} kernels could not be built here")
+    assert lib.isa == {"generic": 0, "avx2": 1, "avx512": 2}[request.param]
+    return lib
+
+
+def _weights(kind: str, n: int, kk: int, seed: int) -> QuantizedWeight:
+    w = torch.randn(n, kk, generator=torch.Generator().manual_seed(seed))
+    if kind == "int4":
+        return quantize_int4(w, "t")
+    q = quantize_int8(w, "t")
+    if kind == "int8g16":  # 16-wide groups with offsets (the Q6_K / Q2_K shape)
+        d = q.scales.repeat_interleave(2, 1).contiguous() * 0.5
+        return QuantizedWeight(q.qweight, d, torch.randn(d.shape) * 0.01, 8, 16, q.shape, "t")
+    return q
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8", "int8g16"])
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 17])
+def test_qlinear_matches_the_dequantized_product(k, kind, m):
+    w = _weights(kind, 200, 576, m)
+    x = torch.randn(m, 576, generator=torch.Generator().manual_seed(100 + m))
+    y = k.qlinear(x, w)
+    ref = x.double() @ w.dequantize().double().t()
+    assert y.shape == (m, 200) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), ref, atol=2e-4, rtol=1e-5)
+
+
+def test_qlinear_refuses_an_unknown_format(k):
+    w = _weights("int8", 8, 64, 0)
+    bad = QuantizedWeight(w.qweight, w.scales, None, 8, 64, w.shape, "t")
+    with pytest.raises(ValueError, match="no kernel for 8-bit weights in groups of 64"):
+        k.qlinear(torch.zeros(1, 64), bad)
+
+
+def test_qembed_is_the_dequantized_rows(k):
+    for kind in ("int4", "int8", "int8g16"):
+        w = _weights(kind, 50, 64, 3)
+        ids = torch.tensor([7, 0, 49, 7])
+        assert torch.equal(k.qembed(ids, w), w.dequantize()[ids])
+
+
+def test_gguf_q4_1_rows_through_the_kernel(k):
+    """A real GGUF encoding end to end: Q4_1 blocks -> codes -> the kernel's product."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+    w = np.random.default_rng(0).standard_normal((64, 576)).astype(np.float32)
+    raw = quantize(w, GGMLQuantizationType.Q4_1)
+    qw = from_gguf(raw, "Q4_1", (64, 576))
+    ref_w = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_1).reshape(64, 576))
+    x = torch.randn(3, 576)
+    torch.testing.assert_close(k.qlinear(x, qw).double(), x.double() @ ref_w.double().t(),
+                               atol=2e-4, rtol=1e-5)
+
+
+def _rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def test_norms_silu_rope(k):
+    g = torch.Generator().manual_seed(1)
+    x, d, w = torch.randn(5, 96, generator=g), torch.randn(5, 96, generator=g), torch.rand(96) + .5
+    torch.testing.assert_close(k.rms_norm(x, w, 1e-5), _rms(x, w, 1e-5))
+    h = x.clone()
+    out = k.add_rms_norm(h, d, w, 1e-6)
+    torch.testing.assert_close(h, x + d)
+    torch.testing.assert_close(out, _rms(x + d, w, 1e-6))
+    gu = torch.randn(4, 2 * 48, generator=g)
+    torch.testing.assert_close(k.silu_mul(gu), torch.nn.functional.silu(gu[:, :48]) * gu[:, 48:])
+    # RoPE on strided views of a fused qkv row, as the fast path calls it
+    T, H, Hk, D = 3, 4, 2, 16
+    qkv = torch.randn(T, (H + 2 * Hk) * D, generator=g)
+    q, kk = qkv[:, :H * D].view(T, H, D), qkv[:, H * D:(H + Hk) * D].view(T, Hk, D)
+    pos = torch.tensor([0, 5, 1000])
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    ang = pos.float()[:, None] * inv[None]
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+
+    def rot(t):
+        return t * cos + torch.cat([-t[..., D // 2:], t[..., :D // 2]], -1) * sin
+    rq, rk, v_before = rot(q.clone()), rot(kk.clone()), qkv[:, (H + Hk) * D:].clone()
+    k.rope(q, kk, pos, inv)
+    torch.testing.assert_close(q, rq, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kk, rk, atol=1e-5, rtol=1e-5)
+    assert torch.equal(qkv[:, (H + Hk) * D:], v_before)  # V untouched
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split_len", [256, 7])
+def test_paged_decode_attention_in_place(k, cache_dtype, split_len):
+    """Random block tables and lengths (1 to 70 tokens), GQA 8/2, against float64 attention
+    over the gathered context; a small split_len exercises the log-sum-exp merge."""
+    g = torch.Generator().manual_seed(3)
+    B, H, Hkv, D, bs, nb = 5, 8, 2, 64, 4, 128
+    cache = torch.randn(2, nb, bs, Hkv, D, generator=g).to(cache_dtype)
+    lens = [1, 7, 70, 33, 16]
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, pos = [], 0
+    for n in lens:
+        nblk = -(-n // bs)
+        tables.append(perm[pos:pos + nblk])
+        pos += nblk
+    width = max(map(len, tables))
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q = torch.randn(B, H, D, generator=g)
+    out = k.paged_attn_decode(q, cache, bt, torch.tensor(lens), max(lens), D ** -0.5, split_len)
+    for b, n in enumerate(lens):
+        kc = cache[0][torch.tensor(tables[b])].reshape(-1, Hkv, D)[:n].double()
+        vc = cache[1][torch.tensor(tables[b])].reshape(-1, Hkv, D)[:n].double()
+        kq = kc.repeat_interleave(H // Hkv, 1).transpose(0, 1)       # [H, n, D]
+        vq = vc.repeat_interleave(H // Hkv, 1).transpose(0, 1)
+        s = (q[b].double()[:, None, :] @ kq.transpose(1, 2))[:, 0] * D ** -0.5
+        ref = (torch.softmax(s, -1)[:, None, :] @ vq)[:, 0]
+        torch.testing.assert_close(out[b].double(), ref, atol=1e-5, rtol=1e-4)
+
+
+def test_cache_write_converts_and_places(k):
+    cache = torch.zeros(2, 6, 4, 2, 8, dtype=torch.bfloat16)
+    kv = torch.randn(3, 4, 2, 8)  # a fused buffer: k and v are strided views of it
+    kk, vv = kv[:, 0], kv[:, 2]
+    slots = torch.tensor([5, 0, 23])
+    k.cache_write(kk, vv, cache, slots)
+    flat = cache.view(2, -1, 2, 8)
+    assert torch.equal(flat[0, slots], kk.to(torch.bfloat16))
+    assert torch.equal(flat[1, slots], vv.to(torch.bfloat16))
+    assert flat[0].abs().sum(dim=(1, 2)).nonzero().flatten().tolist() == [0, 5, 23]
+
+
+def test_the_pool_survives_many_small_jobs_and_resizing(k):
+    w = _weights("int4", 512, 64, 9)
+    x = torch.randn(2, 64)
+    ref = k.qlinear(x, w)
+    for n in (1, 3, 2):
+        k.set_num_threads(n)
+        for _ in range(200):
+            assert torch.equal(k.qlinear(x, w), ref)
+    k.set_num_threads(torch.get_num_threads())
+    assert not math.isnan(float(ref.sum()))
