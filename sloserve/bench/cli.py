@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import Any
 
 from sloserve.bench.datasets import PromptFactory
+from sloserve.bench.metric_args import add_metric_args, check_metric_flags, shown_metrics
 from sloserve.bench.metrics import parse_goodput
 from sloserve.argtypes import client_port as _port
 from sloserve.argtypes import pos_float as _pos_float
@@ -18,13 +19,6 @@ from sloserve.argtypes import pos_int as _pos_int
 from sloserve.argtypes import rate as _rate
 from sloserve.bench.workload_args import (add_workload_args, arrival_process, build_workload,
                                          check_workload_flags)
-
-
-def _floats(v: str) -> list[float]:
-    try:
-        return [float(x) for x in v.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {v!r}") from None
 
 
 def add_client_args(p: argparse.ArgumentParser) -> None:
@@ -49,9 +43,7 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
                    help="seconds to wait for the next bytes of a response before the request "
                         "fails (a stalled server does not hang the run)")
     o = p.add_argument_group("metrics and output")
-    o.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
-                   help="metrics whose statistics are printed and written to the JSON")
-    o.add_argument("--metric-percentiles", type=_floats, default=[50.0, 90.0, 95.0, 99.0])
+    add_metric_args(o)
     o.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS",
                    help="SLOs for goodput, e.g. ttft:2000 tpot:200 e2el:10000")
     o.add_argument("--save-result", action="store_true")
@@ -68,11 +60,7 @@ def _check_flags(a: argparse.Namespace) -> dict[str, float]:
     slos = parse_goodput(a.goodput)
     if not (math.isfinite(a.temperature) and a.temperature >= 0):
         raise ValueError(f"--temperature must be a finite number >= 0, got {a.temperature}")
-    bad = [p for p in a.metric_percentiles if not 0 <= p <= 100]
-    if bad or not a.metric_percentiles:
-        raise ValueError(f"--metric-percentiles must be numbers in [0, 100], got "
-                         f"{a.metric_percentiles}")
-    _shown_metrics(a)
+    check_metric_flags(a)
     check_workload_flags(a)
     for d in (a.result_dir, a.plot_dir):
         if d:
@@ -113,21 +101,10 @@ def _backend(cfg) -> str:
     return "openai-chat" if cfg.endpoint.endswith("chat/completions") else "openai"
 
 
-def _shown_metrics(a: argparse.Namespace) -> tuple[str, ...]:
-    """--percentile-metrics as a tuple. Raises ValueError for unknown names."""
-    from sloserve.bench.metrics import METRICS
-    shown = tuple(m.strip() for m in a.percentile_metrics.split(",") if m.strip())
-    bad = [m for m in shown if m not in METRICS]
-    if bad or not shown:
-        raise ValueError(f"--percentile-metrics: unknown {bad or a.percentile_metrics!r}; "
-                         f"choose from {','.join(METRICS)}")
-    return shown
-
-
 def _bench(a: argparse.Namespace) -> int:
     from sloserve.bench.results import format_summary, result_json, save_json
     from sloserve.bench.runner import run_benchmark
-    shown = _shown_metrics(a)
+    shown = shown_metrics(a)
     cfg, reqs, tok_id, count = _setup(a)
     print(f"bench: {len(reqs)} {a.dataset_name} requests to {cfg.url} (model {cfg.model}), "
           f"rate {cfg.request_rate:g} req/s ({cfg.arrival}), max concurrency "
@@ -163,7 +140,7 @@ def _sweep(a: argparse.Namespace) -> int:
                          "--plot-dir, --result-filename and --save-result are for single runs")
     if 99.0 not in a.metric_percentiles:  # the table, frontier and operating point use P99
         a.metric_percentiles = [*a.metric_percentiles, 99.0]
-    shown = _shown_metrics(a)
+    shown = shown_metrics(a)
     cfg0, reqs, tok_id, count = _setup(a)
     axis = "request_rate" if a.request_rates else "max_concurrency"
     points = a.request_rates or a.max_concurrencies

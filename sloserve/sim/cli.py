@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from sloserve.argtypes import parse_given, pos_float, pos_int
+from sloserve.bench.metric_args import add_metric_args
 from sloserve.bench.workload_args import add_workload_args
 from sloserve.config import EngineConfig, add_scheduler_args
 from sloserve.sim.presets import PRESET_REFUSES, PRESETS
@@ -96,6 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument("--save-result", default=None, metavar="FILE.json",
                    help="write the result in `sloserve bench --save-detailed`'s format")
     o.add_argument("--label", default="sim")
+    add_metric_args(o)
     o.add_argument("--ignore-eos", action="store_true",
                    help="accepted for `sloserve bench` compatibility: simulated outputs always "
                         "run to their length")

@@ -31,6 +31,7 @@ def run(a) -> int:
     res, metrics = sim.run(a.request_rate)
     wall = time.perf_counter() - t0
     bc = BenchConfig(base_url="sim://", model=a.label, request_rate=a.request_rate,
+                     percentiles=sim.percentiles,
                      burstiness=a.burstiness, seed=a.seed, goodput=sim.slos,
                      max_concurrency=a.max_concurrency)
     run_ = BenchmarkRun(bc, sim.reqs, res.records, 0.0, res.duration, metrics)
@@ -41,10 +42,10 @@ def run(a) -> int:
     print(f"sim: {sim.describe()}; {res.num_preemptions} preemptions; mean requests in flight "
           f"{res.mean_in_flight:.2f}{extra}; {len(sim.reqs) / wall:.0f} requests simulated per s "
           f"of wall time", file=sys.stderr)
-    print(format_summary(metrics, title="Simulated Serving Benchmark Result"))
+    print(format_summary(metrics, title="Simulated Serving Benchmark Result", metrics=sim.shown))
     if a.save_result:
         os.makedirs(os.path.dirname(os.path.abspath(a.save_result)), exist_ok=True)
-        save_json(result_json(run_, label=a.label, detailed=True,
+        save_json(result_json(run_, label=a.label, detailed=True, metrics=sim.shown,
                               metadata={"simulated": True, "scheduling_policy": sim.cfg.policy,
                                         "max_num_batched_tokens": sim.cfg.max_num_batched_tokens,
                                         "cost_model": sim.cost_name}), a.save_result)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from sloserve.bench.metric_args import check_metric_flags
 from sloserve.bench.metrics import calculate_metrics, parse_goodput
 from sloserve.bench.workload_args import arrival_process, build_workload, check_workload_flags
 
@@ -89,6 +90,8 @@ class SimSetup:
         from sloserve.sim.workload import LengthOnlyFactory
         self.a = a
         self.slos = parse_goodput(a.goodput)
+        self.shown = check_metric_flags(a)
+        self.percentiles = tuple(a.metric_percentiles)
         check_workload_flags(a)
         self.cost, self.cost_name = cost_model_from_args(a)
         self.dis = disaggregation_from_args(a)
@@ -140,7 +143,8 @@ class SimSetup:
         res = simulate_cluster(self.reqs, self.arrivals(rate), cfg or self.cfg, self.cost,
                                a.num_replicas, a.router, max_concurrency=a.max_concurrency,
                                disaggregation=self.dis)
-        return res, calculate_metrics(res.records, res.duration, goodput_slos=self.slos,
+        return res, calculate_metrics(res.records, res.duration, self.percentiles,
+                                      goodput_slos=self.slos,
                                       start_time=0.0)
 
     def describe(self, cfg=None) -> str:

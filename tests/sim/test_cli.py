@@ -220,3 +220,18 @@ def test_default_kv_cache_is_what_1_gib_holds_for_the_model_simulated(capsys):
     out = capsys.readouterr()
     assert "policy chunked" in out.err
     assert "Failed requests:                        10" in out.out
+
+
+def test_sim_reports_the_bench_metrics_and_percentiles_asked_for(capsys, tmp_path):
+    """The stall chunking removes is a per-token interval: the simulator prints ITL and max ITL
+    like `sloserve bench`, and takes vLLM's --percentile-metrics / --metric-percentiles."""
+    out = tmp_path / "r.json"
+    assert sim_main([*LECTURE, "--num-prompts", "60", "--request-rate", "6", "--percentile-metrics",
+                     "itl,ttft", "--metric-percentiles", "50,99.9", "--save-result", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "P99.9 ITL (ms):" in text and "Max ITL (ms):" in text and "P50 TTFT (ms):" in text
+    assert "TPOT" not in text.split("Time to First Token")[1]  # tpot not asked for
+    saved = json.loads(out.read_text())
+    assert "p99.9_itl_ms" in saved and "p50_ttft_ms" in saved and "mean_tpot_ms" not in saved
+    assert sim_main([*LECTURE, "--num-prompts", "5", "--percentile-metrics", "itl,ttfb"]) == 2
+    assert "--percentile-metrics: unknown ['ttfb']" in capsys.readouterr().err
