@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", default="demo-results", help="experiment results and plots")
     ap.add_argument("server_args", nargs="*", help="extra flags for `sloserve serve` (after --)")
     a = ap.parse_args(argv)
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)
     console.rule("[bold]sloserve demo, part 1: streamed chats")
     t0 = time.perf_counter()
     console.print(f"starting: sloserve serve {' '.join(a.server_args)}")

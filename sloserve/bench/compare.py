@@ -35,10 +35,14 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"sloserve compare: error: {e}", file=sys.stderr)
         return 2
-    print(f"| metric | A: {a.get('label') or args.a} | B: {b.get('label') or args.b} | B vs A |")
-    print("|---|---|---|---|")
+    lines = [f"| metric | A: {args.a} ({a.get('label') or '-'}) | B: {args.b} "
+             f"({b.get('label') or '-'}) | B vs A |", "|---|---|---|---|"]
     for k, va, vb, rel in compare(a, b):
         fa = "-" if va is None else f"{va:.2f}"
         fb = "-" if vb is None else f"{vb:.2f}"
-        print(f"| {k} | {fa} | {fb} | {'-' if rel is None else f'{100 * rel:+.1f} %'} |")
+        lines.append(f"| {k} | {fa} | {fb} | {'-' if rel is None else f'{100 * rel:+.1f} %'} |")
+    try:
+        print("\n".join(lines))
+    except BrokenPipeError:  # `| head`: the reader has what it wanted
+        sys.stderr.close()
     return 0

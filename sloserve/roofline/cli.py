@@ -21,7 +21,8 @@ from sloserve.roofline.units import fmt_bandwidth, fmt_bytes, fmt_flops, fmt_flo
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="sloserve roofline",
-                                description="Roofline, KV-cache and capacity calculator.")
+                                description="Roofline, KV-cache and capacity calculator.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--hardware", default="H100-SXM", help=f"one of {', '.join(list_hardware())}")
     p.add_argument("--model", nargs="?", const=EMBEDDED, default=None,
                    help=f"preset ({', '.join(list_models())}), config.json / folder, .gguf, or "

@@ -12,13 +12,24 @@ def test_reading_reports_the_changes_and_explains_a_tpot_that_did_not_drop():
     lines = reading([row("naive", 156, 1339, 437), row("chunked", 176, 410, 651)])
     assert lines[0] == ("chunked vs naive: max ITL 1339 -> 410 ms (-69 %), P99 TPOT 156 -> 176 ms "
                         "(+13 %), mean TTFT 437 -> 651 ms (+49 %).")
-    assert len(lines) == 2 and "did not cut P99 TPOT" in lines[1]
+    assert lines[1] == "Chunking cut the longest stall (max ITL) and did not cut P99 TPOT here."
+    assert len(lines) == 3 and "marginal cost of a prefill token" in lines[2]
+
+
+def test_the_reading_never_claims_a_stall_cut_the_table_does_not_show():
+    """A noisy run where chunking made max ITL worse (9426 -> 16340 ms) must not read as
+    'chunking removed the long stalls'."""
+    lines = reading([row("naive", 156, 9426), row("chunked", 170, 16340)])
+    assert "max ITL 9426 -> 16340 ms (+73 %)" in lines[0]
+    assert lines[1] == ("Chunking did not cut the longest stall (max ITL) and did not cut P99 "
+                        "TPOT here.")
 
 
 def test_no_explanation_when_chunking_cuts_p99_tpot():
     lines = reading([row("naive", 200), row("chunked", 150), row("static", 120, ttft=5000)])
-    assert len(lines) == 2 and "P99 TPOT 200 -> 150 ms (-25 %)" in lines[0]
-    assert lines[1] == ("static: P99 TPOT 120 ms (the lowest: no prefill joins a running batch), "
+    assert len(lines) == 3 and "P99 TPOT 200 -> 150 ms (-25 %)" in lines[0]
+    assert lines[1] == "Chunking did not cut the longest stall (max ITL) and cut P99 TPOT here."
+    assert lines[2] == ("static: P99 TPOT 120 ms (the lowest: no prefill joins a running batch), "
                         "but mean TTFT 5000 ms: new requests wait for the whole batch to finish.")
 
 
