@@ -152,14 +152,15 @@ def test_stream_without_content_is_a_failure(mock_server):
 # --- goodput -----------------------------------------------------------------------------------
 
 def test_goodput_counts_only_requests_meeting_every_slo(mock_server):
-    slos = {"ttft": 200.0, "tpot": 40.0, "e2el": 300.0}
+    # every margin is >= 0.4 s or >= 90 ms per token, so a loaded machine cannot flip a verdict
+    slos = {"ttft": 1000.0, "tpot": 200.0, "e2el": 1500.0}
     scripts = {
         "good": steady(0.05, 5, 0.01),           # ttft 50, tpot 10, e2el 90      -> good
-        "slow_ttft": steady(0.40, 5, 0.01),      # ttft 400                        -> bad
-        "slow_tpot": steady(0.05, 4, 0.08),      # tpot 80                         -> bad
+        "slow_ttft": steady(1.5, 5, 0.01),       # ttft 1500                       -> bad
+        "slow_tpot": steady(0.05, 4, 0.4),       # tpot 400                        -> bad
         "one_token": steady(0.05, 1, 0.0),       # tpot undefined, meets its SLO   -> good
         "failed": http_error(500, "mock goodput failure"),  #                      -> bad
-        "slow_e2el": steady(0.05, 15, 0.02),     # tpot 20 but e2el 330            -> bad
+        "slow_e2el": steady(0.05, 20, 0.1),      # tpot 100 but e2el 1950          -> bad
     }
     names = {k: mock_server.add(s) for k, s in scripts.items()}
     order = ["good", "slow_ttft", "good", "slow_tpot", "one_token", "failed", "good", "slow_tpot",
