@@ -30,6 +30,7 @@ _SIGS = {
     "sl_num_threads": ([], _I32),
     "sl_set_num_threads": ([_I32], None),
     "sl_qlinear": ([_P, _I64, _I64, _P, _P, _P, _I32, _I32, _I64, _P, _P], _I32),
+    "sl_qlinear_i8": ([_P, _I64, _I64, _P, _P, _P, _I32, _I32, _I64, _P, _P], _I32),
     "sl_qembed": ([_P, _I64, _P, _P, _P, _I32, _I32, _I64, _P], _I32),
     "sl_rms_norm": ([_P, _P, _I64, _I64, _F, _P], None),
     "sl_add_rms_norm": ([_P, _P, _P, _I64, _I64, _F, _P], None),
@@ -44,7 +45,7 @@ _SIGS = {
 def best_variant(flags) -> str:
     """The library for a CPU with these /proc/cpuinfo flags."""
     f = set(flags)
-    if {"avx512f", "avx512bw", "avx512vl", "fma"} <= f:
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "fma"} <= f:
         return "avx512"
     if {"avx2", "fma"} <= f:
         return "avx2"
@@ -81,6 +82,21 @@ class Kernels:
                                  _ptr(y), _ptr(xsum) if xsum is not None else None)
         if rc:
             raise ValueError(f"no kernel for {w.bits}-bit weights in groups of {w.group_size}")
+        return y
+
+    def qlinear_i8(self, x: torch.Tensor, w) -> torch.Tensor:
+        """As :meth:`qlinear` with x quantized to int8 per group of 32 first (integer dot
+        products: VNNI / pmaddubsw); 4-bit or int8 weights in groups of 32."""
+        M, K = x.shape
+        N = w.shape[0]
+        y = torch.empty(M, N, dtype=torch.float32)
+        scratch = torch.empty(M * K + 64 + 8 * M * (K // 32), dtype=torch.uint8)
+        rc = self.lib.sl_qlinear_i8(_ptr(x), M, K, _ptr(w.qweight), _ptr(w.scales),
+                                    _ptr(w.mins) if w.has_mins else None, w.bits, w.group_size,
+                                    N, _ptr(y), _ptr(scratch))
+        if rc:
+            raise ValueError(f"no int8-activation kernel for {w.bits}-bit weights in groups of "
+                             f"{w.group_size}")
         return y
 
     def qembed(self, ids: torch.Tensor, w) -> torch.Tensor:

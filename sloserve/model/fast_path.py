@@ -1,92 +1,143 @@
-"""The fused forward pass for small steps (decodes and short chunks): quantized weights served as
-they are stored, and a few fused kernel calls per layer.
+"""The fused forward pass: a few kernel calls per layer, float32 activations, and per step the
+linear-layer kernel that is fast for its number of tokens.
 
-Per layer, with float32 activations: [add residual +] RMSNorm (one call), the Q, K and V
-projections as one quantized product (their rows concatenated), RoPE on Q and K in place, the
-attention backend, the output projection, add residual + RMSNorm, gate and up as one product,
-SiLU(gate) * up, the down projection. No Python work per layer grows with the batch, and the
-weights stream from memory once per step in their stored format (the embedded SmolLM2: 4-bit
-Q4_1 layers and the Q8_0 embedding that is also the LM head, ~100 MB against 270 MB in bf16).
+Per layer: [add residual +] RMSNorm (one call), the Q, K and V projections, RoPE on Q and K in
+place, the attention backend, the output projection, add residual + RMSNorm, gate and up,
+SiLU(gate) * up, the down projection. No Python work per layer grows with the batch.
 
-Steps with more query tokens than ``max_tokens`` (prefills, long chunks) are compute-bound and go
-through the dense path of the model instead (the dequantized weights in the engine's dtype, on
-torch's GEMM: AMX/oneDNN where the CPU has them).
+The projections of a step run one of two ways:
+
+* ``quant``: the weights as they are stored (4-bit / int8 with per-group scales; the embedded
+  SmolLM2: ~100 MB for its Q4_1 layers and the Q8_0 embedding that is also the LM head, against
+  270 MB in bf16), through the project's kernels; Q/K/V and gate/up are one product each (rows
+  concatenated). Memory-bound: the best for steps of few tokens (decodes).
+* ``dense``: the dequantized weights in the engine's dtype on torch's GEMM (oneDNN/AMX in bf16
+  where the CPU has it). Compute-bound steps (prefills, large batches).
+
+``quant_max_tokens`` (measured at start-up by :func:`quant_crossover`: the most tokens at which the
+quantized product of a layer's MLP weight still beats the dense one on this CPU) separates them.
+The LM head always runs quantized when it is (it sees only the rows that sample).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from sloserve.model.quant import QuantizedWeight, concat_rows
 
 
 @dataclass
 class FastLayer:
-    """One decoder layer's weights for the fused path (norm weights and biases float32)."""
+    """One decoder layer's weights: norms and biases float32, the projections dense (engine
+    dtype, [out, in]) and, when served quantized, quantized too."""
 
     ln1: torch.Tensor
-    qkv: list[QuantizedWeight]          # one fused weight, or q, k, v when formats differ
-    qkv_bias: torch.Tensor | None
-    o: QuantizedWeight
     ln2: torch.Tensor
-    gate_up: list[QuantizedWeight]      # one fused weight, or gate, up
-    down: QuantizedWeight
+    qkv_bias: torch.Tensor | None
+    dense: dict[str, torch.Tensor]               # q, k, v, o, gate, up, down
+    qkv: list[QuantizedWeight] | None = None     # one fused weight, or q, k, v
+    o: QuantizedWeight | None = None
+    gate_up: list[QuantizedWeight] | None = None
+    down: QuantizedWeight | None = None
 
 
 class FastPath:
-    """Built from a model's quantized weights (HF names) and the loaded kernels.
+    """Built from a model's parameters (HF names), its quantized weights (possibly none) and
+    the loaded kernels.
 
     Args:
         config: the model's ModelConfig.
-        quantized: HF parameter name -> QuantizedWeight for every linear weight and the
-            embedding (``model.embed_tokens.weight``), and ``lm_head.weight`` when untied.
-        dense: the model's state (norm weights, biases), HF names.
+        params: HF name -> parameter (the model's, in the engine's dtype).
+        quantized: HF name -> QuantizedWeight of every linear weight and the embedding (and
+            ``lm_head.weight`` when untied), or {} for a dense model.
         kernels: ``sloserve.kernels.load()``'s result.
         inv_freq: RoPE inverse frequencies [head_dim / 2] float32.
-        max_tokens: steps with at most this many query tokens take this path.
+        quant_max_tokens: steps with at most this many query tokens use the quantized weights
+            (None: measure, :func:`quant_crossover`; ignored without quantized weights).
+        int8_activations: the quantized products quantize their input to int8 per group of 32
+            and use integer dot products (VNNI / pmaddubsw: ~1.4x faster, activations rounded to
+            ~1/254 of their group's largest value, as llama.cpp does); False: float32 inputs,
+            the weights' exact values times exact activations (``--dtype float32``).
     """
 
-    def __init__(self, config, quantized: dict[str, QuantizedWeight],
-                 dense: dict[str, torch.Tensor], kernels, inv_freq: torch.Tensor,
-                 max_tokens: int):
-        self.config, self.k, self.max_tokens = config, kernels, max_tokens
+    def __init__(self, config, params: dict[str, torch.Tensor],
+                 quantized: dict[str, QuantizedWeight], kernels, inv_freq: torch.Tensor,
+                 quant_max_tokens: int | None = None, int8_activations: bool = True):
+        self.config, self.k = config, kernels
+        self.int8_activations = int8_activations
         self.inv_freq = inv_freq.float().contiguous()
         self.eps = float(config.rms_norm_eps)
         f32 = lambda t: t.detach().float().contiguous()  # noqa: E731
-        self.embed = quantized["model.embed_tokens.weight"]
-        self.lm_head = quantized.get("lm_head.weight", self.embed)
-        self.norm = f32(dense["model.norm.weight"])
+        self.embed_dense = params["model.embed_tokens.weight"].detach()
+        self.lm_dense = (self.embed_dense if config.tie_word_embeddings
+                         else params["lm_head.weight"].detach())
+        self.dtype = self.embed_dense.dtype
+        q = quantized
+        self.quantized = bool(q)
+        self.embed_q = q.get("model.embed_tokens.weight")
+        self.lm_q = q.get("lm_head.weight", self.embed_q if config.tie_word_embeddings else None)
+        self.norm = f32(params["model.norm.weight"])
         self.layers: list[FastLayer] = []
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
-            q, k, v = (quantized[f"{p}self_attn.{n}_proj.weight"] for n in "qkv")
-            fused = concat_rows([q, k, v])
+            names = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+                     "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
+                     "down": "mlp.down_proj"}
+            dense = {k: params[f"{p}{v}.weight"].detach() for k, v in names.items()}
             bias = None
             if config.attention_bias:
-                bias = torch.cat([f32(dense[f"{p}self_attn.{n}_proj.bias"]) for n in "qkv"])
-            g, u = (quantized[f"{p}mlp.{n}_proj.weight"] for n in ("gate", "up"))
-            gu = concat_rows([g, u])
-            self.layers.append(FastLayer(
-                ln1=f32(dense[p + "input_layernorm.weight"]), qkv=[fused] if fused else [q, k, v],
-                qkv_bias=bias, o=quantized[f"{p}self_attn.o_proj.weight"],
-                ln2=f32(dense[p + "post_attention_layernorm.weight"]),
-                gate_up=[gu] if gu else [g, u], down=quantized[f"{p}mlp.down_proj.weight"]))
+                bias = torch.cat([f32(params[f"{p}self_attn.{n}_proj.bias"]) for n in "qkv"])
+            L = FastLayer(f32(params[p + "input_layernorm.weight"]),
+                          f32(params[p + "post_attention_layernorm.weight"]), bias, dense)
+            if q:
+                qw = [q[f"{p}{names[n]}.weight"] for n in ("q", "k", "v")]
+                fused = concat_rows(qw)
+                L.qkv = [fused] if fused else qw
+                L.o = q[f"{p}{names['o']}.weight"]
+                gu = [q[f"{p}{names[n]}.weight"] for n in ("gate", "up")]
+                fused = concat_rows(gu)
+                L.gate_up = [fused] if fused else gu
+                L.down = q[f"{p}{names['down']}.weight"]
+            self.layers.append(L)
+        if not q:
+            self.quant_max_tokens = 0
+        elif quant_max_tokens is None:
+            self.quant_max_tokens = quant_crossover(self)
+        else:
+            self.quant_max_tokens = quant_max_tokens
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of quantized weights one step reads (layers + LM head)."""
-        n = self.lm_head.nbytes
+        """Bytes of weights a quantized step reads (layers + LM head)."""
+        if not self.quantized:
+            return 0
+        n = self.lm_q.nbytes if self.lm_q is not None else 0
         for L in self.layers:
             n += sum(w.nbytes for w in (*L.qkv, L.o, *L.gate_up, L.down))
         return n
 
-    def _proj(self, x: torch.Tensor, ws: list[QuantizedWeight]) -> torch.Tensor:
-        if len(ws) == 1:
-            return self.k.qlinear(x, ws[0])
-        return torch.cat([self.k.qlinear(x, w) for w in ws], dim=1)
+    # ------------------------------------------------------------------ projections
+    def _lin(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+        if self.int8_activations and w.group_size == 32:
+            return self.k.qlinear_i8(x, w)
+        return self.k.qlinear(x, w)
 
+    def _q(self, x: torch.Tensor, ws: list[QuantizedWeight]) -> torch.Tensor:
+        if len(ws) == 1:
+            return self._lin(x, ws[0])
+        return torch.cat([self._lin(x, w) for w in ws], dim=1)
+
+    def _d(self, x: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:
+        xd = x.to(self.dtype)
+        if len(ws) == 1:
+            return F.linear(xd, ws[0]).float()
+        return torch.cat([F.linear(xd, w) for w in ws], dim=1).float()
+
+    # ------------------------------------------------------------------ the step
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_backend, attn_meta: Any,
                 logits_indices: torch.Tensor) -> torch.Tensor:
@@ -94,12 +145,17 @@ class FastPath:
         k, c = self.k, self.config
         T = input_ids.shape[0]
         H, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        h = k.qembed(input_ids, self.embed)          # the residual stream, float32 [T, d]
+        quant = T <= self.quant_max_tokens
+        if self.embed_q is not None:
+            h = k.qembed(input_ids, self.embed_q)    # the residual stream, float32 [T, d]
+        else:
+            h = self.embed_dense.index_select(0, input_ids).float()
         delta = None
         for L, cache in zip(self.layers, kv_caches):
             a = k.rms_norm(h, L.ln1, self.eps) if delta is None else \
                 k.add_rms_norm(h, delta, L.ln1, self.eps)
-            qkv = self._proj(a, L.qkv)
+            w = L.dense
+            qkv = self._q(a, L.qkv) if quant else self._d(a, w["q"], w["k"], w["v"])
             if L.qkv_bias is not None:
                 qkv += L.qkv_bias
             q = qkv[:, :H * D].view(T, H, D)
@@ -107,9 +163,48 @@ class FastPath:
             v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
             k.rope(q, kk, positions, self.inv_freq)
             o = attn_backend.forward(q, kk, v, cache, attn_meta, D ** -0.5)
-            delta = k.qlinear(o.reshape(T, H * D).float().contiguous(), L.o)
+            o = o.reshape(T, H * D).float().contiguous()
+            delta = self._lin(o, L.o) if quant else self._d(o, w["o"])
             a = k.add_rms_norm(h, delta, L.ln2, self.eps)
-            delta = k.qlinear(k.silu_mul(self._proj(a, L.gate_up)), L.down)
+            gu = self._q(a, L.gate_up) if quant else self._d(a, w["gate"], w["up"])
+            f = k.silu_mul(gu)
+            delta = self._lin(f, L.down) if quant else self._d(f, w["down"])
         h += delta
         x = k.rms_norm(h.index_select(0, logits_indices), self.norm, self.eps)
-        return k.qlinear(x, self.lm_head)
+        if self.lm_q is not None:
+            return self._lin(x, self.lm_q)
+        return self._d(x, self.lm_dense)
+
+
+def quant_crossover(fp: FastPath, sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), repeats: int = 5) -> int:
+    """The most tokens at which the quantized product of layer 0's gate/up and down weights is
+    still faster than the dense one here (best of ``repeats``; ~50 ms at start-up)."""
+    L = fp.layers[0]
+    best_m = 0
+    for m in sizes:
+        x = torch.randn(m, fp.config.hidden_size)
+        xf = torch.randn(m, fp.config.intermediate_size)
+
+        def quant():
+            fp._q(x, L.gate_up)
+            fp._lin(xf, L.down)
+
+        def dense():
+            fp._d(x, L.dense["gate"], L.dense["up"])
+            fp._d(xf, L.dense["down"])
+        tq, td = _best(quant, repeats), _best(dense, repeats)
+        if tq < td:
+            best_m = m
+        elif m > 4:
+            break
+    return best_m
+
+
+def _best(fn, repeats: int) -> float:
+    fn()
+    t = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        t = min(t, time.perf_counter() - t0)
+    return t

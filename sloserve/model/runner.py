@@ -95,8 +95,8 @@ class ModelRunner:
         sampler: picks the next tokens.
         attn_backend: computes attention; its ``kv_cache_shape`` lays out the cache, one tensor
             per layer, allocated once.
-        fast_path: the fused quantized forward (``sloserve.model.fast_path.FastPath``) for
-            steps of at most ``fast_path.max_tokens`` query tokens; None: always the model.
+        fast_path: the fused forward (``sloserve.model.fast_path.FastPath``) that runs every
+            step when given; None: the model's own (torch) forward.
     """
 
     def __init__(self, model: torch.nn.Module, config: ModelConfig, num_blocks: int,
@@ -134,8 +134,7 @@ class ModelRunner:
         inputs = build_step_inputs(out, self.block_size)
         meta = self.attn_backend.build_metadata(inputs)
         t1 = time.perf_counter()
-        fp = self.fast_path
-        forward = fp.forward if fp is not None and inputs.num_tokens <= fp.max_tokens else self.model
+        forward = self.fast_path.forward if self.fast_path is not None else self.model
         logits = forward(inputs.input_ids, inputs.positions, self.kv_caches, self.attn_backend,
                          meta, inputs.logits_indices)
         t2 = time.perf_counter()

@@ -170,7 +170,8 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
 
 #if SL_ISA == 2
 inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
-#elif SL_ISA == 1
+#endif
+#if SL_ISA >= 1
 inline float hsum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
   lo = _mm_add_ps(lo, hi);
@@ -180,159 +181,129 @@ inline float hsum(__m256 v) {
 }
 #endif
 
-// Rows of the activation matrix processed together per pass over a weight row.
-#if SL_ISA == 2
-constexpr int kMB = 8;
-#else
-constexpr int kMB = 4;
-#endif
-
-// ------------------------------------------------------------------ dot of one weight group
-// acc[mi] += d * sum_{j<gs} q[j] * x_mi[j]   for the mcount activation rows x_mi (stride K)
+// ------------------------------------------------------------------ one weight group
+// Group<BITS, GS>::load(w) unpacks one group of GS codes to float vectors; dot(wv, x) is the
+// vector of partial products with GS activations (summed later). Acc is the float vector.
 
 template <int BITS, int GS>
 struct Group;
 
 #if SL_ISA == 2
+using Acc = __m512;
+inline Acc acc_zero() { return _mm512_setzero_ps(); }
+inline Acc fmad(Acc t, float d, Acc acc) { return _mm512_fmadd_ps(t, _mm512_set1_ps(d), acc); }
 template <>
 struct Group<4, 32> {
-  static inline void run(const uint8_t* w, float d, const float* x, int64_t K, int mcount,
-                         __m512* acc) {
+  struct W { __m512 lo, hi; };
+  static inline W load(const uint8_t* w) {
     __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-    __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-    __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-    __m512 dv = _mm512_set1_ps(d);
-    for (int mi = 0; mi < mcount; ++mi) {
-      const float* xr = x + mi * K;
-      __m512 t = _mm512_mul_ps(lo, _mm512_loadu_ps(xr));
-      t = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), t);
-      acc[mi] = _mm512_fmadd_ps(t, dv, acc[mi]);
-    }
+    return {_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))),
+            _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4))};
+  }
+  static inline Acc dot(const W& v, const float* x) {
+    return _mm512_fmadd_ps(v.hi, _mm512_loadu_ps(x + 16), _mm512_mul_ps(v.lo, _mm512_loadu_ps(x)));
   }
 };
 template <>
 struct Group<8, 32> {
-  static inline void run(const uint8_t* w, float d, const float* x, int64_t K, int mcount,
-                         __m512* acc) {
+  struct W { __m512 a, b; };
+  static inline W load(const uint8_t* w) {
     const __m128i* p = reinterpret_cast<const __m128i*>(w);
-    __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
-    __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
-    __m512 dv = _mm512_set1_ps(d);
-    for (int mi = 0; mi < mcount; ++mi) {
-      const float* xr = x + mi * K;
-      __m512 t = _mm512_mul_ps(w0, _mm512_loadu_ps(xr));
-      t = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), t);
-      acc[mi] = _mm512_fmadd_ps(t, dv, acc[mi]);
-    }
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p))),
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)))};
+  }
+  static inline Acc dot(const W& v, const float* x) {
+    return _mm512_fmadd_ps(v.b, _mm512_loadu_ps(x + 16), _mm512_mul_ps(v.a, _mm512_loadu_ps(x)));
   }
 };
 template <>
 struct Group<8, 16> {
-  static inline void run(const uint8_t* w, float d, const float* x, int64_t K, int mcount,
-                         __m512* acc) {
-    __m512 w0 = _mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
-    __m512 dv = _mm512_set1_ps(d);
-    for (int mi = 0; mi < mcount; ++mi) {
-      __m512 t = _mm512_mul_ps(w0, _mm512_loadu_ps(x + mi * K));
-      acc[mi] = _mm512_fmadd_ps(t, dv, acc[mi]);
-    }
+  struct W { __m512 a; };
+  static inline W load(const uint8_t* w) {
+    return {_mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))))};
   }
+  static inline Acc dot(const W& v, const float* x) { return _mm512_mul_ps(v.a, _mm512_loadu_ps(x)); }
 };
-using Acc = __m512;
-inline Acc acc_zero() { return _mm512_setzero_ps(); }
 #elif SL_ISA == 1
-inline __m256 cvt_u8x8(const uint8_t* p) {
-  return _mm256_cvtepi32_ps(
-      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+using Acc = __m256;
+inline Acc acc_zero() { return _mm256_setzero_ps(); }
+inline Acc fmad(Acc t, float d, Acc acc) { return _mm256_fmadd_ps(t, _mm256_set1_ps(d), acc); }
+inline __m256i u8x8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
-inline __m256 cvt_i8x8(const uint8_t* p) {
+inline __m256 i8x8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(
       _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 template <>
 struct Group<4, 32> {
-  static inline void run(const uint8_t* w, float d, const float* x, int64_t K, int mcount,
-                         __m256* acc) {
+  struct W { __m256 lo0, lo1, hi0, hi1; };  // weights 0..7, 8..15, 16..23, 24..31
+  static inline W load(const uint8_t* w) {
     const __m256i mask = _mm256_set1_epi32(15);
-    __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w)));
-    __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8)));
-    __m256 lo0 = _mm256_cvtepi32_ps(_mm256_and_si256(b0, mask));   // weights 0..7
-    __m256 lo1 = _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask));   // 8..15
-    __m256 hi0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));     // 16..23
-    __m256 hi1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));     // 24..31
-    __m256 dv = _mm256_set1_ps(d);
-    for (int mi = 0; mi < mcount; ++mi) {
-      const float* xr = x + mi * K;
-      __m256 t = _mm256_mul_ps(lo0, _mm256_loadu_ps(xr));
-      t = _mm256_fmadd_ps(lo1, _mm256_loadu_ps(xr + 8), t);
-      t = _mm256_fmadd_ps(hi0, _mm256_loadu_ps(xr + 16), t);
-      t = _mm256_fmadd_ps(hi1, _mm256_loadu_ps(xr + 24), t);
-      acc[mi] = _mm256_fmadd_ps(t, dv, acc[mi]);
-    }
+    __m256i b0 = u8x8(w), b1 = u8x8(w + 8);
+    return {_mm256_cvtepi32_ps(_mm256_and_si256(b0, mask)),
+            _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask)),
+            _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)),
+            _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4))};
+  }
+  static inline Acc dot(const W& v, const float* x) {
+    __m256 t = _mm256_mul_ps(v.lo0, _mm256_loadu_ps(x));
+    t = _mm256_fmadd_ps(v.lo1, _mm256_loadu_ps(x + 8), t);
+    t = _mm256_fmadd_ps(v.hi0, _mm256_loadu_ps(x + 16), t);
+    return _mm256_fmadd_ps(v.hi1, _mm256_loadu_ps(x + 24), t);
   }
 };
 template <>
 struct Group<8, 32> {
-  static inline void run(const uint8_t* w, float d, const float* x, int64_t K, int mcount,
-                         __m256* acc) {
-    __m256 w0 = cvt_i8x8(w), w1 = cvt_i8x8(w + 8), w2 = cvt_i8x8(w + 16), w3 = cvt_i8x8(w + 24);
-    __m256 dv = _mm256_set1_ps(d);
-    for (int mi = 0; mi < mcount; ++mi) {
-      const float* xr = x + mi * K;
-      __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(xr));
-      t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), t);
-      t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), t);
-      t = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), t);
-      acc[mi] = _mm256_fmadd_ps(t, dv, acc[mi]);
-    }
+  struct W { __m256 a, b, c, d; };
+  static inline W load(const uint8_t* w) { return {i8x8(w), i8x8(w + 8), i8x8(w + 16), i8x8(w + 24)}; }
+  static inline Acc dot(const W& v, const float* x) {
+    __m256 t = _mm256_mul_ps(v.a, _mm256_loadu_ps(x));
+    t = _mm256_fmadd_ps(v.b, _mm256_loadu_ps(x + 8), t);
+    t = _mm256_fmadd_ps(v.c, _mm256_loadu_ps(x + 16), t);
+    return _mm256_fmadd_ps(v.d, _mm256_loadu_ps(x + 24), t);
   }
 };
 template <>
 struct Group<8, 16> {
-  static inline void run(const uint8_t* w, float d, const float* x, int64_t K, int mcount,
-                         __m256* acc) {
-    __m256 w0 = cvt_i8x8(w), w1 = cvt_i8x8(w + 8);
-    __m256 dv = _mm256_set1_ps(d);
-    for (int mi = 0; mi < mcount; ++mi) {
-      const float* xr = x + mi * K;
-      __m256 t = _mm256_mul_ps(w0, _mm256_loadu_ps(xr));
-      t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), t);
-      acc[mi] = _mm256_fmadd_ps(t, dv, acc[mi]);
-    }
+  struct W { __m256 a, b; };
+  static inline W load(const uint8_t* w) { return {i8x8(w), i8x8(w + 8)}; }
+  static inline Acc dot(const W& v, const float* x) {
+    return _mm256_fmadd_ps(v.b, _mm256_loadu_ps(x + 8), _mm256_mul_ps(v.a, _mm256_loadu_ps(x)));
   }
 };
-using Acc = __m256;
-inline Acc acc_zero() { return _mm256_setzero_ps(); }
 #else
 struct Acc { float v; };
 inline Acc acc_zero() { return Acc{0.f}; }
+inline Acc fmad(Acc t, float d, Acc acc) { return Acc{acc.v + d * t.v}; }
 inline float hsum(Acc a) { return a.v; }
 template <>
 struct Group<4, 32> {
-  static inline void run(const uint8_t* w, float d, const float* x, int64_t K, int mcount,
-                         Acc* acc) {
-    float lo[16], hi[16];
-    for (int j = 0; j < 16; ++j) { lo[j] = float(w[j] & 15); hi[j] = float(w[j] >> 4); }
-    for (int mi = 0; mi < mcount; ++mi) {
-      const float* xr = x + mi * K;
-      float t = 0.f;
-      for (int j = 0; j < 16; ++j) t += lo[j] * xr[j] + hi[j] * xr[j + 16];
-      acc[mi].v += d * t;
-    }
+  struct W { float q[32]; };
+  static inline W load(const uint8_t* w) {
+    W v;
+    for (int j = 0; j < 16; ++j) { v.q[j] = float(w[j] & 15); v.q[j + 16] = float(w[j] >> 4); }
+    return v;
+  }
+  static inline Acc dot(const W& v, const float* x) {
+    float t = 0.f;
+    for (int j = 0; j < 32; ++j) t += v.q[j] * x[j];
+    return Acc{t};
   }
 };
 template <int GS>
 struct Group8 {
-  static inline void run(const uint8_t* w, float d, const float* x, int64_t K, int mcount,
-                         Acc* acc) {
-    const int8_t* q = reinterpret_cast<const int8_t*>(w);
-    for (int mi = 0; mi < mcount; ++mi) {
-      const float* xr = x + mi * K;
-      float t = 0.f;
-      for (int j = 0; j < GS; ++j) t += float(q[j]) * xr[j];
-      acc[mi].v += d * t;
-    }
+  struct W { float q[GS]; };
+  static inline W load(const uint8_t* w) {
+    W v;
+    for (int j = 0; j < GS; ++j) v.q[j] = float(static_cast<int8_t>(w[j]));
+    return v;
+  }
+  static inline Acc dot(const W& v, const float* x) {
+    float t = 0.f;
+    for (int j = 0; j < GS; ++j) t += v.q[j] * x[j];
+    return Acc{t};
   }
 };
 template <>
@@ -341,35 +312,72 @@ template <>
 struct Group<8, 16> : Group8<16> {};
 #endif
 
+// A tile: MC activation rows x R weight rows, accumulators in registers (the bounds are
+// compile-time, so the loops unroll and no accumulator round-trips through memory).
+template <int BITS, int GS, int MC, int R>
+inline void tile(const float* x, int64_t K, const uint8_t* w, int64_t row_bytes,
+                 const float* d, const float* mn, const float* xsum, int64_t G, float* y,
+                 int64_t N) {
+  constexpr int64_t gb = GS * BITS / 8;
+  Acc acc[MC][R];
+  for (int mi = 0; mi < MC; ++mi)
+    for (int r = 0; r < R; ++r) acc[mi][r] = acc_zero();
+  for (int64_t g = 0; g < G; ++g) {
+    typename Group<BITS, GS>::W wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = Group<BITS, GS>::load(w + r * row_bytes + g * gb);
+    for (int mi = 0; mi < MC; ++mi) {
+      const float* xg = x + mi * K + g * GS;
+      for (int r = 0; r < R; ++r)
+        acc[mi][r] = fmad(Group<BITS, GS>::dot(wv[r], xg), d[r * G + g], acc[mi][r]);
+    }
+  }
+  for (int mi = 0; mi < MC; ++mi)
+    for (int r = 0; r < R; ++r) {
+      float s = hsum(acc[mi][r]);
+      if (mn) {  // the offsets: sum_g m[n, g] * sum_{k in g} x[m, k]
+        const float* mr = mn + r * G;
+        const float* xs = xsum + mi * G;
+        float t = 0.f;
+#pragma omp simd reduction(+ : t)
+        for (int64_t g = 0; g < G; ++g) t += mr[g] * xs[g];
+        s += t;
+      }
+      y[mi * N + r] = s;
+    }
+}
+
+template <int BITS, int GS, int MC>
+inline void rows_mc(const float* x, int64_t K, const uint8_t* qw, const float* d,
+                    const float* mn, const float* xsum, int64_t G, int64_t N, int64_t n0,
+                    int64_t n1, float* y) {
+  constexpr int R = MC <= 2 ? 4 : 2;  // keep MC * R accumulators (+ the weights) in registers
+  const int64_t rb = G * GS * BITS / 8;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R)
+    tile<BITS, GS, MC, R>(x, K, qw + n * rb, rb, d + n * G, mn ? mn + n * G : nullptr, xsum, G,
+                          y + n, N);
+  for (; n < n1; ++n)
+    tile<BITS, GS, MC, 1>(x, K, qw + n * rb, rb, d + n * G, mn ? mn + n * G : nullptr, xsum, G,
+                          y + n, N);
+}
+
 // y[m, n] = sum_k x[m, k] W[n, k] for rows n in [n0, n1) and all M rows of x.
 template <int BITS, int GS>
 void qlinear_rows(const float* x, int64_t M, int64_t K, const uint8_t* qw, const float* d,
                   const float* mn, const float* xsum, int64_t N, int64_t n0, int64_t n1,
                   float* y) {
   const int64_t G = K / GS;
-  const int64_t row_bytes = K * BITS / 8;
-  const int64_t group_bytes = GS * BITS / 8;
-  Acc acc[kMB];
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wr = qw + n * row_bytes;
-    const float* dr = d + n * G;
-    const float* mr = mn ? mn + n * G : nullptr;
-    for (int64_t mb = 0; mb < M; mb += kMB) {
-      const int mcount = static_cast<int>(std::min<int64_t>(kMB, M - mb));
-      for (int mi = 0; mi < mcount; ++mi) acc[mi] = acc_zero();
-      const float* xb = x + mb * K;
-      for (int64_t g = 0; g < G; ++g)
-        Group<BITS, GS>::run(wr + g * group_bytes, dr[g], xb + g * GS, K, mcount, acc);
-      for (int mi = 0; mi < mcount; ++mi) {
-        float s = hsum(acc[mi]);
-        if (mr) {  // the offsets: sum_g m[n, g] * sum_{k in g} x[m, k]
-          const float* xs = xsum + (mb + mi) * G;
-          for (int64_t g = 0; g < G; ++g) s += mr[g] * xs[g];
-        }
-        y[(mb + mi) * N + n] = s;
-      }
-    }
-  }
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4)
+    rows_mc<BITS, GS, 4>(x + m * K, K, qw, d, mn, mn ? xsum + m * G : nullptr, G, N, n0, n1,
+                         y + m * N);
+  const int64_t rest = M - m;
+  const float* xr = x + m * K;
+  const float* xs = mn ? xsum + m * G : nullptr;
+  float* yr = y + m * N;
+  if (rest == 3) rows_mc<BITS, GS, 3>(xr, K, qw, d, mn, xs, G, N, n0, n1, yr);
+  else if (rest == 2) rows_mc<BITS, GS, 2>(xr, K, qw, d, mn, xs, G, N, n0, n1, yr);
+  else if (rest == 1) rows_mc<BITS, GS, 1>(xr, K, qw, d, mn, xs, G, N, n0, n1, yr);
 }
 
 template <int BITS, int GS>
@@ -396,6 +404,305 @@ void qlinear_t(const float* x, int64_t M, int64_t K, const uint8_t* qw, const fl
   parallel_for(nchunks, body);
 }
 
+// ------------------------------------------------------ int8 activations (the fast decode path)
+// x is quantized per group of 32 to int8 (d_x = max |x| / 127, q_x = round(x / d_x)); the
+// product of a group is then an integer dot product (AVX-512 VNNI vpdpbusd, or AVX2's
+// pmaddubsw + pmaddwd) scaled once by d_w * d_x; the offsets use the exact float sums of x.
+// 4-bit codes are unsigned (0..15): dpbusd(codes, q_x). int8 codes are signed: the sign trick
+// dpbusd(|q_x|, sign(w, q_x)) = sum q_x * w.
+
+struct ActQ {
+  const int8_t* q;   // [M, K]
+  const float* d;    // [M, G]
+  const float* s;    // [M, G] exact float sums of x per group
+};
+
+inline void quantize_act(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
+  const int64_t G = K / 32;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* xr = x + m * K + g * 32;
+      float amax = 0.f, sum = 0.f;
+      for (int j = 0; j < 32; ++j) {
+        amax = std::max(amax, std::fabs(xr[j]));
+        sum += xr[j];
+      }
+      const float dx = amax / 127.f;
+      const float inv = dx > 0.f ? 1.f / dx : 0.f;
+      int8_t* qr = q + m * K + g * 32;
+      for (int j = 0; j < 32; ++j) qr[j] = static_cast<int8_t>(std::nearbyint(xr[j] * inv));
+      d[m * G + g] = dx;
+      s[m * G + g] = sum;
+    }
+}
+
+#if SL_ISA == 2
+// the int32 dot products of one weight row's group pair with one activation row's group pair:
+// lanes 0..7 group g, lanes 8..15 group g + 1
+inline __m512i unpack4_pair(const uint8_t* w) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  const __m256i m = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_and_si256(b, m);
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+  const __m512i idx = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+  return _mm512_permutex2var_epi64(_mm512_castsi256_si512(lo), idx, _mm512_castsi256_si512(hi));
+}
+inline __m512 expand_pair(const float* p) {  // [p0 x8, p1 x8]
+  const __m128 v = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)));
+  const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(v));
+}
+#endif
+
+template <int BITS, int MC, int R>
+inline void tile_i8(const ActQ& a, int64_t K, const uint8_t* w, int64_t row_bytes,
+                    const float* d, const float* mn, int64_t G, float* y, int64_t N) {
+  float out[MC][R];
+#if SL_ISA == 2
+  if constexpr (BITS == 4) {
+    __m512 acc[MC][R];
+    for (int mi = 0; mi < MC; ++mi)
+      for (int r = 0; r < R; ++r) acc[mi][r] = _mm512_setzero_ps();
+    int64_t g = 0;
+    for (; g + 2 <= G; g += 2) {
+      __m512i wv[R];
+      __m512 dw[R];
+      for (int r = 0; r < R; ++r) {
+        wv[r] = unpack4_pair(w + r * row_bytes + g * 16);
+        dw[r] = expand_pair(d + r * G + g);
+      }
+      for (int mi = 0; mi < MC; ++mi) {
+        const __m512i xv = _mm512_loadu_si512(a.q + mi * K + g * 32);
+        const __m512 dx = expand_pair(a.d + mi * G + g);
+        for (int r = 0; r < R; ++r) {
+          const __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[r], xv);
+          acc[mi][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_mul_ps(dw[r], dx),
+                                       acc[mi][r]);
+        }
+      }
+    }
+    for (int mi = 0; mi < MC; ++mi)
+      for (int r = 0; r < R; ++r) out[mi][r] = _mm512_reduce_add_ps(acc[mi][r]);
+    for (; g < G; ++g)  // an odd last group, scalar
+      for (int mi = 0; mi < MC; ++mi)
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* wg = w + r * row_bytes + g * 16;
+          const int8_t* xg = a.q + mi * K + g * 32;
+          int32_t s = 0;
+          for (int j = 0; j < 16; ++j) s += (wg[j] & 15) * xg[j] + (wg[j] >> 4) * xg[j + 16];
+          out[mi][r] += float(s) * d[r * G + g] * a.d[mi * G + g];
+        }
+  } else {
+    __m256 acc[MC][R];
+    for (int mi = 0; mi < MC; ++mi)
+      for (int r = 0; r < R; ++r) acc[mi][r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      __m256i wv[R];
+      for (int r = 0; r < R; ++r)
+        wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * row_bytes + g * 32));
+      for (int mi = 0; mi < MC; ++mi) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + mi * K + g * 32));
+        const __m256i xa = _mm256_abs_epi8(xv);
+        const float dx = a.d[mi * G + g];
+        for (int r = 0; r < R; ++r) {
+          const __m256i dp = _mm256_dpbusd_epi32(_mm256_setzero_si256(), xa,
+                                                 _mm256_sign_epi8(wv[r], xv));
+          acc[mi][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp), _mm256_set1_ps(d[r * G + g] * dx),
+                                       acc[mi][r]);
+        }
+      }
+    }
+    for (int mi = 0; mi < MC; ++mi)
+      for (int r = 0; r < R; ++r) out[mi][r] = hsum(acc[mi][r]);
+  }
+#elif SL_ISA == 1
+  __m256 acc[MC][R];
+  for (int mi = 0; mi < MC; ++mi)
+    for (int r = 0; r < R; ++r) acc[mi][r] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i wv[R];
+    for (int r = 0; r < R; ++r) {
+      if constexpr (BITS == 4) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * row_bytes + g * 16));
+        const __m128i m = _mm_set1_epi8(0x0F);
+        wv[r] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+      } else {
+        wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * row_bytes + g * 32));
+      }
+    }
+    for (int mi = 0; mi < MC; ++mi) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + mi * K + g * 32));
+      const float dx = a.d[mi * G + g];
+      const __m256i xa = _mm256_abs_epi8(xv);
+      for (int r = 0; r < R; ++r) {
+        __m256i p16;
+        if constexpr (BITS == 4) p16 = _mm256_maddubs_epi16(wv[r], xv);            // <= 3810
+        else p16 = _mm256_maddubs_epi16(xa, _mm256_sign_epi8(wv[r], xv));          // <= 32258
+        const __m256i dp = _mm256_madd_epi16(p16, ones);
+        acc[mi][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp), _mm256_set1_ps(d[r * G + g] * dx),
+                                     acc[mi][r]);
+      }
+    }
+  }
+  for (int mi = 0; mi < MC; ++mi)
+    for (int r = 0; r < R; ++r) out[mi][r] = hsum(acc[mi][r]);
+#else
+  for (int mi = 0; mi < MC; ++mi)
+    for (int r = 0; r < R; ++r) {
+      float t = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        const int8_t* xg = a.q + mi * K + g * 32;
+        int32_t s = 0;
+        if (BITS == 4) {
+          const uint8_t* wg = w + r * row_bytes + g * 16;
+          for (int j = 0; j < 16; ++j) s += (wg[j] & 15) * xg[j] + (wg[j] >> 4) * xg[j + 16];
+        } else {
+          const int8_t* wg = reinterpret_cast<const int8_t*>(w + r * row_bytes + g * 32);
+          for (int j = 0; j < 32; ++j) s += wg[j] * xg[j];
+        }
+        t += float(s) * d[r * G + g] * a.d[mi * G + g];
+      }
+      out[mi][r] = t;
+    }
+#endif
+  for (int mi = 0; mi < MC; ++mi)
+    for (int r = 0; r < R; ++r) {
+      float s = out[mi][r];
+      if (mn) {
+        const float* mr = mn + r * G;
+        const float* xs = a.s + mi * G;
+        float t = 0.f;
+#pragma omp simd reduction(+ : t)
+        for (int64_t g = 0; g < G; ++g) t += mr[g] * xs[g];
+        s += t;
+      }
+      y[mi * N + r] = s;
+    }
+}
+
+template <int BITS, int MC>
+inline void rows_i8(const ActQ& a, int64_t K, const uint8_t* qw, const float* d, const float* mn,
+                    int64_t G, int64_t N, int64_t n0, int64_t n1, float* y) {
+  constexpr int R = MC <= 2 ? 4 : 2;
+  const int64_t rb = K * BITS / 8;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R)
+    tile_i8<BITS, MC, R>(a, K, qw + n * rb, rb, d + n * G, mn ? mn + n * G : nullptr, G, y + n, N);
+  for (; n < n1; ++n)
+    tile_i8<BITS, MC, 1>(a, K, qw + n * rb, rb, d + n * G, mn ? mn + n * G : nullptr, G, y + n, N);
+}
+
+template <int BITS>
+void qlinear_i8_t(const float* x, int64_t M, int64_t K, const uint8_t* qw, const float* d,
+                  const float* mn, int64_t N, float* y, void* scratch) {
+  const int64_t G = K / 32;
+  int8_t* xq = static_cast<int8_t*>(scratch);
+  float* xd = reinterpret_cast<float*>(xq + ((M * K + 63) / 64) * 64);
+  float* xs = xd + M * G;
+  quantize_act(x, M, K, xq, xd, xs);
+  const int64_t nt = pool().size();
+  const int64_t chunk = std::max<int64_t>(8, std::min<int64_t>(64, N / (8 * nt)));
+  const int64_t nchunks = (N + chunk - 1) / chunk;
+  auto body = [&](int64_t c) {
+    const int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) {
+      ActQ a{xq + m * K, xd + m * G, xs + m * G};
+      rows_i8<BITS, 4>(a, K, qw, d, mn, G, N, n0, n1, y + m * N);
+    }
+    ActQ a{xq + m * K, xd + m * G, xs + m * G};
+    const int64_t rest = M - m;
+    if (rest == 3) rows_i8<BITS, 3>(a, K, qw, d, mn, G, N, n0, n1, y + m * N);
+    else if (rest == 2) rows_i8<BITS, 2>(a, K, qw, d, mn, G, N, n0, n1, y + m * N);
+    else if (rest == 1) rows_i8<BITS, 1>(a, K, qw, d, mn, G, N, n0, n1, y + m * N);
+  };
+  parallel_for(nchunks, body);
+}
+
+// ------------------------------------------------------------------ vector helpers
+// dst[0..n) = a row of the cache in float32 (bf16 widened by a shift, or copied)
+inline void load_row(const void* src, int bf16, float* dst, int64_t n) {
+  if (!bf16) {
+    std::memcpy(dst, src, n * sizeof(float));
+    return;
+  }
+  const uint16_t* s = static_cast<const uint16_t*>(src);
+  int64_t i = 0;
+#if SL_ISA == 2
+  for (; i + 16 <= n; i += 16) {
+    __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+  }
+#elif SL_ISA == 1
+  for (; i + 8 <= n; i += 8) {
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float s = 0.f;
+#if SL_ISA == 2
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16)
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  s = _mm512_reduce_add_ps(acc);
+#elif SL_ISA == 1
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  s = hsum(acc);
+#endif
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float p, const float* x, float* y, int64_t n) {  // y += p * x
+  int64_t i = 0;
+#if SL_ISA == 2
+  const __m512 pv = _mm512_set1_ps(p);
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(pv, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+#elif SL_ISA == 1
+  const __m256 pv = _mm256_set1_ps(p);
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+  for (; i < n; ++i) y[i] += p * x[i];
+}
+
+// exp for the softmax, vectorizable: exp(x) = 2^k * P(r), |r| <= ln2/2, P a degree-6
+// polynomial (relative error ~2e-7 on the range used, x <= 0); x below -87 gives 0.
+inline float fast_exp(float x) {
+  if (x < -87.f) return 0.f;
+  const float k = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+  float p = 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  int32_t e = (static_cast<int32_t>(k) + 127) << 23;
+  float two_k;
+  std::memcpy(&two_k, &e, 4);
+  return p * two_k;
+}
+
+inline float exp_sub_sum(float* v, int64_t n, float m) {  // v[j] = exp(v[j] - m); sum
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = 0; j < n; ++j) {
+    v[j] = fast_exp(v[j] - m);
+    s += v[j];
+  }
+  return s;
+}
+
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 
 }  // namespace
@@ -416,6 +723,18 @@ int sl_qlinear(const float* x, int64_t M, int64_t K, const uint8_t* qw, const fl
   if (bits == 4 && gs == 32) qlinear_t<4, 32>(x, M, K, qw, d, mn, N, y, xsum);
   else if (bits == 8 && gs == 32) qlinear_t<8, 32>(x, M, K, qw, d, mn, N, y, xsum);
   else if (bits == 8 && gs == 16) qlinear_t<8, 16>(x, M, K, qw, d, mn, N, y, xsum);
+  else return -1;
+  return 0;
+}
+
+// The same product with x quantized to int8 per group of 32 (see the int8-activation section):
+// for 4-bit or int8 weights in groups of 32. scratch: at least M * K + 64 bytes + 2 * M * K / 32
+// floats. Returns 0, or -1 for an unsupported format.
+int sl_qlinear_i8(const float* x, int64_t M, int64_t K, const uint8_t* qw, const float* d,
+                  const float* mn, int bits, int gs, int64_t N, float* y, void* scratch) {
+  if (gs != 32) return -1;
+  if (bits == 4) qlinear_i8_t<4>(x, M, K, qw, d, mn, N, y, scratch);
+  else if (bits == 8) qlinear_i8_t<8>(x, M, K, qw, d, mn, N, y, scratch);
   else return -1;
   return 0;
 }
@@ -452,6 +771,7 @@ void sl_rms_norm(const float* x, const float* w, int64_t T, int64_t D, float eps
   for (int64_t t = 0; t < T; ++t) {
     const float* xr = x + t * D;
     float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < D; ++i) ss += xr[i] * xr[i];
     const float r = 1.f / std::sqrt(ss / float(D) + eps);
     float* o = out + t * D;
@@ -466,6 +786,7 @@ void sl_add_rms_norm(float* h, const float* delta, const float* w, int64_t T, in
     float* hr = h + t * D;
     const float* dr = delta + t * D;
     float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < D; ++i) {
       hr[i] += dr[i];
       ss += hr[i] * hr[i];
@@ -554,67 +875,52 @@ void sl_paged_attn_decode(const float* q, int64_t q_stride, const void* cache, i
   const int64_t items = B * Hkv * max_splits;
   auto body = [&](int64_t it) {
     thread_local std::vector<float> sc;  // scores of one split, [G, len]
-    {
-      const int64_t b = it / (Hkv * max_splits);
-      const int64_t hk = (it / max_splits) % Hkv;
-      const int64_t sp = it % max_splits;
-      const int64_t L = seq_lens[b];
-      const int64_t t0 = sp * split_len, t1 = std::min(L, t0 + split_len);
-      float* st = work + it * item_floats;  // [G] max, [G] sum, [G, D] acc
-      if (t0 >= t1) {
-        for (int64_t g = 0; g < G; ++g) { st[g] = -INFINITY; st[G + g] = 0.f; }
-        return;
+    thread_local std::vector<float> kv;  // one K or V row in float32
+    const int64_t b = it / (Hkv * max_splits);
+    const int64_t hk = (it / max_splits) % Hkv;
+    const int64_t sp = it % max_splits;
+    const int64_t L = seq_lens[b];
+    const int64_t t0 = sp * split_len, t1 = std::min(L, t0 + split_len);
+    float* st = work + it * item_floats;  // [G] max, [G] sum, [G, D] acc
+    if (t0 >= t1) {
+      for (int64_t g = 0; g < G; ++g) { st[g] = -INFINITY; st[G + g] = 0.f; }
+      return;
+    }
+    const int64_t len = t1 - t0;
+    sc.resize(G * len);
+    kv.resize(D);
+    float* kr = kv.data();
+    float* scp = sc.data();  // plain pointers: a thread_local is looked up on every use
+    const float* qh = q + b * q_stride + hk * G * D;
+    const int64_t* bt = block_table + b * max_blocks;
+    const char* base = static_cast<const char*>(cache);
+    const int64_t esz = kv_bf16 ? 2 : 4;
+    // scores, block by block (the tokens of a block are contiguous rows of the cache)
+    for (int64_t t = t0; t < t1;) {
+      const int64_t blk = t / block_size, off = t % block_size;
+      const int64_t n = std::min(block_size - off, t1 - t);
+      const char* src = base + ((bt[blk] * block_size + off) * row + hk * D) * esz;
+      for (int64_t j = 0; j < n; ++j, ++t) {
+        load_row(src + j * row * esz, kv_bf16, kr, D);
+        for (int64_t g = 0; g < G; ++g) scp[g * len + (t - t0)] = dot(qh + g * D, kr, D) * scale;
       }
-      const int64_t len = t1 - t0;
-      sc.resize(G * len);
-      const float* qh = q + b * q_stride + hk * G * D;
-      const int64_t* bt = block_table + b * max_blocks;
-      for (int64_t t = t0; t < t1; ++t) {  // scores
-        const int64_t slot = bt[t / block_size] * block_size + t % block_size;
-        float kr[256];
-        if (kv_bf16) {
-          const uint16_t* kc = static_cast<const uint16_t*>(cache) + slot * row + hk * D;
-          for (int64_t i = 0; i < D; ++i) kr[i] = bf16_to_f32(kc[i]);
-        } else {
-          const float* kc = static_cast<const float*>(cache) + slot * row + hk * D;
-          for (int64_t i = 0; i < D; ++i) kr[i] = kc[i];
-        }
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qh + g * D;
-          float s = 0.f;
-          for (int64_t i = 0; i < D; ++i) s += qg[i] * kr[i];
-          sc[g * len + (t - t0)] = s * scale;
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {  // softmax state of this split
-        float* sg = sc.data() + g * len;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < len; ++j) mx = std::max(mx, sg[j]);
-        float sum = 0.f;
-        for (int64_t j = 0; j < len; ++j) {
-          sg[j] = std::exp(sg[j] - mx);
-          sum += sg[j];
-        }
-        st[g] = mx;
-        st[G + g] = sum;
-        float* acc = st + 2 * G + g * D;
-        for (int64_t i = 0; i < D; ++i) acc[i] = 0.f;
-      }
-      for (int64_t t = t0; t < t1; ++t) {  // weighted values
-        const int64_t slot = bt[t / block_size] * block_size + t % block_size;
-        float vr[256];
-        if (kv_bf16) {
-          const uint16_t* vc = static_cast<const uint16_t*>(cache) + vplane + slot * row + hk * D;
-          for (int64_t i = 0; i < D; ++i) vr[i] = bf16_to_f32(vc[i]);
-        } else {
-          const float* vc = static_cast<const float*>(cache) + vplane + slot * row + hk * D;
-          for (int64_t i = 0; i < D; ++i) vr[i] = vc[i];
-        }
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = sc[g * len + (t - t0)];
-          float* acc = st + 2 * G + g * D;
-          for (int64_t i = 0; i < D; ++i) acc[i] += p * vr[i];
-        }
+    }
+    for (int64_t g = 0; g < G; ++g) {  // softmax state of this split
+      float* sg = scp + g * len;
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < len; ++j) mx = std::max(mx, sg[j]);
+      st[g] = mx;
+      st[G + g] = exp_sub_sum(sg, len, mx);  // sg[j] = exp(sg[j] - mx), returns the sum
+      float* acc = st + 2 * G + g * D;
+      for (int64_t i = 0; i < D; ++i) acc[i] = 0.f;
+    }
+    for (int64_t t = t0; t < t1;) {  // weighted values
+      const int64_t blk = t / block_size, off = t % block_size;
+      const int64_t n = std::min(block_size - off, t1 - t);
+      const char* src = base + (vplane + (bt[blk] * block_size + off) * row + hk * D) * esz;
+      for (int64_t j = 0; j < n; ++j, ++t) {
+        load_row(src + j * row * esz, kv_bf16, kr, D);
+        for (int64_t g = 0; g < G; ++g) axpy(scp[g * len + (t - t0)], kr, st + 2 * G + g * D, D);
       }
     }
   };
@@ -623,19 +929,18 @@ void sl_paged_attn_decode(const float* q, int64_t q_stride, const void* cache, i
   for (int64_t b = 0; b < B; ++b)
     for (int64_t hk = 0; hk < Hkv; ++hk)
       for (int64_t g = 0; g < G; ++g) {
-        const float* base = work + (b * Hkv + hk) * max_splits * item_floats;
+        const float* bs = work + (b * Hkv + hk) * max_splits * item_floats;
         float M = -INFINITY;
-        for (int64_t s = 0; s < max_splits; ++s) M = std::max(M, base[s * item_floats + g]);
+        for (int64_t s = 0; s < max_splits; ++s) M = std::max(M, bs[s * item_floats + g]);
         float* o = out + (b * H + hk * G + g) * D;
         for (int64_t i = 0; i < D; ++i) o[i] = 0.f;
         float den = 0.f;
         for (int64_t s = 0; s < max_splits; ++s) {
-          const float* st = base + s * item_floats;
-          if (st[G + g] == 0.f) continue;
-          const float f = std::exp(st[g] - M);
-          den += f * st[G + g];
-          const float* acc = st + 2 * G + g * D;
-          for (int64_t i = 0; i < D; ++i) o[i] += f * acc[i];
+          const float* stt = bs + s * item_floats;
+          if (stt[G + g] == 0.f) continue;
+          const float f = std::exp(stt[g] - M);
+          den += f * stt[G + g];
+          axpy(f, stt + 2 * G + g * D, o, D);
         }
         const float inv = den > 0.f ? 1.f / den : 0.f;
         for (int64_t i = 0; i < D; ++i) o[i] *= inv;
