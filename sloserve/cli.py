@@ -16,7 +16,8 @@ from sloserve.config import EngineConfig, add_engine_args, engine_config_from_ar
 def _serve(a: argparse.Namespace) -> int:
     from sloserve.server.api_server import run_server
     run_server(engine_config_from_args(a), host=a.host, port=a.port, log_level=a.log_level,
-               drain_timeout_s=a.shutdown_timeout, step_trace=a.step_trace)
+               drain_timeout_s=a.shutdown_timeout, step_trace=a.step_trace,
+               max_request_body_bytes=a.max_request_body_bytes)
     return 0
 
 
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM/SIGINT, seconds requests in flight get to finish (new ones "
                         "get 503) before the server exits 0")
+    s.add_argument("--max-request-body-bytes", type=int, default=10 * 2 ** 20, metavar="N",
+                   help="larger request bodies get HTTP 413 (default 10 MiB)")
     s.add_argument("--step-trace", default=None, metavar="FILE.jsonl",
                    help="write one JSON line per engine step (composition and times), for "
                         "`sloserve profile --from-trace`")

@@ -78,6 +78,9 @@ class EngineConfig:
                 and math.isfinite(self.kv_cache_memory) and self.kv_cache_memory > 0):
             raise ValueError(f"kv_cache_memory must be a positive number of GiB, got "
                              f"{self.kv_cache_memory}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or \
+                not -2 ** 63 <= self.seed < 2 ** 63:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
                              f"got {self.quantization!r}")

@@ -9,6 +9,8 @@ _GREEDY_EPS = 1e-5
 #: stop strings are matched on every new token in the engine thread: bound the work per request
 MAX_STOP_STRINGS, MAX_STOP_LEN = 32, 1024
 _SEED_MIN, _SEED_MAX = -(2 ** 63), 2 ** 64 - 1  # what torch.Generator.manual_seed accepts
+#: top_k above this is no different from "all tokens" (and must fit the engine's messages)
+MAX_TOP_K = 2 ** 31 - 1
 
 
 class ParamError(ValueError):
@@ -69,11 +71,19 @@ class SamplingParams:
             raise ParamError(f"stop takes at most {MAX_STOP_STRINGS} strings of at most "
                              f"{MAX_STOP_LEN} characters, got {len(self.stop)} strings, longest "
                              f"{max(len(s) for s in self.stop)}", "stop")
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2 ** 31
+               for t in self.stop_token_ids):
             raise ParamError(f"stop_token_ids must be non-negative integers, got "
                              f"{self.stop_token_ids[:8]}", "stop_token_ids")
-        if self.top_k < -1:
-            raise ParamError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}", "top_k")
+        if self.top_k < -1 or self.top_k > MAX_TOP_K:
+            raise ParamError(f"top_k must be -1 (disabled) or in [1, {MAX_TOP_K}], got "
+                             f"{self.top_k}", "top_k")
+        for s in self.stop:  # must cross the process boundary as UTF-8 (no lone surrogates)
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ParamError("stop strings must be valid Unicode (no lone surrogates)",
+                                 "stop") from None
         if self.seed is not None and not _SEED_MIN <= self.seed <= _SEED_MAX:
             raise ParamError(f"seed must be in [-2**63, 2**64 - 1], got {self.seed}", "seed")
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -38,6 +38,10 @@ class EngineDeadError(RuntimeError):
     """The engine core is not running (it died, or the front end shut down)."""
 
 
+class EngineShutdownError(EngineDeadError):
+    """The server is shutting down: requests still in flight at the end of the drain."""
+
+
 class AsyncLLM:
     """Usage:
         engine = AsyncLLM(EngineConfig(...)); engine.start()
@@ -146,9 +150,9 @@ class AsyncLLM:
         q: asyncio.Queue = asyncio.Queue()
         rid = request.request_id
         self.output_processor.add_request(request, sink=(loop, q))
-        self.client.send(request)
         finished = False
         try:
+            self.client.send(request)  # inside the try: a request that cannot be sent is forgotten
             while True:
                 out = await q.get()
                 if isinstance(out, BaseException):
@@ -229,6 +233,18 @@ class AsyncLLM:
         logger.error("%s; failing %d requests in flight", self._dead,
                      self.output_processor.num_unfinished)
         self._fail_all(self._dead)
+        # nothing runs or waits any more; the cache died with the core
+        self.stats = SchedulerStats(num_blocks=self.info.num_kv_blocks)
+
+    def fail_in_flight(self, message: str) -> int:
+        """End every request in flight now with EngineShutdownError(message) (the end of a
+        drain) and abort them in the core; returns how many there were."""
+        items = self.output_processor.fail_all(message)
+        if items and self._dead is None:
+            self.client.send(EngineCoreAbort([out.request_id for _, out in items]))
+        err = EngineShutdownError(message)
+        self._deliver([(sink, err) for sink, _ in items])
+        return len(items)
 
     def _fail_all(self, message: str) -> None:
         err = EngineDeadError(message)

@@ -38,6 +38,7 @@ def run_engine_core(config: EngineConfig, step_trace: str | None, input_addr: st
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    _watch_parent(parent_pid, input_addr)
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
     ctx = zmq.Context(io_threads=1)
@@ -56,14 +57,12 @@ def run_engine_core(config: EngineConfig, step_trace: str | None, input_addr: st
         core = EngineCore(config, step_trace)
     except (FileNotFoundError, ValueError, OSError) as e:
         send(EngineCoreReady(error=str(e), error_type=type(e).__name__))
-        out_sock.close()
-        ctx.term()
+        _close(ctx, in_sock, out_sock)
         sys.exit(EXIT_BAD_SETTINGS)
     except BaseException as e:  # noqa: BLE001 - report, then die
         logger.exception("engine core failed to start")
         send(EngineCoreReady(error=f"{type(e).__name__}: {e}", error_type="RuntimeError"))
-        out_sock.close()
-        ctx.term()
+        _close(ctx, in_sock, out_sock)
         sys.exit(EXIT_CRASH)
     send(EngineCoreReady(info=core.info))
 
@@ -87,31 +86,48 @@ def run_engine_core(config: EngineConfig, step_trace: str | None, input_addr: st
         stop.set()
         core.close()
         reader.join(timeout=1)
-        in_sock.close()
-        out_sock.close()
-        ctx.term()
+        _close(ctx, in_sock, out_sock)
+
+
+def _close(ctx, *socks) -> None:
+    """Close every socket before the context (``term()`` blocks until they are all closed)."""
+    for sk in socks:
+        sk.close()
+    ctx.term()
+
+
+def _watch_parent(parent_pid: int, input_addr: str) -> None:
+    """A thread that ends this process within 0.5 s of the API process going away (even a
+    kill -9, and even while the model loads), removing the sockets' folder it leaves."""
+    import shutil
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent_pid:
+                folder = os.path.dirname(input_addr.removeprefix("ipc://"))
+                if os.path.basename(folder).startswith("sloserve-"):
+                    shutil.rmtree(folder, ignore_errors=True)
+                os._exit(0)
+    threading.Thread(target=watch, name="sloserve-parent-watch", daemon=True).start()
 
 
 def _serve(core, inbox: queue.Queue, send, stop: threading.Event, parent_pid: int) -> None:
-    """The busy loop: drain inputs, step while there is work, publish every step."""
+    """The busy loop: drain inputs (publishing the state they left at once: the front end's
+    queue gauges and overload control read it), step while there is work, publish every step."""
     pending: list[EngineCoreOutput] = []
     while not stop.is_set():
         if os.getppid() != parent_pid:
             logger.warning("the API process is gone; the engine core stops")
             return
         idle = not core.has_unfinished_requests()
-        changed = _drain(core, inbox, pending, block=idle)
+        if _drain(core, inbox, pending, block=idle) or pending:
+            send(EngineCoreOutputs(pending, core.stats(), None, time.monotonic()))
+            pending = []
         if core.has_unfinished_requests():
             outs = core.step()
             if outs is not None:
-                if pending:
-                    outs.outputs[:0] = pending
-                    pending = []
                 send(outs)
-                continue
-        if changed or pending:
-            send(EngineCoreOutputs(pending, core.stats(), None, time.monotonic()))
-            pending = []
 
 
 def _drain(core, inbox: queue.Queue, pending: list[EngineCoreOutput], block: bool) -> bool:

@@ -57,8 +57,10 @@ class Sampler:
         if sp.top_p < 1.0:
             sorted_logits, idx = torch.sort(row, descending=True)
             probs = torch.softmax(sorted_logits, dim=-1)
-            # drop a token when the mass before it already reaches top_p (keeps at least one)
+            # drop a token when the mass before it already reaches top_p; the most likely token
+            # always stays (a top_p that rounds to 0 in float32 must not drop every token)
             drop = (torch.cumsum(probs, dim=-1) - probs) >= sp.top_p
+            drop[0] = False
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             row = torch.full_like(row, float("-inf")).scatter(0, idx, sorted_logits)
         probs = torch.softmax(row, dim=-1)

@@ -6,11 +6,15 @@
 
 Thread placement on a small CPU: the engine core's torch uses every core (``--num-threads``
 changes it); this process keeps torch to one thread and does no math, so its event loop, the
-tokenizer and the SSE streams take what the core's OpenMP threads leave between steps.
+tokenizer and the SSE streams take what the core's threads leave between steps.
+
+Start: the port is bound first (a busy port or a bad host is one error line before any model
+loads); SIGTERM / SIGINT while the model loads stop the engine core and exit 0.
 
 Shutdown: the first SIGTERM or SIGINT drains: new generation requests and ``/health`` get 503,
-requests in flight run to completion for up to ``drain_timeout_s``, then the server closes its
-connections, stops the engine core and exits 0. A second signal exits at once.
+requests in flight run to completion for up to ``drain_timeout_s``; those still running then
+(or at a second signal) end with a 503 error body or an SSE error event and ``[DONE]``; the
+server closes its connections, stops the engine core and exits 0.
 If the engine core dies, requests in flight end with an error (503 or an SSE error event) and
 ``/health`` answers 503; the server keeps answering so a supervisor sees it.
 """
@@ -18,22 +22,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import signal
+import socket
 import time
 
 import uvicorn
 
 from sloserve.config import EngineConfig
-from sloserve.server.app import create_engine_and_app
+from sloserve.server.app import DEFAULT_MAX_BODY_BYTES, create_engine_and_app
 
 logger = logging.getLogger(__name__)
+
+
+class StartupInterrupted(Exception):
+    """SIGTERM / SIGINT arrived while the model was loading."""
 
 
 class DrainingServer(uvicorn.Server):
     """uvicorn's server with a drain before the shutdown (see the module docstring)."""
 
-    def __init__(self, config: uvicorn.Config, app_state, drain_timeout_s: float):
+    def __init__(self, config: uvicorn.Config, app_state, engine, drain_timeout_s: float):
         super().__init__(config)
-        self.app_state = app_state
+        self.app_state, self.engine = app_state, engine
         self.drain_timeout_s = drain_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
@@ -45,9 +56,11 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         # not recorded in _captured_signals: uvicorn would re-raise it after the shutdown and
         # the process would die of it instead of exiting 0
-        if self._draining or self._loop is None or not self.started:
+        if self._loop is None or not self.started:
             self.should_exit = True
-            self.force_exit = self._draining
+            return
+        if self._draining:  # a second signal: end what is in flight now
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._finish()))
             return
         self._draining = True
         self.app_state.draining = True
@@ -58,16 +71,43 @@ class DrainingServer(uvicorn.Server):
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.drain_timeout_s
         while self.app_state.in_flight.count > 0 and time.monotonic() < deadline:
+            if self.should_exit:
+                return
             await asyncio.sleep(0.05)
-        if self.app_state.in_flight.count:
-            logger.warning("drain timeout: %d requests still in flight are cut",
-                           self.app_state.in_flight.count)
+        await self._finish()
+
+    async def _finish(self) -> None:
+        """End the requests still in flight with a proper error, let their handlers answer,
+        then exit."""
+        if self.should_exit:
+            return
+        n = self.engine.fail_in_flight("the server is shutting down")
+        if n:
+            logger.warning("drain ended: %d requests in flight get 503", n)
+            deadline = time.monotonic() + 2.0
+            while self.app_state.in_flight.count > 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
         self.should_exit = True
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port. Raises OSError with one line naming them."""
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(info[0], socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+        sock.listen(2048)
+    except OSError as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                log_level: str = "info", drain_timeout_s: float = 30.0,
-               step_trace: str | None = None) -> None:
+               step_trace: str | None = None,
+               max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
     """Start the engine core, serve HTTP until SIGINT / SIGTERM, drain, stop.
 
     Blocks until the server stops.
@@ -79,25 +119,47 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
         log_level: uvicorn / sloserve log level ("debug", "info", "warning", ...).
         drain_timeout_s: most seconds requests in flight get to finish on shutdown.
         step_trace: the engine core writes one JSON line per step to this file.
+        max_request_body_bytes: larger request bodies get 413.
 
     Raises:
-        FileNotFoundError / ValueError / OSError: the engine core refused the model or settings.
+        FileNotFoundError / ValueError / OSError: the engine core refused the model or the
+            settings, a bad drain timeout or body limit, or the port cannot be bound.
         EngineCoreStartError: the core crashed while starting.
-        OSError: the port cannot be bound.
     """
     import torch
 
+    if not (isinstance(drain_timeout_s, (int, float)) and math.isfinite(drain_timeout_s)
+            and drain_timeout_s >= 0):
+        raise ValueError(f"--shutdown-timeout must be a finite number of seconds >= 0, got "
+                         f"{drain_timeout_s}")
+    if not (isinstance(max_request_body_bytes, int) and max_request_body_bytes >= 1):
+        raise ValueError(f"--max-request-body-bytes must be an integer >= 1, got "
+                         f"{max_request_body_bytes}")
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)  # this process does no math; the cores are the engine core's
-    engine, app = create_engine_and_app(config, manage_engine=True, step_trace=step_trace,
-                                        log_level=log_level)
+    sock = _listen(host, port)
+
+    def interrupted(sig, frame):
+        raise StartupInterrupted(signal.Signals(sig).name)
+    old = {s: signal.signal(s, interrupted) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        engine, app = create_engine_and_app(config, manage_engine=True, step_trace=step_trace,
+                                            log_level=log_level,
+                                            max_request_body_bytes=max_request_body_bytes)
+    except StartupInterrupted as e:
+        logger.info("%s while the model was loading: stopped", e)
+        sock.close()
+        return
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
     logger.info("serving %s on http://%s:%d (max_model_len %d)", engine.model_name, host, port,
                 engine.max_model_len)
-    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=5), app.state,
-                            drain_timeout_s)
+    server = DrainingServer(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2),
+                            app.state, engine, drain_timeout_s)
     try:
-        server.run()  # lifespan shutdown stops the engine core
+        server.run(sockets=[sock])  # lifespan shutdown stops the engine core
     finally:
-        engine.shutdown()  # idempotent; covers a failed startup (e.g. port in use)
+        engine.shutdown()  # idempotent
+        sock.close()

@@ -47,8 +47,63 @@ class InFlightMiddleware:
             self.counter.count -= 1
 
 
+class BodyTooLarge(BaseException):
+    """A BaseException: FastAPI turns any Exception raised while it reads a body into a 400."""
+
+
+class BodyLimitMiddleware:
+    """Pure ASGI middleware: a request body over ``limit`` bytes gets 413 (by its
+    Content-Length at once, or as soon as a chunked body passes the limit), before anything
+    parses or tokenizes it."""
+
+    def __init__(self, app: ASGIApp, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for k, v in scope.get("headers", ()):
+            if k == b"content-length" and v.isdigit() and int(v) > self.limit:
+                await self._reject(send, int(v))
+                return
+        seen, started = 0, False
+
+        async def limited_receive():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    raise BodyTooLarge()
+            return msg
+
+        async def tracking_send(msg):
+            nonlocal started
+            if msg["type"] == "http.response.start":
+                started = True
+            await send(msg)
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except BodyTooLarge:
+            if not started:
+                await self._reject(send, seen)
+
+    async def _reject(self, send: Send, size: int) -> None:
+        from sloserve.server.errors import APIError
+        r = APIError(413, f"request body of {size} bytes is over the limit of {self.limit} "
+                          f"bytes (--max-request-body-bytes)").response()
+        await send({"type": "http.response.start", "status": 413, "headers": r.raw_headers})
+        await send({"type": "http.response.body", "body": r.body})
+
+
+#: the default limit of a request body (bytes): ~1000x the embedded model's longest prompt
+DEFAULT_MAX_BODY_BYTES = 10 * 2 ** 20
+
+
 def build_app(engine: AsyncLLM, metrics: PrometheusStatLogger, *,
-              manage_engine: bool = False) -> FastAPI:
+              manage_engine: bool = False,
+              max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
@@ -56,6 +111,7 @@ def build_app(engine: AsyncLLM, metrics: PrometheusStatLogger, *,
         metrics: the Prometheus exporter rendered at ``/metrics``; bound here to the engine's
             model name, max_model_len and token budget.
         manage_engine: start the engine on app startup and shut it down on app shutdown.
+        max_request_body_bytes: larger request bodies get 413.
 
     Returns:
         The app; ``app.state.engine``, ``app.state.metrics``, ``app.state.in_flight`` (requests
@@ -79,6 +135,7 @@ def build_app(engine: AsyncLLM, metrics: PrometheusStatLogger, *,
     app.state.metrics = metrics
     app.state.draining = False
     app.state.in_flight = InFlightCounter()
+    app.add_middleware(BodyLimitMiddleware, limit=max_request_body_bytes)
     app.add_middleware(InFlightMiddleware, counter=app.state.in_flight)
     install_error_handlers(app)
     app.include_router(build_router(engine, metrics, app.state))
@@ -86,8 +143,9 @@ def build_app(engine: AsyncLLM, metrics: PrometheusStatLogger, *,
 
 
 def create_engine_and_app(config: EngineConfig, *, manage_engine: bool = False,
-                          step_trace: str | None = None,
-                          log_level: str = "info") -> tuple[AsyncLLM, FastAPI]:
+                          step_trace: str | None = None, log_level: str = "info",
+                          max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+                          ) -> tuple[AsyncLLM, FastAPI]:
     """Start an engine core process for ``config``, an AsyncLLM with a Prometheus exporter in
     front of it, and its app.
 
@@ -100,6 +158,7 @@ def create_engine_and_app(config: EngineConfig, *, manage_engine: bool = False,
     """
     metrics = PrometheusStatLogger(max_num_batched_tokens=config.max_num_batched_tokens)
     engine = AsyncLLM(config, stat_loggers=[metrics], step_trace=step_trace, log_level=log_level)
-    app = build_app(engine, metrics, manage_engine=manage_engine)
+    app = build_app(engine, metrics, manage_engine=manage_engine,
+                    max_request_body_bytes=max_request_body_bytes)
     engine.start()
     return engine, app

@@ -7,6 +7,7 @@ engine core is not running or the server drains. Only validation errors are 4xx.
 """
 from __future__ import annotations
 
+import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -14,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sloserve.engine.async_llm import EngineDeadError
+from sloserve.engine.async_llm import EngineDeadError, EngineShutdownError
 from sloserve.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -22,6 +23,14 @@ logger = logging.getLogger(__name__)
 _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
                 413: "RequestTooLargeError", 429: "RateLimitError", 499: "ClientClosedRequest",
                 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+class ErrorJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error message may quote the client's input, and input
+    with a lone surrogate (valid JSON escapes, invalid UTF-8) must still render."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 class APIError(Exception):
@@ -48,7 +57,8 @@ class APIError(Exception):
                                              param=self.param, code=self.status))
 
     def response(self, headers: dict | None = None) -> JSONResponse:
-        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=headers)
+        return ErrorJSONResponse(self.body().model_dump(), status_code=self.status,
+                                 headers=headers)
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -59,6 +69,8 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
 def engine_error(e: BaseException) -> APIError:
     """What a failure inside the engine means for the client: 503 while the core is down, 500
     for anything else (an engine fault; the client's mistakes were refused before)."""
+    if isinstance(e, EngineShutdownError):
+        return APIError(503, str(e))
     if isinstance(e, EngineDeadError):
         return APIError(503, f"engine is not running: {e}")
     logger.error("request failed: %s: %s", type(e).__name__, e, exc_info=e)

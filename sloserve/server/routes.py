@@ -9,6 +9,8 @@
 """
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
@@ -20,6 +22,10 @@ from sloserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from sloserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                       ModelList, now_s, random_id)
 from sloserve.server.serving import ChatBuilder, CompletionBuilder, stream_response, whole_response
+
+
+#: text longer than this (characters) is tokenized off the event loop
+OFFLOAD_CHARS = 20_000
 
 
 def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIRouter:
@@ -38,7 +44,7 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
         if not engine.is_running:
             raise APIError(503, "engine is not running")
 
-    def make_request(prompt: str | list[int], body, request_id: str) -> EngineCoreRequest:
+    def make_request_sync(prompt: str | list[int], body, request_id: str) -> EngineCoreRequest:
         try:
             body.unsupported()
             return engine.make_request(prompt, body.to_sampling_params(), request_id)
@@ -47,6 +53,13 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
             if param == "max_tokens" and isinstance(body, ChatCompletionRequest):
                 param = body.max_tokens_param
             raise APIError(400, str(e), param) from e
+
+    async def make_request(prompt: str | list[int], body, request_id: str) -> EngineCoreRequest:
+        """Validate and tokenize; a long text prompt is tokenized in a worker thread, so the
+        event loop keeps answering (/health, other streams) meanwhile."""
+        if isinstance(prompt, str) and len(prompt) > OFFLOAD_CHARS:
+            return await asyncio.to_thread(make_request_sync, prompt, body, request_id)
+        return make_request_sync(prompt, body, request_id)
 
     @r.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
@@ -81,7 +94,7 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
             prompt = body.single_prompt()
         except ParamError as e:
             raise APIError(400, str(e), e.param) from e
-        req = make_request(prompt, body, b.id)
+        req = await make_request(prompt, body, b.id)
         if body.stream:
             return stream_response(engine, req, body.include_usage, b)
         return await whole_response(engine, req, raw, b)
@@ -95,15 +108,19 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
         tok = engine.tokenizer
         if tok is None:
             raise APIError(400, "this model has no tokenizer, so no chat template", "messages")
-        try:
-            body.unsupported()
-            messages = [m.to_template_dict() for m in body.messages]
-            ids = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
-        except ParamError as e:
-            raise APIError(400, str(e), e.param) from e
-        except Exception as e:  # no template (ValueError), template errors (jinja2), ...
-            raise APIError(400, f"cannot apply the chat template: {e}", "messages") from e
-        req = make_request(ids, body, b.id)
+        def render() -> list[int]:
+            try:
+                body.unsupported()
+                messages = [m.to_template_dict() for m in body.messages]
+                return tok.apply_chat_template(messages,
+                                               add_generation_prompt=body.add_generation_prompt)
+            except ParamError as e:
+                raise APIError(400, str(e), e.param) from e
+            except Exception as e:  # no template (ValueError), template errors (jinja2), ...
+                raise APIError(400, f"cannot apply the chat template: {e}", "messages") from e
+        long = sum(len(str(m.content or "")) for m in body.messages) > OFFLOAD_CHARS
+        ids = await asyncio.to_thread(render) if long else render()
+        req = await make_request(ids, body, b.id)
         if body.stream:
             return stream_response(engine, req, body.include_usage, b)
         return await whole_response(engine, req, raw, b)

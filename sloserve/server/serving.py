@@ -96,7 +96,7 @@ ResponseBuilder = CompletionBuilder | ChatBuilder
 
 
 def _error_event(err: APIError) -> str:
-    return sse(err.body())
+    return sse(err.body().model_dump())  # a dict: rendered ASCII-safe
 
 
 async def _events(engine: AsyncLLM, req: EngineCoreRequest, include_usage: bool,

@@ -12,10 +12,11 @@ DONE = "data: [DONE]\n\n"
 
 
 def sse(payload: Any) -> str:
-    """One SSE event ``data: <json>\\n\\n`` from a pydantic model or a dict."""
+    """One SSE event ``data: <json>\\n\\n`` from a pydantic model or a dict (non-ASCII
+    escaped in dicts, which carry error messages that may quote the client's input)."""
     if hasattr(payload, "model_dump_json"):
         return f"data: {payload.model_dump_json()}\n\n"
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(payload, ensure_ascii=True)}\n\n"
 
 
 class SSEResponse(StreamingResponse):

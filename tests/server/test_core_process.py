@@ -80,6 +80,9 @@ def test_killed_core_ends_streams_within_2s_and_health_turns_503(helpers):
             assert h.status_code == 503 and h.json()["error"]["type"] == "ServiceUnavailableError"
             r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
             assert r.status_code == 503
+            m = c.get("/metrics").text  # the dead core's last snapshot is not shown as live
+            assert 'vllm:num_requests_running{model_name="SmolLM2-135M-Instruct"} 0.0' in m
+            assert 'vllm:kv_cache_usage_perc{model_name="SmolLM2-135M-Instruct"} 0.0' in m
     finally:
         srv.stop()
 

@@ -1,0 +1,218 @@
+"""What a break-it pass found, each now a test: one request's parameters never fail its
+batch-mates; values that cannot cross to the core are 400s and leave nothing behind; error bodies
+render whatever the input; oversized bodies are 413s; and the process-level edges of
+`sloserve serve` (busy port, bad settings, signals while loading, a second signal while
+draining, the API process killed) end cleanly."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+
+# ------------------------------------------------------------------ against the shared server
+def test_a_tiny_top_p_never_fails_its_batch_mates(live_server, helpers):
+    """top_p=1e-300 rounds to 0 in float32; it used to drop every token, NaN the sampler and
+    fail the whole step (the other request too) with a 500."""
+    base = live_server.base_url
+    other: dict = {}
+
+    def long_request():
+        other["r"] = httpx.post(base + "/v1/completions", json={
+            "prompt": "Count: 1, 2,", "max_tokens": 40, "temperature": 0, "ignore_eos": True},
+            timeout=60)
+    t = threading.Thread(target=long_request)
+    t.start()
+    time.sleep(0.3)
+    r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 5,
+                                                   "top_p": 1e-300, "temperature": 1}, timeout=60)
+    t.join(60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    assert other["r"].status_code == 200
+    assert other["r"].json()["usage"]["completion_tokens"] == 40
+    helpers.wait_all_blocks_free(live_server.engine)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "hi", "top_k": 10 ** 23}, "top_k"),
+    ({"prompt": "hi", "top_k": 2 ** 64}, "top_k"),
+    ({"prompt": "Hello", "max_tokens": 3, "stop": ["\ud800"]}, "stop"),
+    ({"prompt": "hi", "stop_token_ids": [2 ** 40]}, "stop_token_ids"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_values_that_cannot_reach_the_core_are_400_and_leave_nothing(live_server, body, param,
+                                                                     stream):
+    eng = live_server.engine
+    before = eng.num_unfinished
+    data = json.dumps({**body, "stream": stream}).encode()  # "\ud800" as a JSON escape
+    r = httpx.post(live_server.base_url + "/v1/completions", content=data,
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert eng.num_unfinished == before
+
+
+def test_a_lone_surrogate_in_the_model_name_is_a_404_body_and_the_connection_lives(live_server):
+    with httpx.Client(base_url=live_server.base_url, timeout=30) as c:
+        r = c.post("/v1/completions", content=b'{"prompt": "hi", "model": "\\ud800"}',
+                   headers={"content-type": "application/json"})
+        assert r.status_code == 404
+        err = r.json()["error"]
+        assert err["type"] == "NotFoundError" and "\ud800" in err["message"]
+        assert c.get("/health").status_code == 200  # same keep-alive connection
+
+
+def test_oversized_bodies_get_413_fast_and_the_server_keeps_serving(live_server):
+    base = live_server.base_url
+    big = b'{"prompt": "' + b"a" * (11 * 2 ** 20) + b'"}'
+    t0 = time.monotonic()
+    r = httpx.post(base + "/v1/completions", content=big,
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and time.monotonic() - t0 < 5
+    assert r.json()["error"]["code"] == 413 and "10485760" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for _ in range(12):
+            yield b"a" * 2 ** 20
+    r = httpx.post(base + "/v1/completions", content=chunks(),
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413
+    assert httpx.get(base + "/health", timeout=5).status_code == 200
+
+
+# ------------------------------------------------------------------ sloserve serve, as a process
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+SERVE = [sys.executable, "-m", "sloserve.cli", "serve", "--dtype", "float32", "--num-kv-blocks",
+         "128", "--max-model-len", "512", "--log-level", "warning"]
+
+
+def _start(port: int, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([*SERVE, "--port", str(port), *extra], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_healthy(proc, port: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("not healthy")
+
+
+def _core_pids() -> set[int]:
+    out = subprocess.run(["pgrep", "-f", "sloserve.engine.core_proc"], capture_output=True,
+                         text=True).stdout
+    return {int(p) for p in out.split()}
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if ln.strip() and " INFO " not in ln]
+
+
+def test_busy_port_or_bad_host_is_one_line_before_any_model_loads():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        p = subprocess.run([*SERVE, "--port", str(port)], capture_output=True, text=True,
+                           timeout=60)
+    assert p.returncode == 2 and time.monotonic() - t0 < 15
+    assert _error_lines(p.stderr) == [f"sloserve: error: cannot listen on 127.0.0.1:{port}: "
+                                      f"Address already in use"]
+    p = subprocess.run([*SERVE, "--host", "999.1.1.1"], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and len(_error_lines(p.stderr)) == 1
+    assert "cannot listen on 999.1.1.1:8000" in p.stderr
+
+
+def test_a_refused_setting_is_one_line_and_the_core_exits_at_once():
+    before = _core_pids()
+    t0 = time.monotonic()
+    p = subprocess.run([*SERVE[:6], "--num-kv-blocks", "256", "--max-model-len", "5000",
+                        "--port", str(_free_port())], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    lines = _error_lines(p.stderr)
+    assert len(lines) == 1 and "max_model_len=5000 tokens does not fit the KV cache" in lines[0]
+    assert time.monotonic() - t0 < 60 and "did not stop" not in p.stderr
+    assert _core_pids() <= before
+
+
+def test_sigterm_while_loading_stops_the_core_and_exits_0():
+    before = _core_pids()
+    p = _start(_free_port())
+    time.sleep(2.0)  # the core is loading the model
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == 0, p.stderr.read()
+    time.sleep(1.0)
+    assert _core_pids() <= before
+
+
+def test_a_second_signal_ends_the_drain_with_proper_errors_and_exit_0():
+    port = _free_port()
+    p = _start(port, "--shutdown-timeout", "60")
+    try:
+        _wait_healthy(p, port)
+        base = f"http://127.0.0.1:{port}"
+        res: dict = {}
+
+        def stream():
+            with httpx.stream("POST", base + "/v1/completions", timeout=60, json={
+                    "prompt": "Story:", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                    "stream": True}) as r:
+                res["stream"] = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+
+        def whole():
+            res["whole"] = httpx.post(base + "/v1/completions", timeout=60, json={
+                "prompt": "Story:", "max_tokens": 400, "temperature": 0, "ignore_eos": True})
+        ts = [threading.Thread(target=f) for f in (stream, whole)]
+        for t in ts:
+            t.start()
+        time.sleep(1.5)
+        p.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        p.send_signal(signal.SIGTERM)
+        for t in ts:
+            t.join(30)
+        assert p.wait(timeout=30) == 0
+        assert res["whole"].status_code == 503
+        assert res["whole"].json()["error"]["message"] == "the server is shutting down"
+        ev = res["stream"]
+        assert ev[-1] == "data: [DONE]"
+        assert json.loads(ev[-2][6:])["error"]["code"] == 503
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def test_the_core_follows_a_killed_api_process_within_2s():
+    before = _core_pids()
+    port = _free_port()
+    p = _start(port)
+    _wait_healthy(p, port)
+    core = _core_pids() - before
+    assert len(core) == 1
+    p.kill()
+    p.wait()
+    deadline = time.monotonic() + 2.0
+    while _core_pids() & core and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _core_pids() & core
