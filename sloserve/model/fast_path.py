@@ -16,7 +16,7 @@ The projections of a step run one of two ways:
 
 ``quant_max_tokens`` (measured at start-up by :func:`quant_crossover`: the most tokens at which the
 quantized product of a layer's MLP weight still beats the dense one on this CPU) separates them.
-The LM head always runs quantized when it is (it sees only the rows that sample).
+The LM head follows the same rule for the rows that sample.
 """
 from __future__ import annotations
 
@@ -171,7 +171,7 @@ class FastPath:
             delta = self._lin(f, L.down) if quant else self._d(f, w["down"])
         h += delta
         x = k.rms_norm(h.index_select(0, logits_indices), self.norm, self.eps)
-        if self.lm_q is not None:
+        if self.lm_q is not None and x.shape[0] <= self.quant_max_tokens:
             return self._lin(x, self.lm_q)
         return self._d(x, self.lm_dense)
 

@@ -87,7 +87,7 @@ def _logits(eng, ids: list[int]) -> torch.Tensor:
     blocks = list(range(-(-len(ids) // 16)))
     out = SchedulerOutput([ScheduledRequest("x", 0, len(ids), ids, blocks, sp, True, False)])
     inp = build_step_inputs(out, 16)
-    fwd = r.fast_path.forward if r.fast_path and len(ids) <= r.fast_path.max_tokens else r.model
+    fwd = r.fast_path.forward if r.fast_path is not None else r.model
     return fwd(inp.input_ids, inp.positions, r.kv_caches, r.attn_backend,
                r.attn_backend.build_metadata(inp), inp.logits_indices)[0]
 

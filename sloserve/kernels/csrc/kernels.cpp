@@ -147,10 +147,21 @@ Pool& pool() {
   return p;
 }
 
+#ifdef SL_USE_OMP
+#include <omp.h>
+inline int64_t nthreads() { return omp_get_max_threads(); }
+template <class F>
+void parallel_for(int64_t total, F& f) {
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t i = 0; i < total; ++i) f(i);
+}
+#else
+inline int64_t nthreads() { return pool().size(); }
 template <class F>
 void parallel_for(int64_t total, F& f) {
   pool().run(total, [](void* c, int64_t i) { (*static_cast<F*>(c))(i); }, &f);
 }
+#endif
 
 // ------------------------------------------------------------------------------------ helpers
 inline float bf16_to_f32(uint16_t h) {
@@ -394,7 +405,7 @@ void qlinear_t(const float* x, int64_t M, int64_t K, const uint8_t* qw, const fl
       }
   }
   // chunks of rows claimed one at a time; ~8 per thread at least
-  const int64_t nt = pool().size();
+  const int64_t nt = nthreads();
   const int64_t chunk = std::max<int64_t>(8, std::min<int64_t>(64, N / (8 * nt)));
   const int64_t nchunks = (N + chunk - 1) / chunk;
   auto body = [&](int64_t c) {
@@ -601,7 +612,7 @@ void qlinear_i8_t(const float* x, int64_t M, int64_t K, const uint8_t* qw, const
   float* xd = reinterpret_cast<float*>(xq + ((M * K + 63) / 64) * 64);
   float* xs = xd + M * G;
   quantize_act(x, M, K, xq, xd, xs);
-  const int64_t nt = pool().size();
+  const int64_t nt = nthreads();
   const int64_t chunk = std::max<int64_t>(8, std::min<int64_t>(64, N / (8 * nt)));
   const int64_t nchunks = (N + chunk - 1) / chunk;
   auto body = [&](int64_t c) {
@@ -679,6 +690,7 @@ inline void axpy(float p, const float* x, float* y, int64_t n) {  // y += p * x
 // polynomial (relative error ~2e-7 on the range used, x <= 0); x below -87 gives 0.
 inline float fast_exp(float x) {
   if (x < -87.f) return 0.f;
+  x = std::min(x, 88.f);
   const float k = std::nearbyint(x * 1.44269504088896341f);
   const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
   float p = 1.3981999507e-3f;
@@ -703,7 +715,75 @@ inline float exp_sub_sum(float* v, int64_t n, float m) {  // v[j] = exp(v[j] - m
   return s;
 }
 
-inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+#if SL_ISA == 2
+// One work item of the decode kernel for head_dim 64 on AVX-512: the G (<= 4) query heads of a
+// KV head over tokens [t0, t1), q and the value accumulators held in registers.
+inline __m512 load16(const char* p, int bf16) {
+  if (bf16)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+}
+
+inline void decode_item_d64(const float* qh, const char* base, int kv_bf16, const int64_t* bt,
+                            int64_t block_size, int64_t row, int64_t vplane, int64_t hk,
+                            int64_t G, int64_t t0, int64_t t1, float scale, float* st) {
+  constexpr int D = 64;
+  const int64_t esz = kv_bf16 ? 2 : 4;
+  const int64_t len = t1 - t0;
+  thread_local std::vector<float> scv;
+  scv.resize(4 * len);
+  float* sc = scv.data();
+  __m512 qv[4][4];
+  for (int64_t g = 0; g < G; ++g)
+    for (int c = 0; c < 4; ++c) qv[g][c] = _mm512_loadu_ps(qh + g * D + 16 * c);
+  const int64_t stride = row * esz;  // bytes from one token's row to the next in a block
+  for (int64_t t = t0; t < t1;) {  // scores, block by block (no division per token)
+    const int64_t off = t % block_size, n = std::min(block_size - off, t1 - t);
+    const char* kp = base + ((bt[t / block_size] * block_size + off) * row + hk * D) * esz;
+    for (int64_t j = 0; j < n; ++j, ++t, kp += stride) {
+      const __m512 k0 = load16(kp, kv_bf16), k1 = load16(kp + 16 * esz, kv_bf16),
+                   k2 = load16(kp + 32 * esz, kv_bf16), k3 = load16(kp + 48 * esz, kv_bf16);
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 a = _mm512_mul_ps(qv[g][0], k0);
+        a = _mm512_fmadd_ps(qv[g][1], k1, a);
+        a = _mm512_fmadd_ps(qv[g][2], k2, a);
+        a = _mm512_fmadd_ps(qv[g][3], k3, a);
+        sc[g * len + (t - t0)] = _mm512_reduce_add_ps(a) * scale;
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = sc + g * len;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < len; ++j) mx = std::max(mx, sg[j]);
+    st[g] = mx;
+    st[G + g] = exp_sub_sum(sg, len, mx);
+  }
+  __m512 acc[4][4];
+  for (int g = 0; g < 4; ++g)
+    for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t t = t0; t < t1;) {  // weighted values
+    const int64_t off = t % block_size, n = std::min(block_size - off, t1 - t);
+    const char* vp = base + (vplane + (bt[t / block_size] * block_size + off) * row + hk * D) * esz;
+    for (int64_t j = 0; j < n; ++j, ++t, vp += stride) {
+      const __m512 v0 = load16(vp, kv_bf16), v1 = load16(vp + 16 * esz, kv_bf16),
+                   v2 = load16(vp + 32 * esz, kv_bf16), v3 = load16(vp + 48 * esz, kv_bf16);
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(sc[g * len + (t - t0)]);
+        acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);
+        acc[g][1] = _mm512_fmadd_ps(p, v1, acc[g][1]);
+        acc[g][2] = _mm512_fmadd_ps(p, v2, acc[g][2]);
+        acc[g][3] = _mm512_fmadd_ps(p, v3, acc[g][3]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(st + 2 * G + g * D + 16 * c, acc[g][c]);
+}
+#endif
+
+inline float silu(float v) { return v / (1.f + fast_exp(std::max(-v, -87.f))); }
 
 }  // namespace
 
@@ -712,9 +792,13 @@ extern "C" {
 // Which instruction set this library was built for: 2 AVX-512, 1 AVX2/FMA, 0 generic.
 int sl_isa() { return SL_ISA; }
 
+#ifdef SL_USE_OMP
+int sl_num_threads() { return omp_get_max_threads(); }
+void sl_set_num_threads(int n) { omp_set_num_threads(std::max(1, n)); }
+#else
 int sl_num_threads() { return pool().size(); }
-
 void sl_set_num_threads(int n) { pool().resize(std::max(1, n)); }
+#endif
 
 // y [M, N] = x [M, K] @ W^T with W quantized (see the header). xsum: scratch of M * K / gs
 // floats (used when mn is not null). Returns 0, or -1 for an unsupported (bits, gs).
@@ -803,6 +887,7 @@ void sl_silu_mul(const float* gu, int64_t T, int64_t F, float* out) {
     const float* g = gu + t * 2 * F;
     const float* u = g + F;
     float* o = out + t * F;
+#pragma omp simd
     for (int64_t i = 0; i < F; ++i) o[i] = silu(g[i]) * u[i];
   }
 }
@@ -887,6 +972,14 @@ void sl_paged_attn_decode(const float* q, int64_t q_stride, const void* cache, i
       return;
     }
     const int64_t len = t1 - t0;
+#if SL_ISA == 2
+    if (D == 64 && G <= 4) {
+      decode_item_d64(q + b * q_stride + hk * G * D, static_cast<const char*>(cache),
+                      kv_bf16, block_table + b * max_blocks, block_size, row, vplane, hk,
+                      G, t0, t1, scale, st);
+      return;
+    }
+#endif
     sc.resize(G * len);
     kv.resize(D);
     float* kr = kv.data();
