@@ -12,9 +12,11 @@ with their data pointers; shapes are checked here, once per call.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import logging
 import os
+import threading
 
 import torch
 
@@ -31,6 +33,8 @@ _SIGS = {
     "sl_set_num_threads": ([_I32], None),
     "sl_qlinear": ([_P, _I64, _I64, _P, _P, _P, _I32, _I32, _I64, _P, _P], _I32),
     "sl_qlinear_i8": ([_P, _I64, _I64, _P, _P, _P, _I32, _I32, _I64, _P, _P], _I32),
+    "sl_repack_x16": ([_P, _P, _P, _I64, _I64, _I32, _P, _P, _P], _I32),
+    "sl_qlinear_x16": ([_P, _I64, _I64, _P, _P, _P, _I32, _I64, _P, _P], None),
     "sl_qembed": ([_P, _I64, _P, _P, _P, _I32, _I32, _I64, _P], _I32),
     "sl_rms_norm": ([_P, _P, _I64, _I64, _F, _P], None),
     "sl_add_rms_norm": ([_P, _P, _P, _I64, _I64, _F, _P], None),
@@ -40,6 +44,31 @@ _SIGS = {
     "sl_paged_attn_decode": ([_P, _I64, _P, _I32, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64,
                               _I64, _F, _I64, _I64, _P, _P], None),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class X16Weight:
+    """A 4- or 8-bit group-32 weight in the kernels' x16 layout (rows interleaved in blocks of 16
+    so one integer dot-product instruction covers 16 rows; see ``qlinear_x16`` in the source).
+
+    Attributes:
+        qweight: uint8 [N / 16, K / 32, bits, 16, 4] codes (the same bytes as QuantizedWeight's).
+        scales: float32 [N / 16, K / 32, 16]; mins likewise or None.
+        shape: (N, K).
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    shape: tuple[int, int]
+    bits: int = 4
+    # the pointers, taken once (a step makes ~120 products; each saved call costs ~1 us)
+    ptrs: tuple[int, int, int | None] = (0, 0, None)
+
+    @property
+    def nbytes(self) -> int:
+        n = self.qweight.numel() + self.scales.numel() * 4
+        return n + (self.mins.numel() * 4 if self.mins is not None else 0)
 
 
 def best_variant(flags) -> str:
@@ -66,6 +95,7 @@ class Kernels:
             fn = getattr(self.lib, name)
             fn.argtypes, fn.restype = args, res
         self.isa = self.lib.sl_isa()
+        self._tls = threading.local()
 
     def set_num_threads(self, n: int) -> None:
         self.lib.sl_set_num_threads(n)
@@ -97,6 +127,41 @@ class Kernels:
         if rc:
             raise ValueError(f"no int8-activation kernel for {w.bits}-bit weights in groups of "
                              f"{w.group_size}")
+        return y
+
+    def pack_x16(self, w) -> X16Weight | None:
+        """``w`` (a 4- or 8-bit group-32 QuantizedWeight) repacked for :meth:`qlinear_x16`; None
+        when its shape does not allow it (rows not a multiple of 16, other groups)."""
+        N, K = w.shape
+        if w.bits not in (4, 8) or w.group_size != 32 or N % 16 or K % 32:
+            return None
+        qw = torch.empty(N * K * w.bits // 8, dtype=torch.uint8)
+        d = torch.empty(N * K // 32, dtype=torch.float32)
+        mn = torch.empty_like(d) if w.has_mins else None
+        rc = self.lib.sl_repack_x16(_ptr(w.qweight), _ptr(w.scales),
+                                    _ptr(w.mins) if w.has_mins else None, N, K, w.bits, _ptr(qw), _ptr(d),
+                                    _ptr(mn) if mn is not None else None)
+        if rc:
+            return None
+        return X16Weight(qw, d, mn, (N, K), w.bits,
+                         (_ptr(qw), _ptr(d), _ptr(mn) if mn is not None else None))
+
+    def _scratch(self, nbytes: int) -> int:
+        """A per-thread scratch buffer of at least ``nbytes`` (reused: no allocation per call)."""
+        buf = getattr(self._tls, "buf", None)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._tls.buf = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8)
+        return buf.data_ptr()
+
+    def qlinear_x16(self, x: torch.Tensor, w: X16Weight) -> torch.Tensor:
+        """x [M, K] float32 contiguous @ W^T, x quantized to int8 per group of 32 (as
+        :meth:`qlinear_i8`) -> [M, N] float32."""
+        M, K = x.shape
+        N = w.shape[0]
+        y = torch.empty(M, N, dtype=torch.float32)
+        qw, d, mn = w.ptrs
+        self.lib.sl_qlinear_x16(x.data_ptr(), M, K, qw, d, mn, w.bits, N, y.data_ptr(),
+                                self._scratch(M * K + 64 + 12 * M * (K // 32)))
         return y
 
     def qembed(self, ids: torch.Tensor, w) -> torch.Tensor:
@@ -153,11 +218,11 @@ class Kernels:
         hkv = cache.shape[3]
         splits = max(1, -(-max_seq_len // split_len))
         out = torch.empty(B, H, D, dtype=torch.float32)
-        work = torch.empty(B * hkv * splits * (H // hkv) * (D + 2), dtype=torch.float32)
+        work = self._scratch(4 * B * hkv * splits * (H // hkv) * (D + 2))
         self.lib.sl_paged_attn_decode(
             _ptr(q), q.stride(0), _ptr(cache), int(cache.dtype == torch.bfloat16),
             _ptr(block_table), block_table.shape[1], _ptr(seq_lens), B, H, hkv, D,
-            cache.shape[2], cache.shape[1], scale, split_len, splits, _ptr(out), _ptr(work))
+            cache.shape[2], cache.shape[1], scale, split_len, splits, _ptr(out), work)
         return out
 
 

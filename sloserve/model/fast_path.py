@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from sloserve.model.quant import QuantizedWeight, concat_rows
+from sloserve.kernels import X16Weight
 
 
 @dataclass
@@ -39,10 +40,10 @@ class FastLayer:
     ln2: torch.Tensor
     qkv_bias: torch.Tensor | None
     dense: dict[str, torch.Tensor]               # q, k, v, o, gate, up, down
-    qkv: list[QuantizedWeight] | None = None     # one fused weight, or q, k, v
-    o: QuantizedWeight | None = None
-    gate_up: list[QuantizedWeight] | None = None
-    down: QuantizedWeight | None = None
+    qkv: list[QuantizedWeight | X16Weight] | None = None  # one fused weight, or q, k, v
+    o: QuantizedWeight | X16Weight | None = None
+    gate_up: list[QuantizedWeight | X16Weight] | None = None
+    down: QuantizedWeight | X16Weight | None = None
 
 
 class FastPath:
@@ -80,6 +81,8 @@ class FastPath:
         self.quantized = bool(q)
         self.embed_q = q.get("model.embed_tokens.weight")
         self.lm_q = q.get("lm_head.weight", self.embed_q if config.tie_word_embeddings else None)
+        if self.lm_q is not None and int8_activations:
+            self.lm_q = self._pack(self.lm_q)  # its own copy when tied: qembed reads rows
         self.norm = f32(params["model.norm.weight"])
         self.layers: list[FastLayer] = []
         for i in range(config.num_hidden_layers):
@@ -102,6 +105,9 @@ class FastPath:
                 fused = concat_rows(gu)
                 L.gate_up = [fused] if fused else gu
                 L.down = q[f"{p}{names['down']}.weight"]
+                if int8_activations:
+                    L.qkv, L.gate_up = [self._pack(w) for w in L.qkv], [self._pack(w) for w in L.gate_up]
+                    L.o, L.down = self._pack(L.o), self._pack(L.down)
             self.layers.append(L)
         if not q:
             self.quant_max_tokens = 0
@@ -121,7 +127,14 @@ class FastPath:
         return n
 
     # ------------------------------------------------------------------ projections
-    def _lin(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    def _pack(self, w: QuantizedWeight):
+        """4- and 8-bit group-32 weights go to the kernels' x16 layout (16 rows per integer dot
+        product; 1.5-3.5x faster than the row layout at 1-5 tokens, measured); others stay."""
+        return self.k.pack_x16(w) or w
+
+    def _lin(self, x: torch.Tensor, w) -> torch.Tensor:
+        if isinstance(w, X16Weight):
+            return self.k.qlinear_x16(x, w)
         if self.int8_activations and w.group_size == 32:
             return self.k.qlinear_i8(x, w)
         return self.k.qlinear(x, w)

@@ -48,6 +48,45 @@ def test_qlinear_matches_the_dequantized_product(k, kind, m):
     torch.testing.assert_close(y.double(), ref, atol=2e-4, rtol=1e-5)
 
 
+def _int8_activation_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """What the int8-activation products compute, in float64: x rounded per group of 32 to
+    q = round(x / d), d = max |x| / 127; integer dots with the codes; offsets times the exact
+    float sums of x."""
+    m, kk = x.shape
+    g = x.view(m, kk // 32, 32).double()
+    d = g.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, torch.round(g / torch.where(d > 0, d, 1)), 0)
+    codes = w.codes().double().view(w.shape[0], kk // 32, 32)
+    dots = torch.einsum("mgj,ngj->mng", q, codes)
+    y = (dots * d.squeeze(-1)[:, None, :] * w.scales.double()[None]).sum(-1)
+    if w.has_mins:
+        y += g.sum(-1) @ w.mins.double().t()
+    return y
+
+
+@pytest.mark.parametrize("kind", ["int4", "int4-no-mins", "int8"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])
+def test_int8_activation_products_row_and_x16_layouts(k, kind, m):
+    """Both layouts give the integer-exact result up to float32 rounding of the group sums
+    (bound: 1e-5 of the largest output); the x16 copy holds the same codes and scales."""
+    w = _weights("int4" if kind.startswith("int4") else "int8", 64, 576, 20 + m)
+    if kind == "int4-no-mins":  # the Q4_0 shape
+        w = QuantizedWeight(w.qweight, w.scales, None, 4, 32, w.shape, "t")
+    x = torch.randn(m, 576, generator=torch.Generator().manual_seed(200 + m))
+    ref = _int8_activation_reference(x, w)
+    tol = 1e-5 * float(ref.abs().max())
+    packed = k.pack_x16(w)
+    assert packed is not None and packed.nbytes == w.nbytes and packed.bits == w.bits
+    for y in (k.qlinear_i8(x, w), k.qlinear_x16(x, packed)):
+        assert y.shape == (m, 64) and y.dtype == torch.float32
+        assert float((y.double() - ref).abs().max()) < tol
+
+
+def test_x16_refuses_rows_not_a_multiple_of_16(k):
+    assert k.pack_x16(_weights("int4", 40, 64, 1)) is None
+    assert k.pack_x16(_weights("int8g16", 32, 64, 1)) is None
+
+
 def test_qlinear_refuses_an_unknown_format(k):
     w = _weights("int8", 8, 64, 0)
     bad = QuantizedWeight(w.qweight, w.scales, None, 8, 64, w.shape, "t")
@@ -148,7 +187,7 @@ def test_cache_write_converts_and_places(k):
     assert flat[0].abs().sum(dim=(1, 2)).nonzero().flatten().tolist() == [0, 5, 23]
 
 
-def test_the_pool_survives_many_small_jobs_and_resizing(k):
+def test_threads_survive_many_small_jobs_and_resizing(k):
     w = _weights("int4", 512, 64, 9)
     x = torch.randn(2, 64)
     ref = k.qlinear(x, w)

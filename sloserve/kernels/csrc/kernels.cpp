@@ -631,6 +631,261 @@ void qlinear_i8_t(const float* x, int64_t M, int64_t K, const uint8_t* qw, const
   parallel_for(nchunks, body);
 }
 
+// ------------------------------------------------------------------ 4-bit x16 interleaved
+// Rows in blocks of 16 (N % 16 == 0). Block b, group g: 4 chunks of 64 bytes; 32-bit lane r of
+// chunk c holds bytes 4c..4c+3 of row 16b + r's group g in the nibble layout (low nibbles: codes
+// 4c..4c+3, high nibbles: codes 16+4c..16+4c+3). Scales and offsets: [N / 16, G, 16] float32.
+// One dpbusd then multiplies 4 codes of 16 rows with 4 broadcast activations, so the 16 rows'
+// group sums land in the 16 lanes (no horizontal sums, one scale multiply per group and block).
+
+constexpr int kX16 = 16;
+
+template <int MC, int BR>
+inline void x16_tile(const ActQ& a, int64_t K, const uint8_t* w, const float* d, const float* mn,
+                     int64_t G, float* y, int64_t N) {
+#if SL_ISA == 2
+  __m512 acc[MC][BR];
+  for (int mi = 0; mi < MC; ++mi)
+    for (int br = 0; br < BR; ++br) acc[mi][br] = _mm512_setzero_ps();
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i lo[BR][4], hi[BR][4];
+    __m512 dv[BR], mv[BR];
+    for (int br = 0; br < BR; ++br) {
+      const uint8_t* wb = w + (br * G + g) * 256;
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(wb + 64 * c);
+        lo[br][c] = _mm512_and_si512(v, m4);
+        hi[br][c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      }
+      dv[br] = _mm512_loadu_ps(d + (br * G + g) * kX16);
+      if (mn) mv[br] = _mm512_loadu_ps(mn + (br * G + g) * kX16);
+    }
+    for (int mi = 0; mi < MC; ++mi) {
+      const int32_t* xq = reinterpret_cast<const int32_t*>(a.q + mi * K + g * 32);
+      const __m512 dx = _mm512_set1_ps(a.d[mi * G + g]);
+      for (int br = 0; br < BR; ++br) {
+        __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[br][0], _mm512_set1_epi32(xq[0]));
+        __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[br][0], _mm512_set1_epi32(xq[4]));
+        for (int c = 1; c < 4; ++c) {
+          i0 = _mm512_dpbusd_epi32(i0, lo[br][c], _mm512_set1_epi32(xq[c]));
+          i1 = _mm512_dpbusd_epi32(i1, hi[br][c], _mm512_set1_epi32(xq[4 + c]));
+        }
+        acc[mi][br] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)),
+                                      _mm512_mul_ps(dv[br], dx), acc[mi][br]);
+        if (mn) acc[mi][br] = _mm512_fmadd_ps(mv[br], _mm512_set1_ps(a.s[mi * G + g]), acc[mi][br]);
+      }
+    }
+  }
+  for (int mi = 0; mi < MC; ++mi)
+    for (int br = 0; br < BR; ++br) _mm512_storeu_ps(y + mi * N + br * kX16, acc[mi][br]);
+#elif SL_ISA == 1
+  // two 8-lane halves per block; pmaddubsw (u8 codes x s8 activations, |sum of 2| <= 3810)
+  __m256 acc[MC][BR][2];
+  for (int mi = 0; mi < MC; ++mi)
+    for (int br = 0; br < BR; ++br) acc[mi][br][0] = acc[mi][br][1] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < G; ++g)
+    for (int br = 0; br < BR; ++br)
+      for (int h = 0; h < 2; ++h) {
+        __m256i lo[4], hi[4];
+        const uint8_t* wb = w + (br * G + g) * 256 + 32 * h;
+        for (int c = 0; c < 4; ++c) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c));
+          lo[c] = _mm256_and_si256(v, m4);
+          hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        }
+        const __m256 dv = _mm256_loadu_ps(d + (br * G + g) * kX16 + 8 * h);
+        const __m256 mv = mn ? _mm256_loadu_ps(mn + (br * G + g) * kX16 + 8 * h) : dv;
+        for (int mi = 0; mi < MC; ++mi) {
+          const int32_t* xq = reinterpret_cast<const int32_t*>(a.q + mi * K + g * 32);
+          __m256i p = _mm256_setzero_si256();
+          for (int c = 0; c < 4; ++c) {
+            p = _mm256_add_epi16(p, _mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(xq[c])));
+            p = _mm256_add_epi16(p, _mm256_maddubs_epi16(hi[c], _mm256_set1_epi32(xq[4 + c])));
+          }  // 8 pair sums of |.| <= 3810: |p| <= 30480 fits int16
+          const __m256i dp = _mm256_madd_epi16(p, ones);
+          acc[mi][br][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp),
+                                           _mm256_mul_ps(dv, _mm256_set1_ps(a.d[mi * G + g])),
+                                           acc[mi][br][h]);
+          if (mn) acc[mi][br][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.s[mi * G + g]), acc[mi][br][h]);
+        }
+      }
+  for (int mi = 0; mi < MC; ++mi)
+    for (int br = 0; br < BR; ++br)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + mi * N + br * kX16 + 8 * h, acc[mi][br][h]);
+#else
+  for (int mi = 0; mi < MC; ++mi)
+    for (int br = 0; br < BR; ++br)
+      for (int r = 0; r < kX16; ++r) {
+        float t = 0.f;
+        for (int64_t g = 0; g < G; ++g) {
+          const uint8_t* wb = w + (br * G + g) * 256;
+          const int8_t* xg = a.q + mi * K + g * 32;
+          int32_t s = 0;
+          for (int c = 0; c < 4; ++c)
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t b = wb[64 * c + 4 * r + i];
+              s += (b & 15) * xg[4 * c + i] + (b >> 4) * xg[16 + 4 * c + i];
+            }
+          const int64_t o = (br * G + g) * kX16 + r;
+          t += float(s) * d[o] * a.d[mi * G + g];
+          if (mn) t += mn[o] * a.s[mi * G + g];
+        }
+        y[mi * N + br * kX16 + r] = t;
+      }
+#endif
+}
+
+// 8-bit codes (signed), same interleave: 8 chunks of 64 bytes per block and group. AVX-512
+// dpbusd wants unsigned x signed: the codes are offset by 128 at load (xor 0x80) and 128 times the
+// group's integer activation sum (isum) is taken off again, so the dot product stays exact.
+template <int MC, int BR>
+inline void x16_tile8(const ActQ& a, const int32_t* isum, int64_t K, const uint8_t* w,
+                      const float* d, const float* mn, int64_t G, float* y, int64_t N) {
+#if SL_ISA == 2
+  __m512 acc[MC][BR];
+  for (int mi = 0; mi < MC; ++mi)
+    for (int br = 0; br < BR; ++br) acc[mi][br] = _mm512_setzero_ps();
+  const __m512i off = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i wv[BR][8];
+    __m512 dv[BR], mv[BR];
+    for (int br = 0; br < BR; ++br) {
+      const uint8_t* wb = w + (br * G + g) * 512;
+      for (int c = 0; c < 8; ++c) wv[br][c] = _mm512_xor_si512(_mm512_loadu_si512(wb + 64 * c), off);
+      dv[br] = _mm512_loadu_ps(d + (br * G + g) * kX16);
+      if (mn) mv[br] = _mm512_loadu_ps(mn + (br * G + g) * kX16);
+    }
+    for (int mi = 0; mi < MC; ++mi) {
+      const int32_t* xq = reinterpret_cast<const int32_t*>(a.q + mi * K + g * 32);
+      const __m512 dx = _mm512_set1_ps(a.d[mi * G + g]);
+      const __m512i corr = _mm512_set1_epi32(-128 * isum[mi * G + g]);
+      for (int br = 0; br < BR; ++br) {
+        __m512i i0 = _mm512_dpbusd_epi32(corr, wv[br][0], _mm512_set1_epi32(xq[0]));
+        __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[br][1], _mm512_set1_epi32(xq[1]));
+        for (int c = 2; c < 8; c += 2) {
+          i0 = _mm512_dpbusd_epi32(i0, wv[br][c], _mm512_set1_epi32(xq[c]));
+          i1 = _mm512_dpbusd_epi32(i1, wv[br][c + 1], _mm512_set1_epi32(xq[c + 1]));
+        }
+        acc[mi][br] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)),
+                                      _mm512_mul_ps(dv[br], dx), acc[mi][br]);
+        if (mn) acc[mi][br] = _mm512_fmadd_ps(mv[br], _mm512_set1_ps(a.s[mi * G + g]), acc[mi][br]);
+      }
+    }
+  }
+  for (int mi = 0; mi < MC; ++mi)
+    for (int br = 0; br < BR; ++br) _mm512_storeu_ps(y + mi * N + br * kX16, acc[mi][br]);
+#elif SL_ISA == 1
+  // |x| * sign(w, x) keeps pmaddubsw's pair sums <= 2 * 127 * 127 (no int16 saturation)
+  __m256 acc[MC][BR][2];
+  for (int mi = 0; mi < MC; ++mi)
+    for (int br = 0; br < BR; ++br) acc[mi][br][0] = acc[mi][br][1] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < G; ++g)
+    for (int br = 0; br < BR; ++br)
+      for (int h = 0; h < 2; ++h) {
+        __m256i wv[8];
+        const uint8_t* wb = w + (br * G + g) * 512 + 32 * h;
+        for (int c = 0; c < 8; ++c) wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c));
+        const __m256 dv = _mm256_loadu_ps(d + (br * G + g) * kX16 + 8 * h);
+        const __m256 mv = mn ? _mm256_loadu_ps(mn + (br * G + g) * kX16 + 8 * h) : dv;
+        for (int mi = 0; mi < MC; ++mi) {
+          const int32_t* xq = reinterpret_cast<const int32_t*>(a.q + mi * K + g * 32);
+          __m256i dp = _mm256_setzero_si256();
+          for (int c = 0; c < 8; ++c) {
+            const __m256i xb = _mm256_set1_epi32(xq[c]);
+            dp = _mm256_add_epi32(dp, _mm256_madd_epi16(
+                _mm256_maddubs_epi16(_mm256_abs_epi8(xb), _mm256_sign_epi8(wv[c], xb)), ones));
+          }
+          acc[mi][br][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp),
+                                           _mm256_mul_ps(dv, _mm256_set1_ps(a.d[mi * G + g])),
+                                           acc[mi][br][h]);
+          if (mn) acc[mi][br][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.s[mi * G + g]), acc[mi][br][h]);
+        }
+      }
+  for (int mi = 0; mi < MC; ++mi)
+    for (int br = 0; br < BR; ++br)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + mi * N + br * kX16 + 8 * h, acc[mi][br][h]);
+#else
+  (void)isum;
+  for (int mi = 0; mi < MC; ++mi)
+    for (int br = 0; br < BR; ++br)
+      for (int r = 0; r < kX16; ++r) {
+        float t = 0.f;
+        for (int64_t g = 0; g < G; ++g) {
+          const int8_t* wb = reinterpret_cast<const int8_t*>(w + (br * G + g) * 512);
+          const int8_t* xg = a.q + mi * K + g * 32;
+          int32_t s = 0;
+          for (int c = 0; c < 8; ++c)
+            for (int i = 0; i < 4; ++i) s += wb[64 * c + 4 * r + i] * xg[4 * c + i];
+          const int64_t o = (br * G + g) * kX16 + r;
+          t += float(s) * d[o] * a.d[mi * G + g];
+          if (mn) t += mn[o] * a.s[mi * G + g];
+        }
+        y[mi * N + br * kX16 + r] = t;
+      }
+#endif
+}
+
+template <int BITS, int MC>
+inline void x16_blocks(const ActQ& a, const int32_t* isum, int64_t K, const uint8_t* qw,
+                       const float* d, const float* mn, int64_t G, int64_t N, int64_t b0,
+                       int64_t b1, float* y) {
+  constexpr int BR = MC <= 2 ? 2 : 1;
+  const int64_t bw = G * 16 * BITS * 4, bs = G * kX16;
+  int64_t b = b0;
+  for (; b + BR <= b1; b += BR) {
+    if constexpr (BITS == 4)
+      x16_tile<MC, BR>(a, K, qw + b * bw, d + b * bs, mn ? mn + b * bs : nullptr, G, y + b * kX16, N);
+    else
+      x16_tile8<MC, BR>(a, isum, K, qw + b * bw, d + b * bs, mn ? mn + b * bs : nullptr, G,
+                        y + b * kX16, N);
+  }
+  for (; b < b1; ++b) {
+    if constexpr (BITS == 4)
+      x16_tile<MC, 1>(a, K, qw + b * bw, d + b * bs, mn ? mn + b * bs : nullptr, G, y + b * kX16, N);
+    else
+      x16_tile8<MC, 1>(a, isum, K, qw + b * bw, d + b * bs, mn ? mn + b * bs : nullptr, G,
+                       y + b * kX16, N);
+  }
+}
+
+template <int BITS>
+void qlinear_x16(const float* x, int64_t M, int64_t K, const uint8_t* qw, const float* d,
+                 const float* mn, int64_t N, float* y, void* scratch) {
+  const int64_t G = K / 32, NB = N / kX16;
+  int8_t* xq = static_cast<int8_t*>(scratch);
+  float* xd = reinterpret_cast<float*>(xq + ((M * K + 63) / 64) * 64);
+  float* xs = xd + M * G;
+  int32_t* isum = reinterpret_cast<int32_t*>(xs + M * G);
+  quantize_act(x, M, K, xq, xd, xs);
+  if (BITS == 8)
+    for (int64_t i = 0; i < M * G; ++i) {
+      int32_t t = 0;
+      for (int j = 0; j < 32; ++j) t += xq[i * 32 + j];
+      isum[i] = t;
+    }
+  const int64_t nt = nthreads();
+  const int64_t chunk = std::max<int64_t>(2, std::min<int64_t>(16, NB / (4 * nt)));
+  const int64_t nchunks = (NB + chunk - 1) / chunk;
+  auto body = [&](int64_t c) {
+    const int64_t b0 = c * chunk, b1 = std::min(NB, b0 + chunk);
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) {
+      ActQ a{xq + m * K, xd + m * G, xs + m * G};
+      x16_blocks<BITS, 4>(a, isum + m * G, K, qw, d, mn, G, N, b0, b1, y + m * N);
+    }
+    ActQ a{xq + m * K, xd + m * G, xs + m * G};
+    const int32_t* is = isum + m * G;
+    const int64_t rest = M - m;
+    if (rest == 3) x16_blocks<BITS, 3>(a, is, K, qw, d, mn, G, N, b0, b1, y + m * N);
+    else if (rest == 2) x16_blocks<BITS, 2>(a, is, K, qw, d, mn, G, N, b0, b1, y + m * N);
+    else if (rest == 1) x16_blocks<BITS, 1>(a, is, K, qw, d, mn, G, N, b0, b1, y + m * N);
+  };
+  parallel_for(nchunks, body);
+}
+
 // ------------------------------------------------------------------ vector helpers
 // dst[0..n) = a row of the cache in float32 (bf16 widened by a shift, or copied)
 inline void load_row(const void* src, int bf16, float* dst, int64_t n) {
@@ -824,6 +1079,33 @@ int sl_qlinear_i8(const float* x, int64_t M, int64_t K, const uint8_t* qw, const
 }
 
 // out [T, K] = rows ids[0..T) of the quantized matrix, dequantized (an embedding lookup).
+// Repack a 4-bit (nibble layout) or 8-bit group-32 weight, scales/offsets [N, G], into the x16
+// layout (see qlinear_x16). Returns -1 unless N % 16 == 0, K % 32 == 0 and bits is 4 or 8.
+int sl_repack_x16(const uint8_t* qw, const float* d, const float* mn, int64_t N, int64_t K,
+                  int bits, uint8_t* ow, float* od, float* om) {
+  if (N % kX16 || K % 32 || (bits != 4 && bits != 8)) return -1;
+  const int64_t G = K / 32, gb = 4 * bits, chunks = bits;  // bytes per row group; 64-byte chunks
+  for (int64_t b = 0; b < N / kX16; ++b)
+    for (int64_t g = 0; g < G; ++g)
+      for (int r = 0; r < kX16; ++r) {
+        const int64_t row = b * kX16 + r;
+        for (int c = 0; c < chunks; ++c)
+          std::memcpy(ow + ((b * G + g) * chunks + c) * 64 + 4 * r,
+                      qw + row * (K * bits / 8) + g * gb + 4 * c, 4);
+        od[(b * G + g) * kX16 + r] = d[row * G + g];
+        if (mn) om[(b * G + g) * kX16 + r] = mn[row * G + g];
+      }
+  return 0;
+}
+
+// y [M, N] = x [M, K] @ W^T for an x16-layout weight, x quantized to int8 per group of 32
+// (scratch: M * K + 64 + 12 * M * K / 32 bytes).
+void sl_qlinear_x16(const float* x, int64_t M, int64_t K, const uint8_t* qw, const float* d,
+                    const float* mn, int bits, int64_t N, float* y, void* scratch) {
+  if (bits == 4) qlinear_x16<4>(x, M, K, qw, d, mn, N, y, scratch);
+  else qlinear_x16<8>(x, M, K, qw, d, mn, N, y, scratch);
+}
+
 int sl_qembed(const int64_t* ids, int64_t T, const uint8_t* qw, const float* d, const float* mn,
               int bits, int gs, int64_t K, float* out) {
   if (!((bits == 4 && gs == 32) || (bits == 8 && (gs == 32 || gs == 16)))) return -1;

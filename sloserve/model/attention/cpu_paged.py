@@ -34,6 +34,8 @@ class CpuPagedMetadata:
         block_table: [B_d, N_max] int64 their block tables; seq_lens: [B_d] int64.
         max_seq_len: longest decode context.
         multi: the requests with several query tokens.
+        all_decode: every row of the step is a decode, in order (decode_rows is 0..T-1): the
+            kernel's output is the step's output, no gather/scatter.
     """
 
     slot_mapping: torch.Tensor
@@ -42,6 +44,7 @@ class CpuPagedMetadata:
     seq_lens: torch.Tensor | None
     max_seq_len: int
     multi: list[MultiQuery]
+    all_decode: bool = False
 
 
 @register_backend
@@ -73,7 +76,8 @@ class CpuPagedBackend(AttentionBackend):
         lens = inputs.seq_lens.index_select(0, idx).contiguous()
         return CpuPagedMetadata(inputs.slot_mapping, ref.decode_rows,
                                 inputs.block_table.index_select(0, idx).contiguous(), lens,
-                                max(inputs.seq_lens_list[b] for b in dec), ref.multi)
+                                max(inputs.seq_lens_list[b] for b in dec), ref.multi,
+                                all_decode=len(dec) == len(inputs.query_lens))
 
     def forward(self, q, k, v, kv_cache, meta: CpuPagedMetadata, scale):
         kf = k if k.dtype == torch.float32 else k.float()
@@ -81,6 +85,10 @@ class CpuPagedBackend(AttentionBackend):
         if kf.stride(-1) != 1 or kf.stride(1) != kf.shape[2]:
             kf, vf = kf.contiguous(), vf.contiguous()
         self.k.cache_write(kf, vf, kv_cache, meta.slot_mapping)
+        if meta.all_decode and q.dtype == torch.float32 and q.stride(-1) == 1 \
+                and q.stride(1) == q.shape[2]:
+            return self.k.paged_attn_decode(q, kv_cache, meta.block_table, meta.seq_lens,
+                                            meta.max_seq_len, scale, SPLIT_LEN)
         out = torch.empty(q.shape, dtype=q.dtype)
         if meta.decode_rows is not None:
             qd = q.index_select(0, meta.decode_rows).float().contiguous()
