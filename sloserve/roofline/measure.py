@@ -14,10 +14,19 @@ sampling); the reported time is the median of ``repeats`` steps after ``warmup``
   cached prefix), ``warmup`` + ``repeats`` fresh requests.
 
 Theory for the same composition comes from :func:`sloserve.roofline.ops.operator_costs` with
-weights, activations and KV in the engine's dtype. Bound time = ``max(FLOP / peak, bytes /
-bandwidth)`` on the given hardware; where it has no peak for the engine's dtype (``local`` only has
-a numpy fp32 matmul peak) the fp32 peak is used and a note says so. Achieved FLOP/s = FLOP /
-measured, achieved bytes/s = bytes / measured, efficiency = bound / measured (1 = on the roof).
+activations in the engine's dtype and KV in the cache's dtype; the weight bytes and the peak are
+those of the format the step is actually served in (:func:`served_format`):
+
+- a step the fused path runs on quantized weights (at most ``quant_max_tokens`` tokens) reads the
+  quantized bytes (codes + scales + offsets of every layer and the LM head: ``weight_bytes``) and
+  its math is the kernels' int8 dot products, whose peak is measured here: the best FLOP/s of the
+  product of layer 0's gate/up weight (cache-resident, so not bandwidth-limited) at the largest
+  token count the path serves (2 M N K FLOP counted, as for a float GEMM);
+- any other step reads the dense weights in the engine's dtype and its peak is the hardware's for
+  that dtype (``local``: torch's matmul; where it has none, the fp32 peak and a note).
+
+Bound time = ``max(FLOP / peak, bytes / bandwidth)``. Achieved FLOP/s = FLOP / measured, achieved
+bytes/s = bytes / measured, efficiency = bound / measured (1 = on the roof).
 
 This module imports torch and the engine; the rest of :mod:`sloserve.roofline` does not, and
 ``cli.py`` imports this one only for ``--measure``.
@@ -71,6 +80,8 @@ class MeasuredPoint:
     bound: str
     efficiency: float
     contexts: list[int] = field(default_factory=list)
+    format: str = ""     # the weight format and math served (see served_format)
+    peak: float = 0.0    # FLOP/s of that math
 
     @property
     def label(self) -> str:
@@ -105,15 +116,64 @@ class Measurement:
 
 
 def theory(spec: ModelSpec, wl: Workload, hw: Hardware, peak_dtype: str, measured_s: float,
-           samples: list[float], contexts: list[int] | None = None) -> MeasuredPoint:
-    """Combine a measured time with ops.py's FLOPs/bytes for ``wl`` and the roofline bound."""
+           samples: list[float], contexts: list[int] | None = None,
+           served: "ServedFormat | None" = None) -> MeasuredPoint:
+    """Combine a measured time with ops.py's FLOPs/bytes for ``wl`` and the roofline bound
+    (``served``: the weight bytes and peak actually used; None: dense weights in ``wl``'s dtype
+    at ``hw``'s ``peak_dtype`` peak)."""
     ops = operator_costs(spec, wl)
     flops = sum(o.flops for o in ops)
     nbytes = sum(o.bytes for o in ops)
-    rp = roofline_point(flops, nbytes, hw, peak_dtype)
+    peak, fmt = hw.peak(peak_dtype), f"dense {wl.weight_dtype}"
+    if served is not None and served.weight_bytes is not None:
+        nbytes += served.weight_bytes - sum(o.weight_bytes for o in ops)
+        peak, fmt = served.peak, served.name
+    bw = hw.mem_bandwidth
+    bound_s = max(flops / peak, nbytes / bw)
+    intensity = flops / nbytes if nbytes else float("inf")
     return MeasuredPoint(wl.phase, wl.batch, wl.seq_len, measured_s, list(samples), flops, nbytes,
-                         rp.intensity, flops / measured_s, nbytes / measured_s, rp.time, rp.bound,
-                         rp.time / measured_s, list(contexts or []))
+                         intensity, flops / measured_s, nbytes / measured_s, bound_s,
+                         "compute" if intensity >= peak / bw else "memory",
+                         bound_s / measured_s, list(contexts or []), fmt, peak)
+
+
+@dataclass(frozen=True)
+class ServedFormat:
+    """How the engine serves a step's weights: name, bytes read per step (None: dense, counted by
+    ops.py), and the FLOP/s peak of the math used."""
+
+    name: str
+    weight_bytes: int | None
+    peak: float
+
+
+def kernel_peak(fast_path, tokens: int, repeats: int = 20) -> float:
+    """Best FLOP/s of the quantized product the fused path serves at ``tokens`` rows: layer 0's
+    gate/up weight (cache-resident after the first call), 2 M N K FLOP per call."""
+    import time
+    w = fast_path.layers[0].gate_up[0]
+    n, k = w.shape
+    x = torch.randn(tokens, k)
+    fast_path._lin(x, w)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fast_path._lin(x, w)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * tokens * n * k / best
+
+
+def served_format(eng: LLMEngine, tokens: int, peaks: dict) -> ServedFormat | None:
+    """What a step of ``tokens`` query tokens reads and computes with (None: dense weights in the
+    engine's dtype). ``peaks`` caches :func:`kernel_peak` per token count."""
+    fp = getattr(eng.runner, "fast_path", None)
+    if fp is None or not fp.quantized or tokens > fp.quant_max_tokens or not fp.layers[0].gate_up:
+        return None
+    m = max(1, fp.quant_max_tokens)
+    if m not in peaks:
+        peaks[m] = kernel_peak(fp, m)
+    act = "int8" if fp.int8_activations else "fp32"
+    return ServedFormat(f"quantized, {act} act", fp.weight_bytes, peaks[m])
 
 
 def engine_config_for(config: EngineConfig, decode_batches, context_len: int, prefill_chunks,
@@ -165,16 +225,22 @@ def measure(config: EngineConfig, spec: ModelSpec, hw: Hardware, *,
     if hw.name != "local":
         notes.append(f"timed on this machine's CPU, bound taken on {hw.name}")
     eng = LLMEngine(engine_config_for(config, decode_batches, context_len, prefill_chunks, warmup, repeats))
+    kv_dt = ENGINE_TO_OPS_DTYPE.get(str(eng.runner.kv_caches[0].dtype).removeprefix("torch."), dt)
+    peaks: dict = {}
     points: list[MeasuredPoint] = []
     for b in decode_batches:
         steps = time_decode_steps(eng, b, context_len, warmup, repeats)
         t, ctx = [x.forward_s for x in steps], [x.context for x in steps]
-        points.append(theory(spec, Workload("decode", b, context_len, dt, dt, dt), hw, peak_dtype,
-                             statistics.median(t), t, ctx))
+        points.append(theory(spec, Workload("decode", b, context_len, dt, dt, kv_dt), hw, peak_dtype,
+                             statistics.median(t), t, ctx, served_format(eng, b, peaks)))
     for n in prefill_chunks:
         t = [x.forward_s for x in time_prefill_steps(eng, n, prefill_warmup, prefill_repeats)]
-        points.append(theory(spec, Workload("prefill", 1, n, dt, dt, dt), hw, peak_dtype,
-                             statistics.median(t), t))
+        points.append(theory(spec, Workload("prefill", 1, n, dt, dt, kv_dt), hw, peak_dtype,
+                             statistics.median(t), t, served_format(eng, n, peaks)))
+    for m_tok, pk in peaks.items():
+        notes.append(f"quantized steps: weights {fmt_bytes(eng.runner.fast_path.weight_bytes)} per step "
+                     f"as stored; int8-dot peak {fmt_flops_rate(pk)} measured on the engine's own "
+                     f"kernel ({m_tok} rows, cache-resident weight)")
     notes.append(f"decode: timed steps at contexts {context_len - (repeats - 1) // 2}.."
                  f"{context_len + repeats // 2}, theory at {context_len}; prefill: batch 1, "
                  f"one step per chunk, median of {prefill_repeats} after {prefill_warmup} warm-up")
@@ -190,14 +256,15 @@ def measure(config: EngineConfig, spec: ModelSpec, hw: Hardware, *,
 
 def format_measurement(m: Measurement) -> str:
     """The measured-vs-roofline table."""
-    L = [f"== measured: {m.model}, engine dtype {m.engine_dtype} (weights/activations/KV {m.ops_dtype}), "
+    L = [f"== measured: {m.model}, engine dtype {m.engine_dtype} (activations and dense weights "
+         f"{m.ops_dtype}; quantized steps: see 'served as'), "
          f"{m.torch_threads} torch threads, model forward only, median after {m.warmup} warm-up",
-         f"  roof: {m.hardware}, peak {m.peak_dtype} {fmt_flops_rate(m.peak)}, bandwidth "
+         f"  roof: {m.hardware}, dense peak {m.peak_dtype} {fmt_flops_rate(m.peak)}, bandwidth "
          f"{fmt_bandwidth(m.bandwidth)}, balance {m.peak / m.bandwidth:.1f} FLOP/byte",
-         f"  {'point':<16} {'measured':>11} {'FLOP':>12} {'bytes':>22} {'FLOP/byte':>10} "
+         f"  {'point':<16} {'served as':<24} {'measured':>11} {'FLOP':>12} {'bytes':>22} {'FLOP/byte':>10} "
          f"{'achieved FLOP/s':>16} {'achieved B/s':>14} {'bound':>10} {'':>7} {'efficiency':>10}"]
     for p in m.points:
-        L.append(f"  {p.label:<16} {p.measured_s * 1e3:>8.3f} ms {fmt_flops(p.flops):>12} "
+        L.append(f"  {p.label:<16} {p.format:<24} {p.measured_s * 1e3:>8.3f} ms {fmt_flops(p.flops):>12} "
                  f"{fmt_bytes(p.bytes):>22} {p.intensity:>10.1f} {fmt_flops_rate(p.achieved_flops_per_s):>16} "
                  f"{fmt_bandwidth(p.achieved_bytes_per_s):>14} {p.bound_s * 1e3:>7.3f} ms {p.bound:>7} "
                  f"{100 * p.efficiency:>8.1f} %")

@@ -104,3 +104,34 @@ def test_model_flag_without_value_is_embedded():
 
     assert build_parser().parse_args(["--model"]).model == EMBEDDED
     assert build_parser().parse_args([]).model is None
+
+
+def test_quantized_steps_count_the_served_bytes_and_kernel_peak(tiny_dir, local_hw):
+    """A step on quantized weights counts their stored bytes (not the dense dtype's) and the
+    kernel's int8-dot peak; a step above the crossover stays dense."""
+    import types
+    from sloserve.roofline import measure as mm
+    spec = get_model(tiny_dir)
+    layer = types.SimpleNamespace(gate_up=[object()])
+    fp = types.SimpleNamespace(quantized=True, quant_max_tokens=4, weight_bytes=12_345,
+                               int8_activations=True, layers=[layer])
+    eng = types.SimpleNamespace(runner=types.SimpleNamespace(fast_path=fp))
+    calls = []
+    orig = mm.kernel_peak
+    mm.kernel_peak = lambda f, m: calls.append(m) or 7e11
+    try:
+        peaks: dict = {}
+        q = mm.served_format(eng, 3, peaks)
+        assert mm.served_format(eng, 5, peaks) is None
+        assert mm.served_format(eng, 1, peaks) == q and calls == [4]  # measured once
+    finally:
+        mm.kernel_peak = orig
+    assert q.weight_bytes == 12_345 and q.peak == 7e11 and "int8" in q.name
+    wl = Workload("decode", 3, 24, "fp32", "fp32", "fp32")
+    p = mm.theory(spec, wl, local_hw, "fp32", 1e-3, [1e-3], None, q)
+    ops = operator_costs(spec, wl)
+    assert p.bytes == sum(o.bytes for o in ops) - sum(o.weight_bytes for o in ops) + 12_345
+    assert p.flops == sum(o.flops for o in ops) and p.peak == 7e11
+    assert p.bound_s == max(p.flops / 7e11, p.bytes / local_hw.mem_bandwidth)
+    dense = mm.theory(spec, wl, local_hw, "fp32", 1e-3, [1e-3])
+    assert dense.bytes == sum(o.bytes for o in ops) and dense.format == "dense fp32"
