@@ -13,7 +13,15 @@ from sloserve.argtypes import port
 from sloserve.config import EngineConfig, add_engine_args, engine_config_from_args
 
 
+def _stop_before_start(sig, frame):
+    """SIGTERM / SIGINT while the server's modules import: nothing runs yet, exit 0."""
+    raise SystemExit(0)
+
+
 def _serve(a: argparse.Namespace) -> int:
+    import signal
+    for s in (signal.SIGTERM, signal.SIGINT):  # run_server installs its own before the load
+        signal.signal(s, _stop_before_start)
     from sloserve.server.api_server import run_server
     run_server(engine_config_from_args(a), host=a.host, port=a.port, log_level=a.log_level,
                drain_timeout_s=a.shutdown_timeout, step_trace=a.step_trace,

@@ -11,6 +11,8 @@ import argparse
 import math
 from dataclasses import dataclass, fields
 
+from sloserve.engine.block_hash import HASH_ALGOS
+
 POLICIES = ("chunked", "naive", "static")
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
@@ -44,6 +46,8 @@ class EngineConfig:
             "none" (dense), "gguf" (as stored), "int8" / "int4" (requantize every linear weight).
         enforce_eager: run every step on the model's plain torch path (no fused quantized
             kernels; vLLM's flag for "no compiled graphs").
+        enable_prefix_caching: automatic prefix caching (vLLM V1's hash-chained blocks; on).
+        prefix_caching_hash_algo: the block hash ("sha256": the same in every process).
     """
 
     model: str | None = None
@@ -63,6 +67,8 @@ class EngineConfig:
     num_threads: int | None = None
     quantization: str = "auto"
     enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
 
     def validate(self) -> None:
         """Raise ValueError naming the setting, its value and the allowed range."""
@@ -87,6 +93,9 @@ class EngineConfig:
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}, got "
                              f"{self.scheduling_policy!r}")
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {', '.join(HASH_ALGOS)}, "
+                             f"got {self.prefix_caching_hash_algo!r}")
         for name in ("dtype", "kv_cache_dtype"):
             if getattr(self, name) not in DTYPE_CHOICES:
                 raise ValueError(f"{name} must be one of {', '.join(DTYPE_CHOICES)}, got "
@@ -124,6 +133,12 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
                    help="longest prompt + output (default: the model's context, capped at the KV cache)")
     p.add_argument("--scheduling-policy", default=_D.scheduling_policy, choices=POLICIES)
     p.add_argument("--block-size", type=int, default=_D.block_size, help="tokens per KV block")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=_D.enable_prefix_caching,
+                   help="automatic prefix caching: full blocks named by a chained hash are reused "
+                        "by later requests with the same prefix (default on)")
+    p.add_argument("--prefix-caching-hash-algo", default=_D.prefix_caching_hash_algo,
+                   choices=HASH_ALGOS, help="block hash (the same in every process and restart)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks")
 
 

@@ -24,6 +24,7 @@ from sloserve.config import EngineConfig
 from sloserve.engine.core_client import CoreClient
 from sloserve.engine.llm_engine import log_stats
 from sloserve.engine.messages import (EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest,
+                                      EngineCoreResetPrefixCache,
                                       SchedulerStats)
 from sloserve.engine.metrics import StatLogger
 from sloserve.engine.output_processor import OutputProcessor
@@ -130,9 +131,9 @@ class AsyncLLM:
     # ------------------------------------------------------------------ requests
     def make_request(self, prompt: str | list[int], params: SamplingParams,
                      request_id: str | None = None,
-                     arrival_time: float | None = None) -> EngineCoreRequest:
+                     arrival_time: float | None = None, **kw) -> EngineCoreRequest:
         """Validate and tokenize (raises ParamError) without queueing."""
-        return self.processor.make_request(prompt, params, request_id, arrival_time)
+        return self.processor.make_request(prompt, params, request_id, arrival_time, **kw)
 
     async def generate(self, request: EngineCoreRequest) -> AsyncIterator[RequestOutput]:
         """Send a request made by make_request and yield its outputs until it finishes.
@@ -165,6 +166,11 @@ class AsyncLLM:
         finally:
             if not finished:
                 self._abort(rid)
+
+    def reset_prefix_cache(self) -> None:
+        """Ask the core to forget its prefix cache (applied before its next step)."""
+        if self._dead is None:
+            self.client.send(EngineCoreResetPrefixCache())
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (the core frees its blocks before its next step)."""

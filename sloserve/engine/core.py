@@ -121,7 +121,7 @@ class EngineCore:
             self.model_config.max_position_embeddings, num_blocks * config.block_size)
         self.num_kv_blocks = num_blocks
         self.kv_cache_bytes = num_blocks * block_bytes
-        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig.of(config, self.max_model_len), self.kv)
         self.fast_path, self.weights_line = build_fast_path(self.model, weights, config)
         logger.info("%s", self.weights_line)
@@ -154,7 +154,8 @@ class EngineCore:
         self.scheduler.add_request(Request(
             request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids),
             sampling_params=req.sampling_params, arrival_time=req.arrival_time,
-            eos_token_ids=tuple(req.eos_token_ids), parent_request_id=req.parent_request_id))
+            eos_token_ids=tuple(req.eos_token_ids), parent_request_id=req.parent_request_id,
+            priority=req.priority, cache_salt=req.cache_salt))
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         """Finish queued or running requests now and free their KV blocks; unknown ids are
@@ -173,13 +174,21 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block; returns how many (``POST /reset_prefix_cache``)."""
+        n = self.kv.reset_prefix_cache()
+        logger.info("prefix cache reset: %d cached blocks forgotten", n)
+        return n
+
     def stats(self) -> SchedulerStats:
         """The snapshot the front end publishes (``/metrics``, overload control)."""
         s, kv = self.scheduler, self.kv
         return SchedulerStats(num_running=len(s.running), num_waiting=len(s.waiting),
                               num_free_blocks=kv.num_free_blocks, num_blocks=self.num_kv_blocks,
                               kv_cache_usage=kv.usage, num_preemptions_total=s.num_preemptions,
-                              num_steps_total=self.num_steps)
+                              num_steps_total=self.num_steps,
+                              prefix_cache_queries_total=kv.prefix_cache_queries,
+                              prefix_cache_hits_total=kv.prefix_cache_hits)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> EngineCoreOutputs | None:

@@ -22,6 +22,7 @@ import time
 
 from sloserve.config import EngineConfig
 from sloserve.engine.messages import (EngineCoreAbort, EngineCoreOutput, EngineCoreOutputs,
+                                      EngineCoreResetPrefixCache,
                                       EngineCoreReady, EngineCoreRequest, decode_to_core, encoder)
 
 logger = logging.getLogger("sloserve.engine.core")
@@ -148,6 +149,8 @@ def _drain(core, inbox: queue.Queue, pending: list[EngineCoreOutput], block: boo
                                                       f"{type(e).__name__}: {e}"))
         elif isinstance(msg, EngineCoreAbort):
             pending.extend(core.abort_requests(msg.request_ids))
+        elif isinstance(msg, EngineCoreResetPrefixCache):
+            core.reset_prefix_cache()
         try:
             msg = inbox.get_nowait()
         except queue.Empty:

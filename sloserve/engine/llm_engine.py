@@ -103,9 +103,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def make_request(self, prompt: str | list[int], params: SamplingParams,
                      request_id: str | None = None,
-                     arrival_time: float | None = None) -> EngineCoreRequest:
+                     arrival_time: float | None = None, **kw) -> EngineCoreRequest:
         """Tokenize and validate (see Processor.make_request; raises ParamError)."""
-        return self.processor.make_request(prompt, params, request_id, arrival_time)
+        return self.processor.make_request(prompt, params, request_id, arrival_time, **kw)
 
     def add(self, req: EngineCoreRequest) -> None:
         """Queue a request made by make_request. Raises ValueError (e.g. duplicate id)."""
@@ -132,6 +132,10 @@ class LLMEngine:
         out, fin = res
         self._pending_finished.append(fin)
         return out
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block; returns how many."""
+        return self.core.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()

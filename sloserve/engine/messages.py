@@ -33,8 +33,8 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True, tag=True):
         eos_token_ids: the ids that end it (the model's and its tokenizer's; ignored with
             ``ignore_eos``).
         parent_request_id: the API request it belongs to when ``n`` > 1 (its siblings share it).
-        priority: lower runs first under ``--scheduling-policy priority`` (later).
-        cache_salt: requests with different salts never share prefix-cache blocks (later).
+        priority: lower runs first under ``--scheduling-policy priority``.
+        cache_salt: requests with different salts never share prefix-cache blocks.
     """
 
     request_id: str
@@ -52,6 +52,10 @@ class EngineCoreAbort(msgspec.Struct, tag=True):
     unknown or finished ids are ignored."""
 
     request_ids: list[str]
+
+
+class EngineCoreResetPrefixCache(msgspec.Struct, tag=True):
+    """Forget every cached prefix block (``POST /reset_prefix_cache``)."""
 
 
 class Logprobs(msgspec.Struct, array_like=True):
@@ -79,7 +83,7 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
             (max_tokens or max_model_len), ``abort`` (aborted, or failed: see ``error``).
         stop_reason: the stop token id that finished it (it is not part of the text).
         num_output_tokens: output tokens so far, the new ones included (core's count).
-        num_cached_tokens: prompt tokens served from the prefix cache (later).
+        num_cached_tokens: prompt tokens served from the prefix cache at its first admission.
         num_accepted_draft_tokens: draft tokens this step accepted.
         num_preemptions: times the request was preempted so far.
         first_scheduled_time: when it was first scheduled (s, monotonic; set on finish).
@@ -117,6 +121,12 @@ class SchedulerStats(msgspec.Struct):
         kv_cache_usage: 1 - free / all, in [0, 1].
         num_preemptions_total: preemptions since start.
         num_steps_total: engine steps since start.
+        prefix_cache_queries_total, prefix_cache_hits_total: prompt tokens looked up in / served
+            from the prefix cache since start (vLLM's counters: tokens, at admission).
+        num_waiting_tokens: tokens the waiting requests still have to compute (their prompts):
+            the queue ahead of a new arrival, for admission control.
+        prefill_tokens_per_s: the core's measured prefill rate (0 until it has one).
+        decode_step_s: its recent decode step time (s; 0 until it has one).
     """
 
     num_running: int = 0
@@ -126,6 +136,11 @@ class SchedulerStats(msgspec.Struct):
     kv_cache_usage: float = 0.0
     num_preemptions_total: int = 0
     num_steps_total: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    num_waiting_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0
+    decode_step_s: float = 0.0
 
 
 class StepStats(msgspec.Struct):
@@ -207,7 +222,7 @@ class EngineCoreReady(msgspec.Struct, tag=True):
     error_type: str | None = None
 
 
-ToCore = EngineCoreRequest | EngineCoreAbort
+ToCore = EngineCoreRequest | EngineCoreAbort | EngineCoreResetPrefixCache
 FromCore = EngineCoreOutputs | EngineCoreReady
 
 encoder = msgspec.msgpack.Encoder()

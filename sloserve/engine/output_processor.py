@@ -31,6 +31,7 @@ class RequestState:
     output_token_ids: list[int] = field(default_factory=list)
     first_token_time: float | None = None
     last_token_time: float | None = None
+    num_cached_tokens: int = 0
     #: where its outputs go (the async front end's queue); None in-process
     sink: Any = None
 
@@ -128,6 +129,8 @@ class OutputProcessor:
                 else:
                     itls.append(now - st.last_token_time)
                 st.last_token_time = now
+            if o.num_cached_tokens:
+                st.num_cached_tokens = o.num_cached_tokens
             try:
                 new_ids, delta, reason, error = self._advance(st, o)
             except Exception as e:  # one request's failure must not lose the others' outputs
@@ -185,7 +188,8 @@ class OutputProcessor:
             text=st.detok.text if st.detok else "", token_ids=list(st.output_token_ids),
             finished=finished, finish_reason=reason,
             num_prompt_tokens=len(st.request.prompt_token_ids),
-            num_output_tokens=len(st.output_token_ids), error=error)
+            num_output_tokens=len(st.output_token_ids),
+            num_cached_tokens=st.num_cached_tokens, error=error)
 
     @staticmethod
     def _finished_stats(st: RequestState, reason: str, now: float,

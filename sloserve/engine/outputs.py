@@ -18,6 +18,8 @@ class RequestOutput:
         finished: no more output will come.
         finish_reason: "stop", "length", "abort" or None.
         num_prompt_tokens, num_output_tokens: usage counts (tokens).
+        num_cached_tokens: prompt tokens the prefix cache served (usage's
+            ``prompt_tokens_details.cached_tokens``).
         error: set when the engine failed this request (the request is finished).
     """
 
@@ -30,4 +32,5 @@ class RequestOutput:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0
     error: str | None = None

@@ -41,7 +41,8 @@ class Processor:
 
     def make_request(self, prompt: str | list[int], params: SamplingParams,
                      request_id: str | None = None, arrival_time: float | None = None,
-                     parent_request_id: str | None = None) -> EngineCoreRequest:
+                     parent_request_id: str | None = None, priority: int = 0,
+                     cache_salt: str | None = None) -> EngineCoreRequest:
         """Tokenize and validate (thread-safe; touches no engine state).
 
         max_tokens=None becomes "up to max_model_len".
@@ -83,4 +84,5 @@ class Processor:
         return EngineCoreRequest(
             request_id=request_id, prompt_token_ids=ids, sampling_params=params,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            eos_token_ids=list(self.eos_token_ids), parent_request_id=parent_request_id)
+            eos_token_ids=list(self.eos_token_ids), parent_request_id=parent_request_id,
+            priority=priority, cache_salt=cache_salt)

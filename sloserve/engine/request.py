@@ -56,6 +56,10 @@ class Request:
     num_preemptions: int = 0
     spec_token_ids: list[int] = field(default_factory=list)
     parent_request_id: str | None = None
+    priority: int = 0               # lower runs first under the priority policy
+    cache_salt: str | None = None   # requests with different salts share no cached blocks
+    num_cached_tokens: int = 0      # prompt tokens its first admission found in the prefix cache
+    block_hashes: list = field(default_factory=list)  # chained hashes of its full blocks so far
     # timestamps filled by the engine (seconds)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -83,6 +87,11 @@ class Request:
     def is_prefilling(self) -> bool:
         """True while more than the newest token still has to go through the model."""
         return self.num_tokens_to_compute > 1 or self.num_output_tokens == 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt + output token ids (a new list)."""
+        return self.prompt_token_ids + self.output_token_ids
 
     def token_ids_range(self, start: int, end: int) -> list[int]:
         """Token ids at positions [start, end) of prompt + output."""

@@ -16,6 +16,9 @@ A request may contribute any number of query tokens to a step: a prefill chunk a
 one decode token, or a decode token followed by draft tokens to verify (speculative decoding);
 rejected draft tokens are rolled back in `update_from_output`.
 
+With prefix caching on (``KVCacheManager``), a request is admitted at the end of the longest run
+of cached full blocks matching its tokens, and its full blocks are registered as they are computed.
+
 When a running request cannot get a KV block the most recently admitted running request is
 preempted: its blocks are freed, it goes back to the front of the waiting queue, and later its
 prompt plus the tokens it already generated are recomputed (vLLM's recompute preemption).
@@ -226,13 +229,22 @@ class Scheduler:
             may_admit = False
         while may_admit and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
-            n = req.num_tokens_to_compute
+            # the longest run of cached full blocks it can start from (none with caching off)
+            # (a request whose KV arrived from elsewhere, num_computed_tokens > 0, looks up none)
+            hit_blocks, n_hit = (self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0
+                                 else ([], 0))
+            start = n_hit or req.num_computed_tokens
+            n = req.num_tokens - start
             if n > budget:
                 if not chunked:
                     break  # head-of-line: the whole prompt must fit
                 n = budget
-            if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+            if not self.kv.allocate_slots(req.request_id, start + n, hit_blocks):
                 break
+            req.num_computed_tokens = start
+            self.kv.record_query(req.num_tokens, n_hit)
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = n_hit
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
@@ -293,6 +305,7 @@ class Scheduler:
             req.num_computed_tokens += sr.num_new_tokens
             req.spec_token_ids = []
             if not sr.samples:
+                self.kv.cache_blocks(req)
                 if toks:
                     raise ValueError(f"{sr.request_id}: tokens sampled after a chunk that does "
                                      f"not reach the end of its prompt")
@@ -314,6 +327,7 @@ class Scheduler:
             if k:
                 req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
                 self.kv.trim(req.request_id, req.num_computed_tokens)
+            self.kv.cache_blocks(req)  # before a finish frees them: freed blocks stay cached
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
@@ -321,6 +335,7 @@ class Scheduler:
                                  num_output_tokens=req.num_output_tokens,
                                  num_accepted_draft_tokens=len(new) - 1 if k else 0,
                                  num_preemptions=req.num_preemptions,
+                                 num_cached_tokens=req.num_cached_tokens,
                                  parent_request_id=req.parent_request_id)
             if status is not None:
                 self.finish_request(req.request_id, status)

@@ -197,6 +197,8 @@ class Kernels:
              inv_freq: torch.Tensor) -> None:
         """In place on q [T, Hq, D] and k [T, Hk, D] (float32 views; heads contiguous)."""
         T, hq, d = q.shape
+        if d > 1024:
+            raise ValueError(f"rope: head_dim {d} over the kernel's 1024")
         self.lib.sl_rope(_ptr(q), q.stride(0), _ptr(k), k.stride(0), _ptr(positions),
                          _ptr(inv_freq), T, hq, k.shape[1], d)
 

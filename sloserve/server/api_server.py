@@ -42,8 +42,10 @@ class StartupInterrupted(Exception):
 class DrainingServer(uvicorn.Server):
     """uvicorn's server with a drain before the shutdown (see the module docstring)."""
 
-    def __init__(self, config: uvicorn.Config, app_state, engine, drain_timeout_s: float):
+    def __init__(self, config: uvicorn.Config, app_state, engine, drain_timeout_s: float,
+                 pending_signals: list[int] | None = None):
         super().__init__(config)
+        self.pending_signals = pending_signals if pending_signals is not None else []
         self.app_state, self.engine = app_state, engine
         self.drain_timeout_s = drain_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -51,6 +53,9 @@ class DrainingServer(uvicorn.Server):
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
+        if self.pending_signals:  # SIGTERM / SIGINT between the model load and now: stop
+            logger.info("%s before serving: stopping", signal.Signals(self.pending_signals[0]).name)
+            self.should_exit = True
         await super().serve(sockets)
 
     def handle_exit(self, sig, frame) -> None:
@@ -152,14 +157,19 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
         sock.close()
         return
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+        # until uvicorn installs its own handlers, a signal is remembered (the server then
+        # starts and stops at once), never the default death
+        pending: list[int] = []
+        for s in old:
+            signal.signal(s, lambda sig, frame: pending.append(sig))
     logger.info("serving %s on http://%s:%d (max_model_len %d)", engine.model_name, host, port,
                 engine.max_model_len)
     server = DrainingServer(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2),
-                            app.state, engine, drain_timeout_s)
+                            app.state, engine, drain_timeout_s, pending)
     try:
         server.run(sockets=[sock])  # lifespan shutdown stops the engine core
     finally:
+        for s, h in old.items():
+            signal.signal(s, h)
         engine.shutdown()  # idempotent
         sock.close()

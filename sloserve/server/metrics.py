@@ -6,7 +6,8 @@ Metric names, types and histogram buckets follow vLLM (v1) so existing Grafana d
 * gauges ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
   (fraction 0..1);
 * counters ``vllm:num_preemptions``, ``vllm:prompt_tokens``, ``vllm:generation_tokens``,
-  ``vllm:request_success`` (exported with the ``_total`` suffix);
+  ``vllm:request_success``, ``vllm:prefix_cache_queries``, ``vllm:prefix_cache_hits`` (tokens;
+  exported with the ``_total`` suffix);
 * histograms (seconds) ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
   ``vllm:request_time_per_output_token_seconds``, ``vllm:e2e_request_latency_seconds``,
   ``vllm:request_queue_time_seconds``, ``vllm:request_prefill_time_seconds``,
@@ -143,6 +144,12 @@ class PrometheusStatLogger:
         self.h_generation_tokens = hist("vllm:request_generation_tokens",
                                         "Number of generation tokens processed.", token_buckets)
         self.c_steps = counter("sloserve:engine_steps", "Number of engine steps (model forwards).")
+        self.c_prefix_queries = counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.")
+        self.c_prefix_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self._prefix_seen = (0, 0)
         self.h_batched_tokens = hist("sloserve:batched_tokens_per_step",
                                      "Tokens in the forward pass per engine step.",
                                      build_1_2_5_buckets(max(self.max_num_batched_tokens, 1)))
@@ -201,6 +208,16 @@ class PrometheusStatLogger:
             self.bind()
         self.g_running.set(num_running)
         self.g_waiting.set(num_waiting)
+
+    def set_prefix_cache_totals(self, queries: int, hits: int) -> None:
+        """Advance the prefix-cache counters to the core's totals (tokens since its start)."""
+        if not self._bound:
+            self.bind()
+        q0, h0 = self._prefix_seen
+        if queries >= q0 and hits >= h0:
+            self.c_prefix_queries.inc(queries - q0)
+            self.c_prefix_hits.inc(hits - h0)
+        self._prefix_seen = (queries, hits)
 
     def render(self) -> bytes:
         """The registry in Prometheus text exposition format (content type CONTENT_TYPE_LATEST)."""

@@ -47,17 +47,28 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0   # prompt tokens served from the prefix cache
+
+
 class UsageInfo(BaseModel):
     """Token counts of one request (tokens)."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> "UsageInfo":
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+
+    @classmethod
+    def from_output(cls, out) -> "UsageInfo":
+        """The usage of a finished ``RequestOutput``."""
+        return cls.of(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
 
 
 class _SamplingFields(BaseModel):
@@ -78,12 +89,19 @@ class _SamplingFields(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None                   # accepted, ignored
+    priority: int = 0                         # extension: lower runs first (priority policy)
+    cache_salt: str | None = None             # extension: prefix-cache isolation key
     # accepted only at their "off" values
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
 
     def _common_unsupported(self) -> None:
+        if isinstance(self.priority, bool) or not -2 ** 63 <= self.priority < 2 ** 63:
+            raise ParamError(f"priority must be an integer in [-2**63, 2**63), got {self.priority}",
+                             "priority")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise ParamError("cache_salt must be a non-empty string", "cache_salt")
         if self.n is not None and self.n != 1:
             raise ParamError(f"n must be 1 (several choices per request are not supported), "
                              f"got {self.n}", "n")

@@ -6,6 +6,7 @@
     GET  /health                200 while the engine core runs; 503 when it is down or the
                                 server drains
     GET  /metrics               Prometheus text format (from the core's published snapshot)
+    POST /reset_prefix_cache    forget every cached prefix block (vLLM's endpoint)
 """
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
     def make_request_sync(prompt: str | list[int], body, request_id: str) -> EngineCoreRequest:
         try:
             body.unsupported()
-            return engine.make_request(prompt, body.to_sampling_params(), request_id)
+            return engine.make_request(prompt, body.to_sampling_params(), request_id,
+                                       priority=body.priority, cache_salt=body.cache_salt)
         except ParamError as e:
             param = e.param
             if param == "max_tokens" and isinstance(body, ChatCompletionRequest):
@@ -76,7 +78,17 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
         s = engine.stats
         metrics.set_queue_sizes(s.num_running, s.num_waiting)
         metrics.set_kv_usage(s.kv_cache_usage)
+        metrics.set_prefix_cache_totals(s.prefix_cache_queries_total, s.prefix_cache_hits_total)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @r.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        """Forget the prefix cache (blocks in use keep their tokens). 200, or 503 when the
+        engine is down."""
+        if not engine.is_running:
+            raise APIError(503, "engine is not running")
+        engine.reset_prefix_cache()
+        return Response(status_code=200)
 
     @r.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:

@@ -55,7 +55,7 @@ class CompletionBuilder:
         return CompletionResponse(
             id=self.id, created=self.created, model=self.model,
             choices=[CompletionChoice(text=text, finish_reason=final.finish_reason)],
-            usage=UsageInfo.of(final.num_prompt_tokens, final.num_output_tokens))
+            usage=UsageInfo.from_output(final))
 
 
 @dataclass
@@ -89,7 +89,7 @@ class ChatBuilder:
             id=self.id, created=self.created, model=self.model,
             choices=[ChatCompletionChoice(message=ChatResponseMessage(content=text),
                                           finish_reason=final.finish_reason)],
-            usage=UsageInfo.of(final.num_prompt_tokens, final.num_output_tokens))
+            usage=UsageInfo.from_output(final))
 
 
 ResponseBuilder = CompletionBuilder | ChatBuilder
@@ -117,7 +117,7 @@ async def _events(engine: AsyncLLM, req: EngineCoreRequest, include_usage: bool,
                 first = []
                 if out.finished:
                     yield b.chunk(out.new_text, out.finish_reason)
-                    usage = UsageInfo.of(out.num_prompt_tokens, out.num_output_tokens)
+                    usage = UsageInfo.from_output(out)
                 elif out.new_text:
                     yield b.chunk(out.new_text, None)
     except Exception as e:  # engine died or refused (CancelledError is not an Exception)

@@ -48,12 +48,15 @@ class SimConfig(SchedulerConfig):
             ... --bench-result``.
         token_out_s: from the end of the step that made a token to the client holding it
             (detokenization, the SSE event), seconds.
+        enable_prefix_caching: the engine's prefix cache (its own code; prompts are stand-in
+            token ids that share where the workload's texts share, see ``Instance.token_ids``).
     """
 
     num_kv_blocks: int | None = None
     block_size: int = EngineConfig.block_size
     request_in_s: float = 0.0
     token_out_s: float = 0.0
+    enable_prefix_caching: bool = EngineConfig.enable_prefix_caching
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -99,13 +102,27 @@ class Replica:
                  recs: list[RequestRecord], record_steps: bool, role: str = "both"):
         self.index, self.cost, self.requests, self.recs, self.role = index, cost, requests, recs, role
         self.token_out_s = cfg.token_out_s
-        self.sched = Scheduler(cfg, KVCacheManager(cfg.num_kv_blocks, cfg.block_size))
+        self.sched = Scheduler(cfg, KVCacheManager(cfg.num_kv_blocks, cfg.block_size,
+                                                   cfg.enable_prefix_caching))
         self.inbox: list[int] = []
         self.incoming = 0  # KV transfers on their way here
         self.running_step = None
         self.steps: list[tuple[float, StepComposition]] = []
         self.record_steps = record_steps
         self.preemptions = 0
+
+    @staticmethod
+    def token_ids(r: SampleRequest, index: int) -> list[int]:
+        """Stand-in token ids of request ``index``'s prompt, ``prompt_len`` of them: one id per
+        word (the number of a placeholder word ``w123``, else the word's CRC-32), so prompts
+        share cached blocks exactly where their texts share words; positions past the text's
+        words get ids of this request alone (negative), so an unknown tail is never shared."""
+        ids = []
+        for w in r.prompt.split()[:r.prompt_len]:
+            ids.append(int(w[1:]) if w[:1] == "w" and w[1:].isdigit() else zlib.crc32(w.encode()))
+        base = -1 - (index << 32)
+        ids.extend(base - p for p in range(len(ids), r.prompt_len))
+        return ids
 
     @property
     def busy(self) -> bool:
@@ -122,7 +139,7 @@ class Replica:
         rejected = []
         for i in self.inbox:
             r = self.requests[i]
-            req = Request(request_id=str(i), prompt_token_ids=[0] * r.prompt_len,
+            req = Request(request_id=str(i), prompt_token_ids=self.token_ids(r, i),
                           sampling_params=SamplingParams(temperature=0.0, ignore_eos=True,
                                                          max_tokens=r.expected_output_len),
                           arrival_time=float(sent[i]))

@@ -90,20 +90,25 @@ def drive_step(sched: Scheduler, token_fn: Callable[[Request], int] = fake_token
 
 
 def check_kv_invariants(sched: Scheduler) -> None:
-    """Block accounting: every block is either free or in exactly one running request's table;
-    a running request holds exactly ceil(num_computed_tokens / block_size) blocks; nothing else
-    holds blocks."""
+    """Block accounting: a block's ref count is the number of block tables holding it (more than
+    one only for prefix-cache sharing), the free blocks are exactly those with none; a running
+    request holds exactly ceil(num_computed_tokens / block_size) blocks; nothing else holds
+    blocks; every cached hash names the block that holds it."""
     kv = sched.kv
     pool = kv.pool
     free = list(pool._free)
     assert len(set(free)) == len(free), "a block is on the free list twice"
-    held = [b for t in kv.block_tables.values() for b in t]
-    assert len(set(held)) == len(held), "a block is in two block tables"
-    assert not set(held) & set(free), "a held block is also free"
-    assert len(held) + len(free) == pool.num_blocks, "a block leaked"
-    held_set = set(held)
-    for b in range(pool.num_blocks):
-        assert pool._ref_cnt[b] == (1 if b in held_set else 0)
+    refs = [0] * pool.num_blocks
+    for t in kv.block_tables.values():
+        assert len(set(t)) == len(t), "a block twice in one block table"
+        for b in t:
+            refs[b] += 1
+    if not kv.enable_prefix_caching:
+        assert max(refs, default=0) <= 1, "a block is in two block tables"
+    assert refs == pool._ref_cnt, "ref counts differ from the block tables"
+    assert set(free) == {b for b in range(pool.num_blocks) if refs[b] == 0}, "a block leaked"
+    for h, b in pool._cached.items():
+        assert pool._hash[b] == h
     running_ids = {r.request_id for r in sched.running}
     assert {rid for rid, t in kv.block_tables.items() if t} <= running_ids
     for r in sched.running:

@@ -26,7 +26,8 @@ OUTPUTS = [4, 3, 6]
 def test_step_trace_records_every_step_and_its_composition(tiny_llama_dir, tmp_path):
     path = str(tmp_path / "trace.jsonl")
     eng = LLMEngine(EngineConfig(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64,
-                                 block_size=4, max_num_batched_tokens=16), step_trace=path)
+                                 block_size=4, max_num_batched_tokens=16,
+                                 enable_prefix_caching=False), step_trace=path)
     comps = record_compositions(eng)
     for i, (p, o) in enumerate(zip(PROMPTS, OUTPUTS)):
         eng.add_request([10 + j for j in range(p)],

@@ -1110,6 +1110,9 @@ int sl_qembed(const int64_t* ids, int64_t T, const uint8_t* qw, const float* d, 
               int bits, int gs, int64_t K, float* out) {
   if (!((bits == 4 && gs == 32) || (bits == 8 && (gs == 32 || gs == 16)))) return -1;
   const int64_t G = K / gs, row_bytes = K * bits / 8;
+#ifdef SL_USE_OMP
+#pragma omp parallel for schedule(static) if (T * K >= 32768)
+#endif
   for (int64_t t = 0; t < T; ++t) {
     const uint8_t* wr = qw + ids[t] * row_bytes;
     const float* dr = d + ids[t] * G;
@@ -1134,6 +1137,9 @@ int sl_qembed(const int64_t* ids, int64_t T, const uint8_t* qw, const float* d, 
 
 // out = rmsnorm(x) * w; x, out [T, D] float32 (out may alias x).
 void sl_rms_norm(const float* x, const float* w, int64_t T, int64_t D, float eps, float* out) {
+#ifdef SL_USE_OMP
+#pragma omp parallel for schedule(static) if (T * D >= 32768)
+#endif
   for (int64_t t = 0; t < T; ++t) {
     const float* xr = x + t * D;
     float ss = 0.f;
@@ -1148,6 +1154,9 @@ void sl_rms_norm(const float* x, const float* w, int64_t T, int64_t D, float eps
 // h += delta (the residual stream, in place), then out = rmsnorm(h) * w. [T, D] float32.
 void sl_add_rms_norm(float* h, const float* delta, const float* w, int64_t T, int64_t D,
                      float eps, float* out) {
+#ifdef SL_USE_OMP
+#pragma omp parallel for schedule(static) if (T * D >= 32768)
+#endif
   for (int64_t t = 0; t < T; ++t) {
     float* hr = h + t * D;
     const float* dr = delta + t * D;
@@ -1165,6 +1174,9 @@ void sl_add_rms_norm(float* h, const float* delta, const float* w, int64_t T, in
 
 // out [T, F] = silu(gu[:, :F]) * gu[:, F:]   (gu [T, 2F]: gate then up, as the fused weight).
 void sl_silu_mul(const float* gu, int64_t T, int64_t F, float* out) {
+#ifdef SL_USE_OMP
+#pragma omp parallel for schedule(static) if (T * F * 4 >= 32768)
+#endif
   for (int64_t t = 0; t < T; ++t) {
     const float* g = gu + t * 2 * F;
     const float* u = g + F;
@@ -1180,8 +1192,11 @@ void sl_silu_mul(const float* gu, int64_t T, int64_t F, float* out) {
 void sl_rope(float* q, int64_t q_stride, float* k, int64_t k_stride, const int64_t* pos,
              const float* inv_freq, int64_t T, int64_t Hq, int64_t Hk, int64_t D) {
   const int64_t half = D / 2;
-  std::vector<float> c(half), s(half);
+#ifdef SL_USE_OMP
+#pragma omp parallel for schedule(static) if (T * (Hq + Hk) * D * 4 >= 32768)
+#endif
   for (int64_t t = 0; t < T; ++t) {
+    float c[512], s[512];  // half <= 512 (checked by the caller)
     const float p = float(pos[t]);
     for (int64_t i = 0; i < half; ++i) {
       const float a = p * inv_freq[i];
