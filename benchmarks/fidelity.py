@@ -32,6 +32,7 @@ import numpy as np
 from sloserve.bench.datasets import PromptFactory, SampleRequest, mixed_workload
 from sloserve.bench.metrics import calculate_metrics
 from sloserve.bench.results import result_json, save_json
+from sloserve.config import BATCHING_FLAGS
 from sloserve.bench.runner import BenchConfig, run_benchmark
 from sloserve.bench.server_proc import sloserve_server
 from sloserve.sim.profile import (fit_with_holdout, frontend_delays, load_profile, save_profile,
@@ -50,7 +51,7 @@ def _measure_one(out: str, name: str, policy: str, rate: float, n: int, seed: in
     reqs = mixed_workload(PromptFactory(tok, seed=seed), n, scale=SCALE, seed=seed)
     count = lambda text: len(tok.encode(text, add_special_tokens=False))  # noqa: E731
     trace = os.path.join(out, f"trace_{name}.jsonl")
-    args = ["--scheduling-policy", policy, "--max-num-batched-tokens", str(BUDGET),
+    args = [*BATCHING_FLAGS[policy], "--max-num-batched-tokens", str(BUDGET),
             "--step-trace", trace]
     t0 = time.perf_counter()
     with sloserve_server(args, quiet=True) as base:

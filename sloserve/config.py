@@ -11,9 +11,17 @@ import argparse
 import math
 from dataclasses import dataclass, fields
 
-from sloserve.engine.block_hash import HASH_ALGOS
-
+#: batching modes (the scheduler's SchedulingPolicy): chunked prefill (default), no chunking
+#: (``--no-enable-chunked-prefill``), static batches (``--static-batching``)
 POLICIES = ("chunked", "naive", "static")
+#: ``--scheduling-policy`` (vLLM's): the waiting queue's order
+QUEUE_POLICIES = ("fcfs", "priority")
+SLO_ADMISSION = ("reject", "defer")
+#: ``--prefix-caching-hash-algo`` choices (see sloserve.engine.block_hash)
+HASH_ALGOS = ("sha256",)
+#: the server flags of each batching mode (for the tools that start servers)
+BATCHING_FLAGS = {"chunked": [], "naive": ["--no-enable-chunked-prefill"],
+                  "static": ["--static-batching"]}
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
 LOAD_FORMAT_CHOICES = ("auto", "gguf", "safetensors", "hf", "dummy")
@@ -37,7 +45,19 @@ class EngineConfig:
         max_num_seqs: most requests running at once.
         max_model_len: longest prompt + output (tokens); None = the model's context length,
             capped at what the KV cache holds.
-        scheduling_policy: "chunked", "naive" or "static".
+        scheduling_policy: "fcfs" (default) or "priority" (lower ``priority`` first; a
+            higher-priority request may preempt lower-priority running ones). The old values
+            "chunked" / "naive" / "static" still work for one release, with a deprecation notice
+            (they set the two fields below).
+        enable_chunked_prefill: split prompts into chunks under the token budget (default on;
+            off: a prompt is prefilled whole, Orca-style).
+        static_batching: admit a batch only when nothing runs (for comparison; our own flag).
+        ttft_slo_ms: with it, SLO-aware admission: a request whose estimated TTFT exceeds it is
+            rejected at arrival (429) or, with slo_admission "defer", moved behind the
+            requests that can still meet it.
+        slo_admission: "reject" or "defer" (see ttft_slo_ms).
+        max_waiting_requests: past this many waiting requests a new one is rejected (429);
+            None: unbounded. (Decided by the front end, see ``engine.admission``.)
         seed: seed of the engine RNG (unseeded sampling requests draw their seeds from it).
         attention_backend: "auto" (the best that runs here) or a registered backend's name.
         num_threads: torch intra-op threads of the engine core (None: torch's default, every
@@ -61,7 +81,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     max_model_len: int | None = None
-    scheduling_policy: str = "chunked"
+    scheduling_policy: str = "fcfs"
+    enable_chunked_prefill: bool = True
+    static_batching: bool = False
+    ttft_slo_ms: float | None = None
+    slo_admission: str = "reject"
+    max_waiting_requests: int | None = None
     seed: int = 0
     attention_backend: str = "auto"
     num_threads: int | None = None
@@ -70,13 +95,32 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
 
+    def __post_init__(self) -> None:
+        if self.scheduling_policy in POLICIES:  # the old spelling: one release of grace
+            import logging
+            new = {"chunked": "--enable-chunked-prefill", "naive": "--no-enable-chunked-prefill",
+                   "static": "--static-batching"}[self.scheduling_policy]
+            logging.getLogger("sloserve").warning(
+                "--scheduling-policy %s is deprecated: use %s (--scheduling-policy is now fcfs|"
+                "priority, as in vLLM)", self.scheduling_policy, new)
+            self.enable_chunked_prefill = self.scheduling_policy != "naive"
+            self.static_batching = self.scheduling_policy == "static"
+            self.scheduling_policy = "fcfs"
+
+    @property
+    def batching(self) -> str:
+        """The scheduler's batching mode: "chunked", "naive" or "static"."""
+        if self.static_batching:
+            return "static"
+        return "chunked" if self.enable_chunked_prefill else "naive"
+
     def validate(self) -> None:
         """Raise ValueError naming the setting, its value and the allowed range."""
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        for name in ("num_kv_blocks", "max_model_len", "num_threads"):
+        for name in ("num_kv_blocks", "max_model_len", "num_threads", "max_waiting_requests"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -90,9 +134,16 @@ class EngineConfig:
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
                              f"got {self.quantization!r}")
-        if self.scheduling_policy not in POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}, got "
+        if self.scheduling_policy not in QUEUE_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(QUEUE_POLICIES)}, got "
                              f"{self.scheduling_policy!r}")
+        if self.ttft_slo_ms is not None and not (
+                isinstance(self.ttft_slo_ms, (int, float)) and math.isfinite(self.ttft_slo_ms)
+                and self.ttft_slo_ms > 0):
+            raise ValueError(f"ttft_slo_ms must be a positive number of ms, got {self.ttft_slo_ms}")
+        if self.slo_admission not in SLO_ADMISSION:
+            raise ValueError(f"slo_admission must be one of {', '.join(SLO_ADMISSION)}, got "
+                             f"{self.slo_admission!r}")
         if self.prefix_caching_hash_algo not in HASH_ALGOS:
             raise ValueError(f"prefix_caching_hash_algo must be one of {', '.join(HASH_ALGOS)}, "
                              f"got {self.prefix_caching_hash_algo!r}")
@@ -131,7 +182,25 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
                    help=f"most requests running at once (default {_D.max_num_seqs})")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output (default: the model's context, capped at the KV cache)")
-    p.add_argument("--scheduling-policy", default=_D.scheduling_policy, choices=POLICIES)
+    p.add_argument("--scheduling-policy", default=_D.scheduling_policy,
+                   choices=QUEUE_POLICIES + POLICIES, metavar="{fcfs,priority}",
+                   help="waiting-queue order: fcfs (default) or priority (the request field "
+                        "`priority`, lower first; may preempt lower-priority running requests). "
+                        "chunked/naive/static are deprecated spellings of the two flags below")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=_D.enable_chunked_prefill,
+                   help="split long prompts into chunks under the token budget (default on; "
+                        "--no-enable-chunked-prefill prefills each prompt whole)")
+    p.add_argument("--static-batching", action="store_true",
+                   help="admit a batch only when nothing runs (static batching, for comparison)")
+    p.add_argument("--ttft-slo-ms", type=float, default=None, metavar="MS",
+                   help="SLO-aware admission: requests whose estimated TTFT exceeds MS are "
+                        "rejected at arrival (429) or deferred (--slo-admission defer)")
+    p.add_argument("--slo-admission", default=_D.slo_admission, choices=SLO_ADMISSION,
+                   help="what --ttft-slo-ms does with a request that cannot meet it")
+    p.add_argument("--max-waiting-requests", type=int, default=None, metavar="N",
+                   help="past N waiting requests a new one gets HTTP 429 with Retry-After "
+                        "(default: unbounded)")
     p.add_argument("--block-size", type=int, default=_D.block_size, help="tokens per KV block")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=_D.enable_prefix_caching,
@@ -140,6 +209,14 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-caching-hash-algo", default=_D.prefix_caching_hash_algo,
                    choices=HASH_ALGOS, help="block hash (the same in every process and restart)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV blocks")
+
+
+def batching_from_args(a: argparse.Namespace) -> str:
+    """The batching mode (chunked / naive / static) the scheduling flags ask for, the deprecated
+    ``--scheduling-policy chunked|naive|static`` included (with its notice)."""
+    return EngineConfig(scheduling_policy=a.scheduling_policy,
+                        enable_chunked_prefill=a.enable_chunked_prefill,
+                        static_batching=a.static_batching).batching
 
 
 def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> None:

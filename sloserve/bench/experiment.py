@@ -23,6 +23,7 @@ from rich.table import Table
 
 from sloserve.bench.datasets import PromptFactory, mixed_workload
 from sloserve.bench.results import result_json, save_json
+from sloserve.config import BATCHING_FLAGS
 from sloserve.bench.runner import BenchConfig, run_benchmark
 from sloserve.bench.server_proc import scrape_metrics, sloserve_server
 
@@ -151,7 +152,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: str, console: Console,
     count = lambda text: len(tok.encode(text, add_special_tokens=False))  # noqa: E731
     rows, results = [], {}
     for policy in policies:
-        args = ["--scheduling-policy", policy, "--max-num-batched-tokens", str(cfg.budget),
+        args = [*BATCHING_FLAGS[policy], "--max-num-batched-tokens", str(cfg.budget),
                 *cfg.server_args]
         console.rule(f"policy {policy}: sloserve serve {' '.join(args)}")
         t0 = time.perf_counter()

@@ -13,6 +13,7 @@ If the core process dies, every request in flight ends at once with :class:`Engi
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import subprocess
 import threading
@@ -21,6 +22,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 
 from sloserve.config import EngineConfig
+from sloserve.engine.admission import Rejection, check_admission
 from sloserve.engine.core_client import CoreClient
 from sloserve.engine.llm_engine import log_stats
 from sloserve.engine.messages import (EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest,
@@ -79,6 +81,10 @@ class AsyncLLM:
         self.stats = SchedulerStats(num_free_blocks=self.info.num_kv_blocks,
                                     num_blocks=self.info.num_kv_blocks)
         self._pending_finished: list = []
+        #: requests sent to the core, and (sequence number, prompt tokens) of those it may not
+        #: have queued yet (overload control counts them as waiting)
+        self._sent_total = 0
+        self._in_transit: collections.deque = collections.deque()
         self._stop = threading.Event()
         self._dead: str | None = None
         self._threads: list[threading.Thread] = []
@@ -135,6 +141,26 @@ class AsyncLLM:
         """Validate and tokenize (raises ParamError) without queueing."""
         return self.processor.make_request(prompt, params, request_id, arrival_time, **kw)
 
+    def check_admission(self, request: EngineCoreRequest) -> Rejection | None:
+        """Overload control at arrival (``engine.admission``): None to admit, else why not.
+        Reads only the core's published snapshot and this process's own counts, so a core
+        busy with a long step does not delay the answer."""
+        cfg = self.config
+        if cfg.max_waiting_requests is None and (cfg.ttft_slo_ms is None
+                                                 or cfg.slo_admission != "reject"):
+            return None
+        s = self.stats
+        while self._in_transit and self._in_transit[0][0] <= s.num_requests_received_total:
+            self._in_transit.popleft()
+        return check_admission(
+            num_waiting=s.num_waiting + len(self._in_transit),
+            queue_tokens=s.num_waiting_tokens + sum(n for _, n in self._in_transit),
+            prompt_tokens=len(request.prompt_token_ids),
+            prefill_tokens_per_s=s.prefill_tokens_per_s, decode_step_s=s.decode_step_s,
+            max_waiting_requests=cfg.max_waiting_requests,
+            ttft_slo_s=cfg.ttft_slo_ms / 1e3 if cfg.ttft_slo_ms else None,
+            reject_over_slo=cfg.slo_admission == "reject")
+
     async def generate(self, request: EngineCoreRequest) -> AsyncIterator[RequestOutput]:
         """Send a request made by make_request and yield its outputs until it finishes.
 
@@ -154,6 +180,8 @@ class AsyncLLM:
         finished = False
         try:
             self.client.send(request)  # inside the try: a request that cannot be sent is forgotten
+            self._sent_total += 1
+            self._in_transit.append((self._sent_total, len(request.prompt_token_ids)))
             while True:
                 out = await q.get()
                 if isinstance(out, BaseException):

@@ -19,9 +19,6 @@ from __future__ import annotations
 import hashlib
 import struct
 
-#: ``--prefix-caching-hash-algo`` choices
-HASH_ALGOS = ("sha256",)
-
 BlockHash = bytes  # 32 bytes
 
 

@@ -16,6 +16,7 @@ import time
 import torch
 
 from sloserve.config import EngineConfig
+from sloserve.engine.admission import StepRates
 from sloserve.engine.kv_cache_manager import KVCacheManager
 from sloserve.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
                                       EngineInfo, SchedulerStats, StepStats)
@@ -133,10 +134,12 @@ class EngineCore:
             eos_token_ids=list(self.model_config.eos_token_ids), num_kv_blocks=num_blocks,
             block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens,
             dtype=self.dtype_choice.dtype, kv_cache_dtype=self.dtype_choice.kv_cache_dtype,
-            dtype_reason=f"{self.dtype_choice.describe()}; {self.weights_line}", pid=os.getpid())
+            dtype_reason=f"{self.dtype_choice.describe()}; {self.weights_line}", pid=os.getpid(),
+            scheduling_policy=config.scheduling_policy)
         from sloserve.engine.metrics import StepTraceLogger
         self._trace = StepTraceLogger(step_trace) if step_trace else None
         self.num_steps = 0
+        self.rates = StepRates()
         #: fault injection for tests of the failure paths: the first N model steps raise
         self._inject_failures = int(os.environ.get(INJECT_FAILURES_ENV, "0") or 0)
         #: the last step's runner output (its timings), for benchmarks
@@ -145,7 +148,9 @@ class EngineCore:
                     "(%.2f GiB), max_model_len %d, policy %s, attention %s, %d torch threads",
                     model_name, self.model_config.num_hidden_layers, self.dtype,
                     self.kv_cache_dtype, num_blocks, config.block_size,
-                    self.kv_cache_bytes / GiB, self.max_model_len, config.scheduling_policy,
+                    self.kv_cache_bytes / GiB, self.max_model_len,
+                    f"{config.batching} {config.scheduling_policy}"
+                    f"{', prefix caching' if config.enable_prefix_caching else ''}",
                     attn.name, torch.get_num_threads())
 
     # ------------------------------------------------------------------ inputs
@@ -188,7 +193,12 @@ class EngineCore:
                               kv_cache_usage=kv.usage, num_preemptions_total=s.num_preemptions,
                               num_steps_total=self.num_steps,
                               prefix_cache_queries_total=kv.prefix_cache_queries,
-                              prefix_cache_hits_total=kv.prefix_cache_hits)
+                              prefix_cache_hits_total=kv.prefix_cache_hits,
+                              num_waiting_tokens=s.num_tokens_to_prefill(),
+                              prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
+                              decode_step_s=self.rates.decode_step_s,
+                              num_requests_received_total=s.num_requests_received,
+                              num_deferred_total=s.num_deferred)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> EngineCoreOutputs | None:
@@ -211,6 +221,8 @@ class EngineCore:
                                      self.stats(), timestamp=time.monotonic())
         self.last_runner_output = runner_out
         self.num_steps += 1
+        self.rates.update(out.num_prefill_tokens, out.num_decode_tokens, now - t0)
+        self.scheduler.prefill_tokens_per_s = self.rates.prefill_tokens_per_s
         step = StepStats(start_time=t0, step_s=now - t0, forward_s=runner_out.forward_s,
                          num_batched_tokens=out.num_batched_tokens,
                          num_prefill_tokens=out.num_prefill_tokens,

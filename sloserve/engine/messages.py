@@ -127,6 +127,9 @@ class SchedulerStats(msgspec.Struct):
             the queue ahead of a new arrival, for admission control.
         prefill_tokens_per_s: the core's measured prefill rate (0 until it has one).
         decode_step_s: its recent decode step time (s; 0 until it has one).
+        num_requests_received_total: requests the core has queued since start (the front end's
+            sent count minus this is what is still on its way).
+        num_deferred_total: requests SLO-aware deferral moved back since start.
     """
 
     num_running: int = 0
@@ -141,6 +144,8 @@ class SchedulerStats(msgspec.Struct):
     num_waiting_tokens: int = 0
     prefill_tokens_per_s: float = 0.0
     decode_step_s: float = 0.0
+    num_requests_received_total: int = 0
+    num_deferred_total: int = 0
 
 
 class StepStats(msgspec.Struct):
@@ -197,6 +202,7 @@ class EngineInfo(msgspec.Struct):
         dtype, kv_cache_dtype: what the engine computes in and caches KV in.
         dtype_reason: the one-line choice the core logged.
         pid: the core process (0 in-process).
+        scheduling_policy: "fcfs" or "priority" (a request's priority only counts under the latter).
     """
 
     model_name: str
@@ -211,6 +217,7 @@ class EngineInfo(msgspec.Struct):
     kv_cache_dtype: str
     dtype_reason: str = ""
     pid: int = 0
+    scheduling_policy: str = "fcfs"
 
 
 class EngineCoreReady(msgspec.Struct, tag=True):

@@ -52,6 +52,9 @@ class Processor:
                 max_model_len or over the KV cache (the message names the numbers and the limit).
         """
         info = self.info
+        if priority and info.scheduling_policy != "priority":
+            raise ParamError(f"priority {priority} needs --scheduling-policy priority (the server "
+                             f"runs {info.scheduling_policy})", "priority")
         ids = self.encode(prompt)
         n = len(ids)
         if n == 0:

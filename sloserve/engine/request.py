@@ -59,6 +59,7 @@ class Request:
     priority: int = 0               # lower runs first under the priority policy
     cache_salt: str | None = None   # requests with different salts share no cached blocks
     num_cached_tokens: int = 0      # prompt tokens its first admission found in the prefix cache
+    deferred: bool = False          # moved back by SLO-aware deferral at least once
     block_hashes: list = field(default_factory=list)  # chained hashes of its full blocks so far
     # timestamps filled by the engine (seconds)
     first_scheduled_time: float | None = None

@@ -23,6 +23,20 @@ When a running request cannot get a KV block the most recently admitted running 
 preempted: its blocks are freed, it goes back to the front of the waiting queue, and later its
 prompt plus the tokens it already generated are recomputed (vLLM's recompute preemption).
 
+Under the ``priority`` queue policy (vLLM's ``--scheduling-policy priority``) the waiting queue
+is ordered by (priority, arrival time), lower first; the victim of a preemption is the running
+request with the largest (priority, arrival time); and a waiting request that cannot be admitted
+(no seat or no KV block) preempts running requests of a strictly larger priority value.
+
+SLO-aware deferral (``ttft_slo_s`` with ``slo_deferral``): before admitting, waiting requests
+whose estimated TTFT (time waited + the prompt tokens ahead of them and their own, at
+``prefill_tokens_per_s``, which the engine measures and sets) exceeds the limit go behind those
+that can still meet it; they are served later, never dropped.
+
+Progress guarantee: running requests past their prefill are scheduled first, one token each, in
+every step (K = 1: a running, not preempted request gets a token every step, whatever arrives),
+as long as the budget holds them all (max_num_seqs <= max_num_batched_tokens, the default).
+
 Plain Python: no torch and no clock (the caller passes `now`), so a simulator can drive it with
 a cost model instead of a model runner. Its output (`sloserve.step_io.SchedulerOutput`) is plain
 data with no live objects.
@@ -41,7 +55,8 @@ from sloserve.step_io import ModelRunnerOutput, ScheduledRequest, SchedulerOutpu
 
 
 class SchedulingPolicy(str, enum.Enum):
-    """`--scheduling-policy`: chunked (default), naive (no chunking) or static batching."""
+    """The batching mode: chunked (default), naive (``--no-enable-chunked-prefill``) or static
+    (``--static-batching``)."""
 
     CHUNKED = "chunked"
     NAIVE = "naive"
@@ -60,23 +75,33 @@ class SchedulerConfig:
         max_num_batched_tokens: token budget per step (tokens).
         max_num_seqs: most requests running at once.
         max_model_len: longest prompt + output (tokens; default: the embedded model's context).
-        policy: chunked, naive or static.
+        policy: the batching mode, chunked, naive or static.
+        queue_policy: "fcfs" or "priority" (``--scheduling-policy``): the waiting queue's order.
+        ttft_slo_s: TTFT limit (s) of SLO-aware deferral, None: off.
+        slo_deferral: move waiting requests that can no longer meet ttft_slo_s behind the others.
     """
 
     max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
     max_num_seqs: int = EngineConfig.max_num_seqs
     max_model_len: int = 8192
-    policy: SchedulingPolicy = SchedulingPolicy(EngineConfig.scheduling_policy)
+    policy: SchedulingPolicy = SchedulingPolicy(EngineConfig().batching)
+    queue_policy: str = EngineConfig.scheduling_policy
+    ttft_slo_s: float | None = None
+    slo_deferral: bool = False
 
     @classmethod
     def of(cls, config: EngineConfig, max_model_len: int) -> "SchedulerConfig":
         """The scheduler's view of an engine's settings (``max_model_len`` resolved)."""
         return cls(max_num_batched_tokens=config.max_num_batched_tokens,
                    max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
-                   policy=config.scheduling_policy)
+                   policy=config.batching, queue_policy=config.scheduling_policy,
+                   ttft_slo_s=config.ttft_slo_ms / 1e3 if config.ttft_slo_ms else None,
+                   slo_deferral=config.slo_admission == "defer")
 
     def __post_init__(self) -> None:
         self.policy = SchedulingPolicy(self.policy)
+        if self.queue_policy not in ("fcfs", "priority"):
+            raise ValueError(f"queue_policy must be fcfs or priority, got {self.queue_policy!r}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
@@ -100,6 +125,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_requests_received = 0
+        #: the engine's measured prefill rate (tokens/s), for SLO-aware deferral; 0: unknown
+        self.prefill_tokens_per_s = 0.0
+        self.num_deferred = 0
         #: finished or aborted since the last schedule(): the runner forgets them next step
         self._finished_ids: list[str] = []
 
@@ -126,7 +155,21 @@ class Scheduler:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.num_requests_received += 1
+        self._enqueue(request, front=False)
+
+    def _enqueue(self, req: Request, front: bool) -> None:
+        """FCFS: at the back (new) or the front (preempted). Priority: by (priority, arrival)."""
+        if self.config.queue_policy == "priority":
+            key = (req.priority, req.arrival_time)
+            i = len(self.waiting)
+            while i > 0 and (self.waiting[i - 1].priority, self.waiting[i - 1].arrival_time) > key:
+                i -= 1
+            self.waiting.insert(i, req)
+        elif front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish (abort, ...) a queued or running request and free its blocks.
@@ -148,6 +191,13 @@ class Scheduler:
         self._finished_ids.append(request_id)
         return req
 
+    def num_tokens_to_prefill(self) -> int:
+        """Prompt tokens still to compute: every waiting request's and the running prefills'
+        (the queue a new arrival waits behind)."""
+        n = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        return n + sum(r.num_tokens - r.num_computed_tokens for r in self.running
+                       if r.num_tokens - r.num_computed_tokens > 1)
+
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)
@@ -165,7 +215,7 @@ class Scheduler:
         req.num_preemptions += 1
         req.spec_token_ids = []
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._enqueue(req, front=True)
         out.preempted_request_ids.append(req.request_id)
         return scheduled.pop(req.request_id, 0)
 
@@ -177,11 +227,48 @@ class Scheduler:
         """
         refund = 0
         while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_tokens):
-            victim = self.running[-1]
+            victim = self._victim()
             refund += self._preempt(victim, out, scheduled)
             if victim is req:
                 return False, refund
         return True, refund
+
+    def _victim(self) -> Request:
+        """The running request to preempt: the newest (FCFS), or the largest (priority,
+        arrival time) under the priority policy."""
+        if self.config.queue_policy == "priority":
+            return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt_for(self, req: Request, out: SchedulerOutput, scheduled: dict[str, int]) -> int | None:
+        """Priority policy: preempt the worst running request if its priority value is strictly
+        larger than waiting ``req``'s; returns the budget refunded, None if none qualifies."""
+        if self.config.queue_policy != "priority" or not self.running:
+            return None
+        victim = self._victim()
+        if victim.priority <= req.priority:
+            return None
+        return self._preempt(victim, out, scheduled)
+
+    def _defer_hopeless(self, now: float) -> None:
+        """SLO-aware deferral (see the module docstring): a stable partition of the waiting
+        queue into requests that can still meet ttft_slo_s and those that cannot."""
+        rate, limit = self.prefill_tokens_per_s, self.config.ttft_slo_s
+        if rate <= 0 or limit is None or len(self.waiting) < 2:
+            return
+        keep, late, ahead = [], [], 0
+        for r in self.waiting:
+            need = r.num_tokens - r.num_computed_tokens
+            if r.first_token_time is None and now - r.arrival_time + (ahead + need) / rate > limit:
+                late.append(r)
+            else:
+                keep.append(r)
+                ahead += need
+        if late and keep:
+            self.num_deferred += sum(1 for r in late if not r.deferred)
+            for r in late:
+                r.deferred = True
+            self.waiting = deque(keep + late)
 
     def schedule(self, now: float = 0.0) -> SchedulerOutput:
         """Pick this step's work. `now` (seconds) stamps first_scheduled_time for queue time."""
@@ -223,12 +310,20 @@ class Scheduler:
                 scheduled[req.request_id] = n
                 budget -= n
 
-        # 3. admit waiting requests FCFS (not in a step that preempted: it would thrash)
+        # 3. admit waiting requests in queue order (not in a step that preempted: it would thrash)
         may_admit = not out.preempted_request_ids
         if cfg.policy is SchedulingPolicy.STATIC and self.running:
             may_admit = False
-        while may_admit and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        if may_admit and cfg.slo_deferral:
+            self._defer_hopeless(now)
+        while may_admit and self.waiting and budget > 0:
             req = self.waiting[0]
+            if len(self.running) >= cfg.max_num_seqs:
+                refund = self._preempt_for(req, out, scheduled)
+                if refund is None:
+                    break
+                budget += refund
+                continue
             # the longest run of cached full blocks it can start from (none with caching off)
             # (a request whose KV arrived from elsewhere, num_computed_tokens > 0, looks up none)
             hit_blocks, n_hit = (self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0
@@ -240,7 +335,11 @@ class Scheduler:
                     break  # head-of-line: the whole prompt must fit
                 n = budget
             if not self.kv.allocate_slots(req.request_id, start + n, hit_blocks):
-                break
+                refund = self._preempt_for(req, out, scheduled)
+                if refund is None:
+                    break
+                budget += refund
+                continue
             req.num_computed_tokens = start
             self.kv.record_query(req.num_tokens, n_hit)
             if req.num_preemptions == 0:

@@ -193,7 +193,7 @@ def engine_config_for(config: EngineConfig, decode_batches, context_len: int, pr
         max_num_batched_tokens=max(config.max_num_batched_tokens, max_n, max_b * context_len),
         max_num_seqs=max(config.max_num_seqs, max_b),
         max_model_len=config.max_model_len or max(max_n + 2, context_len + warmup + repeats + 4),
-        scheduling_policy="chunked")
+        enable_chunked_prefill=True, static_batching=False)
 
 
 def measure(config: EngineConfig, spec: ModelSpec, hw: Hardware, *,

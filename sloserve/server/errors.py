@@ -3,7 +3,8 @@
 400 BadRequestError for invalid parameters and malformed / schema-invalid JSON (FastAPI's 422
 becomes 400), 404 NotFoundError for an unknown model, 500 InternalServerError when the engine
 failed a request (an engine fault, never the client's), 503 ServiceUnavailableError while the
-engine core is not running or the server drains. Only validation errors are 4xx.
+engine core is not running or the server drains, 429 RateLimitError (with ``Retry-After``) when
+overload control refuses a request. Only validation errors are 4xx.
 """
 from __future__ import annotations
 
@@ -42,11 +43,13 @@ class APIError(Exception):
         param: the offending request field, if any.
     """
 
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.headers = headers
 
     @property
     def type(self) -> str:
@@ -58,7 +61,7 @@ class APIError(Exception):
 
     def response(self, headers: dict | None = None) -> JSONResponse:
         return ErrorJSONResponse(self.body().model_dump(), status_code=self.status,
-                                 headers=headers)
+                                 headers=headers if headers is not None else self.headers)
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:

@@ -150,6 +150,8 @@ class PrometheusStatLogger:
         self.c_prefix_hits = counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self._prefix_seen = (0, 0)
+        self.c_rejected = counter("sloserve:requests_rejected",
+                                  "Requests refused by overload control (HTTP 429).")
         self.h_batched_tokens = hist("sloserve:batched_tokens_per_step",
                                      "Tokens in the forward pass per engine step.",
                                      build_1_2_5_buckets(max(self.max_num_batched_tokens, 1)))
@@ -208,6 +210,11 @@ class PrometheusStatLogger:
             self.bind()
         self.g_running.set(num_running)
         self.g_waiting.set(num_waiting)
+
+    def count_rejection(self) -> None:
+        if not self._bound:
+            self.bind()
+        self.c_rejected.inc()
 
     def set_prefix_cache_totals(self, queries: int, hits: int) -> None:
         """Advance the prefix-cache counters to the core's totals (tokens since its start)."""

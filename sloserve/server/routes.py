@@ -45,6 +45,12 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
         if not engine.is_running:
             raise APIError(503, "engine is not running")
 
+    def check_overload(req: EngineCoreRequest) -> None:
+        rej = engine.check_admission(req)
+        if rej is not None:
+            metrics.count_rejection()
+            raise APIError(429, rej.message, headers={"Retry-After": str(rej.retry_after_s)})
+
     def make_request_sync(prompt: str | list[int], body, request_id: str) -> EngineCoreRequest:
         try:
             body.unsupported()
@@ -107,6 +113,7 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
         except ParamError as e:
             raise APIError(400, str(e), e.param) from e
         req = await make_request(prompt, body, b.id)
+        check_overload(req)
         if body.stream:
             return stream_response(engine, req, body.include_usage, b)
         return await whole_response(engine, req, raw, b)
@@ -133,6 +140,7 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
         long = sum(len(str(m.content or "")) for m in body.messages) > OFFLOAD_CHARS
         ids = await asyncio.to_thread(render) if long else render()
         req = await make_request(ids, body, b.id)
+        check_overload(req)
         if body.stream:
             return stream_response(engine, req, body.include_usage, b)
         return await whole_response(engine, req, raw, b)

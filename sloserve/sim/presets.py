@@ -10,5 +10,5 @@ PRESETS: dict[str, dict] = {
                     "max_num_batched_tokens": 512},
 }
 #: flags a preset refuses: they would change what it compares
-PRESET_REFUSES = ("scheduling_policy", "profile", "decode_step_ms", "prefill_tokens_per_s",
+PRESET_REFUSES = ("scheduling_policy", "enable_chunked_prefill", "static_batching", "profile", "decode_step_ms", "prefill_tokens_per_s",
                   "roofline_model")

@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         return _from_trace(a)
     from sloserve.engine.llm_engine import LLMEngine
     cfg = engine_config_from_args(a)
-    cfg.scheduling_policy = "chunked"
+    cfg.enable_chunked_prefill, cfg.static_batching = True, False
     # the grid's largest whole-prompt prefill must fit one step (the decode and mixed points
     # run on the model runner directly, whatever the budget)
     cfg.max_num_batched_tokens = max(cfg.max_num_batched_tokens, max(PREFILL_GRID))

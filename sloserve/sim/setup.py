@@ -6,6 +6,7 @@ import argparse
 import math
 
 from sloserve.bench.metric_args import check_metric_flags
+from sloserve.config import QUEUE_POLICIES, batching_from_args
 from sloserve.bench.metrics import calculate_metrics, parse_goodput
 from sloserve.bench.workload_args import arrival_process, build_workload, check_workload_flags
 
@@ -123,7 +124,10 @@ class SimSetup:
         max_len = a.max_model_len or min(SIM_MODEL_LEN, self.num_kv_blocks * a.block_size)
         self.cfg = SimConfig(max_num_batched_tokens=a.max_num_batched_tokens,
                              max_num_seqs=a.max_num_seqs, max_model_len=max_len,
-                             policy=a.scheduling_policy, num_kv_blocks=self.num_kv_blocks,
+                             policy=batching_from_args(a),
+                             queue_policy=a.scheduling_policy if a.scheduling_policy in QUEUE_POLICIES else "fcfs",
+                             enable_prefix_caching=a.enable_prefix_caching,
+                             num_kv_blocks=self.num_kv_blocks,
                              block_size=a.block_size, request_in_s=into, token_out_s=out)
         if into or out:
             self.cost_name += (f", server path {1e3 * into:.1f} ms in / {1e3 * out:.1f} ms out")

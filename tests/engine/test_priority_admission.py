@@ -1,0 +1,156 @@
+"""Priority scheduling, SLO-aware deferral, the admission rules, and the scheduling flags."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from sloserve.config import EngineConfig, add_scheduler_args, batching_from_args
+from sloserve.engine.admission import StepRates, check_admission, estimate_ttft_s
+from sloserve.engine.kv_cache_manager import KVCacheManager
+from sloserve.engine.request import Request
+from sloserve.engine.scheduler import Scheduler, SchedulerConfig
+from sloserve.sampling_params import SamplingParams
+
+from .conftest import (check_kv_invariants, drive_step, expected_outputs, fake_runner_output,
+                       prompt_ids)
+
+
+def _sched(queue_policy="priority", num_blocks=64, max_num_seqs=8, budget=64, **kw) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                                     max_model_len=128, queue_policy=queue_policy, **kw),
+                     KVCacheManager(num_blocks, 4))
+
+
+def _req(rid, n=8, priority=0, arrival=0.0, max_tokens=4) -> Request:
+    return Request(rid, prompt_ids(rid, n), SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                   arrival_time=arrival, priority=priority)
+
+
+def test_priority_orders_the_waiting_queue_by_priority_then_arrival():
+    s = _sched(max_num_seqs=1)
+    for rid, p, t in [("a", 5, 0.0), ("b", 1, 1.0), ("c", 1, 0.5), ("d", 3, 0.1)]:
+        s.add_request(_req(rid, priority=p, arrival=t))
+    assert [r.request_id for r in s.waiting] == ["c", "b", "d", "a"]
+    fcfs = _sched("fcfs")
+    for rid, p in [("a", 5), ("b", 1)]:
+        fcfs.add_request(_req(rid, priority=p))
+    assert [r.request_id for r in fcfs.waiting] == ["a", "b"]
+
+
+def test_a_higher_priority_arrival_preempts_the_lowest_priority_running_request():
+    s = _sched(max_num_seqs=2)
+    low, mid = _req("low", priority=9, max_tokens=20), _req("mid", priority=5, max_tokens=20)
+    s.add_request(low)
+    s.add_request(mid)
+    drive_step(s)
+    drive_step(s)
+    urgent = _req("urgent", priority=0, arrival=2.0, max_tokens=3)
+    s.add_request(urgent)
+    out, _ = drive_step(s)
+    assert out.preempted_request_ids == ["low"]
+    assert {x.request_id for x in out.scheduled} == {"mid", "urgent"}
+    check_kv_invariants(s)
+    while s.has_unfinished():
+        drive_step(s)
+    for r in (low, mid, urgent):  # recompute preemption loses nothing
+        assert r.output_token_ids == expected_outputs(r.request_id, r.sampling_params.max_tokens)
+
+
+def test_an_equal_priority_arrival_waits_for_a_seat():
+    s = _sched(max_num_seqs=1)
+    s.add_request(_req("a", priority=1, max_tokens=6))
+    drive_step(s)
+    s.add_request(_req("b", priority=1, arrival=1.0))
+    out, _ = drive_step(s)
+    assert not out.preempted_request_ids and [x.request_id for x in out.scheduled] == ["a"]
+
+
+def test_a_kv_shortage_preempts_lower_priority_first():
+    s = _sched(num_blocks=8, max_num_seqs=4, budget=64)
+    s.add_request(_req("low", n=16, priority=7, max_tokens=8))   # 4 + 2 blocks
+    drive_step(s)
+    s.add_request(_req("high", n=16, priority=1, arrival=1.0, max_tokens=4))
+    out, _ = drive_step(s)
+    assert out.preempted_request_ids == ["low"] and [x.request_id for x in out.scheduled] == ["high"]
+    while s.has_unfinished():
+        drive_step(s)
+    assert s.kv.num_free_blocks == 8
+
+
+def test_slo_deferral_moves_the_hopeless_behind_and_still_serves_them():
+    s = _sched("fcfs", max_num_seqs=1, budget=16, ttft_slo_s=1.0, slo_deferral=True)
+    s.prefill_tokens_per_s = 100.0  # 16 tokens per 0.16 s
+    s.add_request(_req("run", n=4, max_tokens=30))
+    drive_step(s, now=0.0)
+    old = _req("old", n=40, arrival=0.0)     # waited 0.9 s and needs 0.4 s more: hopeless
+    new = _req("new", n=8, arrival=0.85)
+    s.add_request(old)
+    s.add_request(new)
+    out = s.schedule(0.9)
+    assert [r.request_id for r in s.waiting] == ["new", "old"] and old.deferred and not new.deferred
+    assert s.num_deferred == 1
+    s.update_from_output(out, fake_runner_output(s, out), 0.9)
+    while s.has_unfinished():
+        drive_step(s, now=1.0)
+    assert old.output_token_ids == expected_outputs("old", 4)
+
+
+def test_step_rates_weight_tokens_not_steps():
+    r = StepRates()
+    assert r.prefill_tokens_per_s == 0 and r.decode_step_s == 0
+    r.update(500, 0, 0.25)   # 2000 tok/s
+    r.update(4, 0, 0.02)     # a tiny tail chunk must not swing it to 200 tok/s
+    assert 1800 < r.prefill_tokens_per_s < 2000
+    r.update(0, 16, 0.03)
+    assert r.decode_step_s == pytest.approx(0.03)
+
+
+def test_check_admission_queue_limit_and_slo():
+    kw = dict(queue_tokens=1000, prompt_tokens=200, prefill_tokens_per_s=1000.0,
+              decode_step_s=0.02)
+    assert check_admission(num_waiting=3, max_waiting_requests=4, ttft_slo_s=None,
+                           reject_over_slo=True, **kw) is None
+    rej = check_admission(num_waiting=4, max_waiting_requests=4, ttft_slo_s=None,
+                          reject_over_slo=True, **kw)
+    assert "4 requests are waiting, the limit is 4" in rej.message and rej.retry_after_s == 1
+    assert estimate_ttft_s(1000, 200, 1000.0, 0.02) == pytest.approx(1.22)
+    rej = check_admission(num_waiting=0, max_waiting_requests=None, ttft_slo_s=1.0,
+                          reject_over_slo=True, **kw)
+    assert "estimated TTFT 1220 ms" in rej.message and "limit 1000 ms" in rej.message
+    assert check_admission(num_waiting=0, max_waiting_requests=None, ttft_slo_s=1.3,
+                           reject_over_slo=True, **kw) is None
+    assert check_admission(num_waiting=0, max_waiting_requests=None, ttft_slo_s=1.0,
+                           reject_over_slo=False, **kw) is None     # defer: queued
+    unknown = dict(kw, prefill_tokens_per_s=0.0)
+    assert check_admission(num_waiting=0, max_waiting_requests=None, ttft_slo_s=0.001,
+                           reject_over_slo=True, **unknown) is None  # no rate yet: admit
+
+
+def _flags(*argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_scheduler_args(p)
+    return p.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("argv,mode", [((), "chunked"), (("--no-enable-chunked-prefill",), "naive"),
+                                       (("--static-batching",), "static"),
+                                       (("--scheduling-policy", "naive"), "naive"),
+                                       (("--scheduling-policy", "static"), "static"),
+                                       (("--scheduling-policy", "priority"), "chunked")])
+def test_batching_flags_new_and_deprecated_spellings(argv, mode, caplog):
+    assert batching_from_args(_flags(*argv)) == mode
+    deprecated = "naive" in argv or "static" in argv
+    assert any("deprecated" in r.message for r in caplog.records) == deprecated
+
+
+def test_engine_config_maps_the_old_policy_and_validates_the_new():
+    c = EngineConfig(scheduling_policy="naive")
+    assert c.scheduling_policy == "fcfs" and c.batching == "naive"
+    assert SchedulerConfig.of(EngineConfig(scheduling_policy="priority"), 64).queue_policy == "priority"
+    with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority"):
+        EngineConfig(scheduling_policy="lifo").validate()
+    with pytest.raises(ValueError, match="ttft_slo_ms must be a positive"):
+        EngineConfig(ttft_slo_ms=0).validate()
+    with pytest.raises(ValueError, match="max_waiting_requests must be an integer >= 1"):
+        EngineConfig(max_waiting_requests=0).validate()
