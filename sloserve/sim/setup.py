@@ -127,6 +127,10 @@ class SimSetup:
                              policy=batching_from_args(a),
                              queue_policy=a.scheduling_policy if a.scheduling_policy in QUEUE_POLICIES else "fcfs",
                              enable_prefix_caching=a.enable_prefix_caching,
+                             max_waiting_requests=a.max_waiting_requests,
+                             ttft_slo_s=a.ttft_slo_ms / 1e3 if a.ttft_slo_ms else None,
+                             slo_deferral=a.slo_admission == "defer" and bool(a.ttft_slo_ms),
+                             slo_reject=a.slo_admission == "reject" and bool(a.ttft_slo_ms),
                              num_kv_blocks=self.num_kv_blocks,
                              block_size=a.block_size, request_in_s=into, token_out_s=out)
         if into or out:

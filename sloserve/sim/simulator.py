@@ -24,6 +24,7 @@ from typing import Sequence
 from sloserve.bench.datasets import PREFIX_GROUP_TAG, SampleRequest
 from sloserve.bench.request_func import RequestRecord
 from sloserve.config import EngineConfig
+from sloserve.engine.admission import StepRates, check_admission
 from sloserve.engine.kv_cache_manager import KVCacheManager
 from sloserve.engine.request import Request
 from sloserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -50,6 +51,9 @@ class SimConfig(SchedulerConfig):
             (detokenization, the SSE event), seconds.
         enable_prefix_caching: the engine's prefix cache (its own code; prompts are stand-in
             token ids that share where the workload's texts share, see ``Instance.token_ids``).
+        max_waiting_requests, slo_reject (with ttft_slo_s): the server's overload control at
+            arrival (``sloserve.engine.admission``, the same rules): a refused request is a
+            failed record with the server's 429 message.
     """
 
     num_kv_blocks: int | None = None
@@ -57,6 +61,8 @@ class SimConfig(SchedulerConfig):
     request_in_s: float = 0.0
     token_out_s: float = 0.0
     enable_prefix_caching: bool = EngineConfig.enable_prefix_caching
+    max_waiting_requests: int | None = None
+    slo_reject: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -110,6 +116,8 @@ class Replica:
         self.steps: list[tuple[float, StepComposition]] = []
         self.record_steps = record_steps
         self.preemptions = 0
+        self.cfg = cfg
+        self.rates = StepRates()
 
     @staticmethod
     def token_ids(r: SampleRequest, index: int) -> list[int]:
@@ -146,6 +154,16 @@ class Replica:
             if self.role == "decode":  # the prompt's KV and the first token came from prefill
                 req.output_token_ids.append(0)
                 req.num_computed_tokens = r.prompt_len
+            rej = check_admission(
+                num_waiting=len(self.sched.waiting), queue_tokens=self.sched.num_tokens_to_prefill(),
+                prompt_tokens=r.prompt_len, prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
+                decode_step_s=self.rates.decode_step_s,
+                max_waiting_requests=self.cfg.max_waiting_requests,
+                ttft_slo_s=self.cfg.ttft_slo_s, reject_over_slo=self.cfg.slo_reject)
+            if rej is not None and self.role != "decode":
+                self.recs[i].error = f"HTTP 429: {rej.message}"
+                rejected.append(i)
+                continue
             try:
                 self.sched.add_request(req)  # checks the whole request, here as on a server
             except ValueError as e:
@@ -177,6 +195,8 @@ class Replica:
             raise ValueError(f"the cost model priced a step at {dt!r} s ({comp}); a step must "
                              f"take more than 0 and at most {MAX_STEP_S:g} s: check its settings")
         end = t + dt
+        self.rates.update(out.num_prefill_tokens, out.num_decode_tokens, dt)
+        self.sched.prefill_tokens_per_s = self.rates.prefill_tokens_per_s
         self.running_step = out
         if self.record_steps:
             self.steps.append((end, comp))

@@ -871,17 +871,26 @@ void qlinear_x16(const float* x, int64_t M, int64_t K, const uint8_t* qw, const 
   const int64_t nchunks = (NB + chunk - 1) / chunk;
   auto body = [&](int64_t c) {
     const int64_t b0 = c * chunk, b1 = std::min(NB, b0 + chunk);
+    // 8 activation rows per pass: each unpacked weight group serves 8 rows (MC = 8 keeps
+    // 8 accumulators + 8 unpacked chunks in the 32 vector registers)
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) {
+    for (; m + 8 <= M; m += 8) {
       ActQ a{xq + m * K, xd + m * G, xs + m * G};
-      x16_blocks<BITS, 4>(a, isum + m * G, K, qw, d, mn, G, N, b0, b1, y + m * N);
+      x16_blocks<BITS, 8>(a, isum + m * G, K, qw, d, mn, G, N, b0, b1, y + m * N);
     }
     ActQ a{xq + m * K, xd + m * G, xs + m * G};
     const int32_t* is = isum + m * G;
-    const int64_t rest = M - m;
-    if (rest == 3) x16_blocks<BITS, 3>(a, is, K, qw, d, mn, G, N, b0, b1, y + m * N);
-    else if (rest == 2) x16_blocks<BITS, 2>(a, is, K, qw, d, mn, G, N, b0, b1, y + m * N);
-    else if (rest == 1) x16_blocks<BITS, 1>(a, is, K, qw, d, mn, G, N, b0, b1, y + m * N);
+    float* ym = y + m * N;
+    switch (M - m) {
+      case 7: x16_blocks<BITS, 7>(a, is, K, qw, d, mn, G, N, b0, b1, ym); break;
+      case 6: x16_blocks<BITS, 6>(a, is, K, qw, d, mn, G, N, b0, b1, ym); break;
+      case 5: x16_blocks<BITS, 5>(a, is, K, qw, d, mn, G, N, b0, b1, ym); break;
+      case 4: x16_blocks<BITS, 4>(a, is, K, qw, d, mn, G, N, b0, b1, ym); break;
+      case 3: x16_blocks<BITS, 3>(a, is, K, qw, d, mn, G, N, b0, b1, ym); break;
+      case 2: x16_blocks<BITS, 2>(a, is, K, qw, d, mn, G, N, b0, b1, ym); break;
+      case 1: x16_blocks<BITS, 1>(a, is, K, qw, d, mn, G, N, b0, b1, ym); break;
+      default: break;
+    }
   };
   parallel_for(nchunks, body);
 }
