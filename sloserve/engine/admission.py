@@ -19,42 +19,50 @@ admitted before is neither lost nor slowed.
 """
 from __future__ import annotations
 
+import collections
 import math
+import statistics
 from dataclasses import dataclass
 
 
-@dataclass
 class StepRates:
-    """The engine's measured speeds, as exponentially decayed sums over its steps (weight
-    ``decay`` per step), so a burst of tiny chunks does not swing them.
+    """The engine's measured speeds over its recent steps.
 
     Attributes:
-        prefill_tokens_per_s: prefill tokens per second of wall time of the steps that had any
-            (the decodes sharing those steps included); 0 until measured.
-        decode_step_s: mean time of steps with decodes, s; 0 until measured.
+        prefill_tokens_per_s: the token-weighted median, over the last ``window`` steps that had
+            prefill tokens, of each step's prefill tokens per second of wall time (the decodes
+            sharing the step included): a tiny tail chunk weighs little, and a rare slow step
+            (a first GEMM shape, a page fault) does not move it. 0 until measured.
+        decode_step_s: median time of the last ``window`` decode-only steps, s; 0 until measured.
     """
 
-    decay: float = 0.9
-    _pt: float = 0.0
-    _ps: float = 0.0
-    _ds: float = 0.0
-    _dn: float = 0.0
+    def __init__(self, window: int = 32):
+        self._prefill: collections.deque = collections.deque(maxlen=window)  # (tok/s, tokens)
+        self._decode: collections.deque = collections.deque(maxlen=window)
 
     def update(self, prefill_tokens: int, decode_tokens: int, step_s: float) -> None:
+        if step_s <= 0:
+            return
         if prefill_tokens:
-            self._pt = self.decay * self._pt + prefill_tokens
-            self._ps = self.decay * self._ps + step_s
+            self._prefill.append((prefill_tokens / step_s, prefill_tokens))
         elif decode_tokens:
-            self._ds = self.decay * self._ds + step_s
-            self._dn = self.decay * self._dn + 1
+            self._decode.append(step_s)
 
     @property
     def prefill_tokens_per_s(self) -> float:
-        return self._pt / self._ps if self._ps > 0 else 0.0
+        if not self._prefill:
+            return 0.0
+        pts = sorted(self._prefill)
+        half, acc = sum(w for _, w in pts) / 2, 0
+        for rate, w in pts:
+            acc += w
+            if acc >= half:
+                return rate
+        return pts[-1][0]
 
     @property
     def decode_step_s(self) -> float:
-        return self._ds / self._dn if self._dn > 0 else 0.0
+        return statistics.median(self._decode) if self._decode else 0.0
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,8 @@ def check_admission(*, num_waiting: int, queue_tokens: int, prompt_tokens: int,
         if est is not None and est > ttft_slo_s:
             return Rejection(f"the server cannot meet its TTFT SLO for this request: estimated "
                              f"TTFT {est * 1e3:.0f} ms ({queue_tokens} prompt tokens queued "
-                             f"ahead), limit {ttft_slo_s * 1e3:.0f} ms (--ttft-slo-ms); retry "
-                             f"in {retry} s", retry)
+                             f"ahead + {prompt_tokens} at {prefill_tokens_per_s:.0f} tokens/s, "
+                             f"+ a {decode_step_s * 1e3:.0f} ms decode step), limit "
+                             f"{ttft_slo_s * 1e3:.0f} ms (--ttft-slo-ms); retry in {retry} s",
+                             retry)
     return None
