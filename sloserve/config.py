@@ -131,25 +131,17 @@ class EngineConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or \
                 not -2 ** 63 <= self.seed < 2 ** 63:
             raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
-        if self.quantization not in QUANTIZATION_CHOICES:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
-                             f"got {self.quantization!r}")
-        if self.scheduling_policy not in QUEUE_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {', '.join(QUEUE_POLICIES)}, got "
-                             f"{self.scheduling_policy!r}")
         if self.ttft_slo_ms is not None and not (
                 isinstance(self.ttft_slo_ms, (int, float)) and math.isfinite(self.ttft_slo_ms)
                 and self.ttft_slo_ms > 0):
             raise ValueError(f"ttft_slo_ms must be a positive number of ms, got {self.ttft_slo_ms}")
-        if self.slo_admission not in SLO_ADMISSION:
-            raise ValueError(f"slo_admission must be one of {', '.join(SLO_ADMISSION)}, got "
-                             f"{self.slo_admission!r}")
-        if self.prefix_caching_hash_algo not in HASH_ALGOS:
-            raise ValueError(f"prefix_caching_hash_algo must be one of {', '.join(HASH_ALGOS)}, "
-                             f"got {self.prefix_caching_hash_algo!r}")
-        for name in ("dtype", "kv_cache_dtype"):
-            if getattr(self, name) not in DTYPE_CHOICES:
-                raise ValueError(f"{name} must be one of {', '.join(DTYPE_CHOICES)}, got "
+        for name, choices in (("quantization", QUANTIZATION_CHOICES),
+                              ("scheduling_policy", QUEUE_POLICIES),
+                              ("slo_admission", SLO_ADMISSION),
+                              ("prefix_caching_hash_algo", HASH_ALGOS),
+                              ("dtype", DTYPE_CHOICES), ("kv_cache_dtype", DTYPE_CHOICES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, got "
                                  f"{getattr(self, name)!r}")
 
     def resolve_max_model_len(self, model_max_len: int, kv_tokens: int) -> int:
