@@ -152,8 +152,10 @@ class AsyncLLM:
         s = self.stats
         while self._in_transit and self._in_transit[0][0] <= s.num_requests_received_total:
             self._in_transit.popleft()
+        # requests on their way wait only beyond the seats the core has free
+        free_seats = max(0, cfg.max_num_seqs - s.num_running - s.num_waiting)
         return check_admission(
-            num_waiting=s.num_waiting + len(self._in_transit),
+            num_waiting=s.num_waiting + max(0, len(self._in_transit) - free_seats),
             queue_tokens=s.num_waiting_tokens + sum(n for _, n in self._in_transit),
             prompt_tokens=len(request.prompt_token_ids),
             prefill_tokens_per_s=s.prefill_tokens_per_s, decode_step_s=s.decode_step_s,

@@ -89,7 +89,7 @@ class _SamplingFields(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None                   # accepted, ignored
-    priority: int = 0                         # extension: lower runs first (priority policy)
+    priority: int | None = 0                  # extension: lower runs first (null: 0)
     cache_salt: str | None = None             # extension: prefix-cache isolation key
     # accepted only at their "off" values
     presence_penalty: float | None = None
@@ -97,6 +97,8 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
 
     def _common_unsupported(self) -> None:
+        if self.priority is None:
+            self.priority = 0
         if isinstance(self.priority, bool) or not -2 ** 63 <= self.priority < 2 ** 63:
             raise ParamError(f"priority must be an integer in [-2**63, 2**63), got {self.priority}",
                              "priority")

@@ -62,6 +62,8 @@ def test_bad_cache_salt_and_priority_are_400(http):
     r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "priority": 3})
     assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
     assert "--scheduling-policy priority" in r.json()["error"]["message"]
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "priority": None})
+    assert r.status_code == 200  # null: the default, as for the other optional fields
 
 
 def test_past_the_queue_limit_requests_get_429_quickly_and_admitted_ones_finish(helpers):
