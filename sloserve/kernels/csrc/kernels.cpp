@@ -640,6 +640,35 @@ void qlinear_i8_t(const float* x, int64_t M, int64_t K, const uint8_t* qw, const
 
 constexpr int kX16 = 16;
 
+// The generic build's x16 product (both bit widths): lane r of 64-byte chunk c holds bytes
+// 4c..4c+3 of row r's group; 4-bit: low nibbles are codes 4c+i, high nibbles codes 16+4c+i;
+// 8-bit: signed codes 4c+i.
+template <int BITS, int MC, int BR>
+inline void x16_tile_scalar(const ActQ& a, int64_t K, const uint8_t* w, const float* d,
+                            const float* mn, int64_t G, float* y, int64_t N) {
+  constexpr int chunks = BITS;  // 64-byte chunks per block and group
+  for (int mi = 0; mi < MC; ++mi)
+    for (int br = 0; br < BR; ++br)
+      for (int r = 0; r < kX16; ++r) {
+        float t = 0.f;
+        for (int64_t g = 0; g < G; ++g) {
+          const uint8_t* wb = w + (br * G + g) * 64 * chunks;
+          const int8_t* xg = a.q + mi * K + g * 32;
+          int32_t s = 0;
+          for (int c = 0; c < chunks; ++c)
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t b = wb[64 * c + 4 * r + i];
+              if constexpr (BITS == 4) s += (b & 15) * xg[4 * c + i] + (b >> 4) * xg[16 + 4 * c + i];
+              else s += static_cast<int8_t>(b) * xg[4 * c + i];
+            }
+          const int64_t o = (br * G + g) * kX16 + r;
+          t += float(s) * d[o] * a.d[mi * G + g];
+          if (mn) t += mn[o] * a.s[mi * G + g];
+        }
+        y[mi * N + br * kX16 + r] = t;
+      }
+}
+
 template <int MC, int BR>
 inline void x16_tile(const ActQ& a, int64_t K, const uint8_t* w, const float* d, const float* mn,
                      int64_t G, float* y, int64_t N) {
@@ -715,25 +744,7 @@ inline void x16_tile(const ActQ& a, int64_t K, const uint8_t* w, const float* d,
     for (int br = 0; br < BR; ++br)
       for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + mi * N + br * kX16 + 8 * h, acc[mi][br][h]);
 #else
-  for (int mi = 0; mi < MC; ++mi)
-    for (int br = 0; br < BR; ++br)
-      for (int r = 0; r < kX16; ++r) {
-        float t = 0.f;
-        for (int64_t g = 0; g < G; ++g) {
-          const uint8_t* wb = w + (br * G + g) * 256;
-          const int8_t* xg = a.q + mi * K + g * 32;
-          int32_t s = 0;
-          for (int c = 0; c < 4; ++c)
-            for (int i = 0; i < 4; ++i) {
-              const uint8_t b = wb[64 * c + 4 * r + i];
-              s += (b & 15) * xg[4 * c + i] + (b >> 4) * xg[16 + 4 * c + i];
-            }
-          const int64_t o = (br * G + g) * kX16 + r;
-          t += float(s) * d[o] * a.d[mi * G + g];
-          if (mn) t += mn[o] * a.s[mi * G + g];
-        }
-        y[mi * N + br * kX16 + r] = t;
-      }
+  x16_tile_scalar<4, MC, BR>(a, K, w, d, mn, G, y, N);
 #endif
 }
 
@@ -809,22 +820,7 @@ inline void x16_tile8(const ActQ& a, const int32_t* isum, int64_t K, const uint8
       for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + mi * N + br * kX16 + 8 * h, acc[mi][br][h]);
 #else
   (void)isum;
-  for (int mi = 0; mi < MC; ++mi)
-    for (int br = 0; br < BR; ++br)
-      for (int r = 0; r < kX16; ++r) {
-        float t = 0.f;
-        for (int64_t g = 0; g < G; ++g) {
-          const int8_t* wb = reinterpret_cast<const int8_t*>(w + (br * G + g) * 512);
-          const int8_t* xg = a.q + mi * K + g * 32;
-          int32_t s = 0;
-          for (int c = 0; c < 8; ++c)
-            for (int i = 0; i < 4; ++i) s += wb[64 * c + 4 * r + i] * xg[4 * c + i];
-          const int64_t o = (br * G + g) * kX16 + r;
-          t += float(s) * d[o] * a.d[mi * G + g];
-          if (mn) t += mn[o] * a.s[mi * G + g];
-        }
-        y[mi * N + br * kX16 + r] = t;
-      }
+  x16_tile_scalar<8, MC, BR>(a, K, w, d, mn, G, y, N);
 #endif
 }
 
