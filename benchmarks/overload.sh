@@ -23,6 +23,9 @@ for name in ${NAMES:-fcfs queue-limit slo-aware}; do
   pid=$!
   for _ in $(seq 240); do curl -sf "localhost:$PORT/health" >/dev/null && break; sleep 0.5; done
   for r in $RATES; do
+    # every rate sends the same prompts (seed 7): forget the last rate's cached blocks, or later
+    # rates would be served from the prefix cache and look faster than they are
+    curl -sf -X POST "localhost:$PORT/reset_prefix_cache" >/dev/null
     .venv/bin/sloserve bench --port "$PORT" --dataset-name random --random-input-len "$IN" \
       --random-output-len "$OUTLEN" --num-prompts "$N" --request-rate "$r" --ignore-eos \
       --seed 7 --goodput $SLO --save-result --result-dir "$OUT/$name" \

@@ -7,12 +7,17 @@ both reject the same requests for the same reasons.
 * Queue limit (``--max-waiting-requests N``): a request is rejected (HTTP 429) when N requests
   already wait: those the core reports waiting plus those sent to it that it has not queued yet.
 * SLO-aware admission (``--ttft-slo-ms T``, in the spirit of DistServe's goodput, Zhong et al.
-  OSDI'24): the request's TTFT is estimated as the prompt tokens ahead of it (every waiting
-  request's and the running prefills' remaining tokens, plus those on their way) and its own,
-  at the engine's measured prefill rate, which already includes the decodes that share its
-  steps, plus one decode step; over T it is rejected at arrival (``--slo-admission reject``,
-  429), or queued and moved behind the requests that can still meet T
-  (``--slo-admission defer``, done by the scheduler).
+  OSDI'24): the request's TTFT is estimated in whole engine steps, because a prompt's first
+  token comes at the end of the step that computes its last chunk, and that step lasts as long
+  as everything it carries: the rest of the step now running, then
+  ``ceil((Q + P) / (budget - D))`` steps of the measured prefill-step time, where Q is the
+  prompt tokens ahead (every waiting request's and the running prefills' remaining tokens,
+  plus those on their way), P its own, budget ``--max-num-batched-tokens`` and D the running
+  decodes, which take their tokens of every step first. Over T it is rejected at arrival
+  (``--slo-admission reject``, 429), or queued and moved behind the requests that can still
+  meet T (``--slo-admission defer``, done by the scheduler). (A rate-only estimate, tokens ahead
+  / prefill tokens per second, ran up to 2x optimistic here: a 256-token prompt arriving at an
+  idle queue still waits for the step in flight and then for a whole ~300-450 ms mixed step.)
 
 A rejected request costs the server one estimate (no queueing, no KV blocks), so what was
 admitted before is neither lost nor slowed.
@@ -33,18 +38,22 @@ class StepRates:
             prefill tokens, of each step's prefill tokens per second of wall time (the decodes
             sharing the step included): a tiny tail chunk weighs little, and a rare slow step
             (a first GEMM shape, a page fault) does not move it. 0 until measured.
+        prefill_step_s: median time of the last ``window`` steps that had prefill tokens, s;
+            0 until measured.
         decode_step_s: median time of the last ``window`` decode-only steps, s; 0 until measured.
     """
 
     def __init__(self, window: int = 32):
         self._prefill: collections.deque = collections.deque(maxlen=window)  # (tok/s, tokens)
         self._decode: collections.deque = collections.deque(maxlen=window)
+        self._prefill_steps: collections.deque = collections.deque(maxlen=window)
 
     def update(self, prefill_tokens: int, decode_tokens: int, step_s: float) -> None:
         if step_s <= 0:
             return
         if prefill_tokens:
             self._prefill.append((prefill_tokens / step_s, prefill_tokens))
+            self._prefill_steps.append(step_s)
         elif decode_tokens:
             self._decode.append(step_s)
 
@@ -61,6 +70,10 @@ class StepRates:
         return pts[-1][0]
 
     @property
+    def prefill_step_s(self) -> float:
+        return statistics.median(self._prefill_steps) if self._prefill_steps else 0.0
+
+    @property
     def decode_step_s(self) -> float:
         return statistics.median(self._decode) if self._decode else 0.0
 
@@ -74,21 +87,33 @@ class Rejection:
     retry_after_s: int
 
 
-def estimate_ttft_s(queue_tokens: int, prompt_tokens: int, prefill_tokens_per_s: float,
-                    decode_step_s: float) -> float | None:
-    """The TTFT estimate of a new request (see the module docstring); None while the prefill
-    rate is unknown (the first requests after start are always admitted)."""
-    if prefill_tokens_per_s <= 0:
+def estimate_ttft_s(queue_tokens: int, prompt_tokens: int, prefill_budget: int,
+                    prefill_step_s: float, wait_s: float = 0.0) -> float | None:
+    """The TTFT estimate of a new request, s (see the module docstring).
+
+    Args:
+        queue_tokens: prompt tokens ahead of it; prompt_tokens: its own (uncached) tokens.
+        prefill_budget: prompt tokens a step can take: the token budget less the running
+            decodes (at least 1).
+        prefill_step_s: measured time of a step that carries prefill tokens.
+        wait_s: time until the next step can start (the rest of the step in flight), or, in
+            the simulator, the time the request has already waited.
+
+    Returns None while the step time is unknown (the first requests after start are admitted).
+    """
+    if prefill_step_s <= 0:
         return None
-    return (queue_tokens + prompt_tokens) / prefill_tokens_per_s + decode_step_s
+    steps = math.ceil((queue_tokens + prompt_tokens) / max(1, prefill_budget))
+    return wait_s + steps * prefill_step_s
 
 
 def check_admission(*, num_waiting: int, queue_tokens: int, prompt_tokens: int,
-                    prefill_tokens_per_s: float, decode_step_s: float,
-                    max_waiting_requests: int | None, ttft_slo_s: float | None,
-                    reject_over_slo: bool) -> Rejection | None:
+                    prefill_budget: int, prefill_step_s: float, prefill_tokens_per_s: float,
+                    wait_s: float = 0.0, max_waiting_requests: int | None,
+                    ttft_slo_s: float | None, reject_over_slo: bool) -> Rejection | None:
     """None to admit, else the Rejection. ``num_waiting`` / ``queue_tokens``: requests waiting
-    and prompt tokens ahead, both counting what is on its way to the core."""
+    and prompt tokens ahead, both counting what is on its way to the core; the prefill rate
+    only sets ``Retry-After``; the rest as for :func:`estimate_ttft_s`."""
     drain = queue_tokens / prefill_tokens_per_s if prefill_tokens_per_s > 0 else 1.0
     retry = max(1, math.ceil(drain))
     if max_waiting_requests is not None and num_waiting >= max_waiting_requests:
@@ -96,12 +121,13 @@ def check_admission(*, num_waiting: int, queue_tokens: int, prompt_tokens: int,
                          f"limit is {max_waiting_requests} (--max-waiting-requests); retry "
                          f"in {retry} s", retry)
     if ttft_slo_s is not None and reject_over_slo:
-        est = estimate_ttft_s(queue_tokens, prompt_tokens, prefill_tokens_per_s, decode_step_s)
+        est = estimate_ttft_s(queue_tokens, prompt_tokens, prefill_budget, prefill_step_s, wait_s)
         if est is not None and est > ttft_slo_s:
+            steps = math.ceil((queue_tokens + prompt_tokens) / max(1, prefill_budget))
             return Rejection(f"the server cannot meet its TTFT SLO for this request: estimated "
                              f"TTFT {est * 1e3:.0f} ms ({queue_tokens} prompt tokens queued "
-                             f"ahead + {prompt_tokens} at {prefill_tokens_per_s:.0f} tokens/s, "
-                             f"+ a {decode_step_s * 1e3:.0f} ms decode step), limit "
-                             f"{ttft_slo_s * 1e3:.0f} ms (--ttft-slo-ms); retry in {retry} s",
-                             retry)
+                             f"ahead + {prompt_tokens}, {max(1, prefill_budget)} per step: "
+                             f"{steps} steps of {prefill_step_s * 1e3:.0f} ms after "
+                             f"{wait_s * 1e3:.0f} ms), limit {ttft_slo_s * 1e3:.0f} ms "
+                             f"(--ttft-slo-ms); retry in {retry} s", retry)
     return None

@@ -85,6 +85,7 @@ class AsyncLLM:
         #: have queued yet (overload control counts them as waiting)
         self._sent_total = 0
         self._in_transit: collections.deque = collections.deque()
+        self._last_step_end = 0.0  # when the core's last step ended (monotonic s)
         self._stop = threading.Event()
         self._dead: str | None = None
         self._threads: list[threading.Thread] = []
@@ -154,11 +155,17 @@ class AsyncLLM:
             self._in_transit.popleft()
         # requests on their way wait only beyond the seats the core has free
         free_seats = max(0, cfg.max_num_seqs - s.num_running - s.num_waiting)
+        queue_tokens = s.num_waiting_tokens + sum(n for _, n in self._in_transit)
+        # the step in flight (the core starts the next one as soon as it has sent its outputs)
+        busy = s.num_running + s.num_waiting + len(self._in_transit) > 0
+        step_s = s.prefill_step_s if queue_tokens else s.decode_step_s
+        wait = max(0.0, step_s - (time.monotonic() - self._last_step_end)) if busy else 0.0
         return check_admission(
             num_waiting=s.num_waiting + max(0, len(self._in_transit) - free_seats),
-            queue_tokens=s.num_waiting_tokens + sum(n for _, n in self._in_transit),
-            prompt_tokens=len(request.prompt_token_ids),
-            prefill_tokens_per_s=s.prefill_tokens_per_s, decode_step_s=s.decode_step_s,
+            queue_tokens=queue_tokens, prompt_tokens=len(request.prompt_token_ids),
+            prefill_budget=s.prefill_budget,
+            prefill_step_s=s.prefill_step_s, prefill_tokens_per_s=s.prefill_tokens_per_s,
+            wait_s=wait,
             max_waiting_requests=cfg.max_waiting_requests,
             ttft_slo_s=cfg.ttft_slo_ms / 1e3 if cfg.ttft_slo_ms else None,
             reject_over_slo=cfg.slo_admission == "reject")
@@ -231,6 +238,8 @@ class AsyncLLM:
 
     def _handle(self, msg: EngineCoreOutputs) -> None:
         self.stats = msg.scheduler_stats
+        if msg.step is not None:
+            self._last_step_end = msg.timestamp  # the core's monotonic clock: same host
         res = self.output_processor.process_outputs(msg, time.monotonic())
         if res.reqs_to_abort:
             self.client.send(EngineCoreAbort(res.reqs_to_abort))

@@ -197,6 +197,8 @@ class EngineCore:
                               num_waiting_tokens=s.num_tokens_to_prefill(),
                               prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
                               decode_step_s=self.rates.decode_step_s,
+                              prefill_step_s=self.rates.prefill_step_s,
+                              prefill_budget=s.config.token_budget - s.num_decoding(),
                               num_requests_received_total=s.num_requests_received,
                               num_deferred_total=s.num_deferred)
 
@@ -222,7 +224,7 @@ class EngineCore:
         self.last_runner_output = runner_out
         self.num_steps += 1
         self.rates.update(out.num_prefill_tokens, out.num_decode_tokens, now - t0)
-        self.scheduler.prefill_tokens_per_s = self.rates.prefill_tokens_per_s
+        self.scheduler.prefill_step_s = self.rates.prefill_step_s
         step = StepStats(start_time=t0, step_s=now - t0, forward_s=runner_out.forward_s,
                          num_batched_tokens=out.num_batched_tokens,
                          num_prefill_tokens=out.num_prefill_tokens,

@@ -127,6 +127,9 @@ class SchedulerStats(msgspec.Struct):
             the queue ahead of a new arrival, for admission control.
         prefill_tokens_per_s: the core's measured prefill rate (0 until it has one).
         decode_step_s: its recent decode step time (s; 0 until it has one).
+        prefill_step_s: its recent time of a step with prefill tokens (s; 0 until it has one).
+        prefill_budget: prompt tokens the next step can take: the token budget less the
+            running decodes (which take theirs first).
         num_requests_received_total: requests the core has queued since start (the front end's
             sent count minus this is what is still on its way).
         num_deferred_total: requests SLO-aware deferral moved back since start.
@@ -144,6 +147,8 @@ class SchedulerStats(msgspec.Struct):
     num_waiting_tokens: int = 0
     prefill_tokens_per_s: float = 0.0
     decode_step_s: float = 0.0
+    prefill_step_s: float = 0.0
+    prefill_budget: int = 0
     num_requests_received_total: int = 0
     num_deferred_total: int = 0
 

@@ -29,9 +29,10 @@ request with the largest (priority, arrival time); and a waiting request that ca
 (no seat or no KV block) preempts running requests of a strictly larger priority value.
 
 SLO-aware deferral (``ttft_slo_s`` with ``slo_deferral``): before admitting, waiting requests
-whose estimated TTFT (time waited + the prompt tokens ahead of them and their own, at
-``prefill_tokens_per_s``, which the engine measures and sets) exceeds the limit go behind those
-that can still meet it; they are served later, never dropped.
+whose estimated TTFT (time waited + the steps the prompt tokens ahead of them and their own
+take, at ``prefill_step_s`` each, which the engine measures and sets: see
+:func:`sloserve.engine.admission.estimate_ttft_s`) exceeds the limit go behind those that can
+still meet it; they are served later, never dropped.
 
 Progress guarantee: running requests past their prefill are scheduled first, one token each, in
 every step (K = 1: a running, not preempted request gets a token every step, whatever arrives),
@@ -48,6 +49,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from sloserve.config import EngineConfig
+from sloserve.engine.admission import estimate_ttft_s
 from sloserve.engine.kv_cache_manager import KVCacheManager
 from sloserve.engine.messages import EngineCoreOutput
 from sloserve.engine.request import Request, RequestStatus
@@ -127,7 +129,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_requests_received = 0
         #: the engine's measured prefill rate (tokens/s), for SLO-aware deferral; 0: unknown
-        self.prefill_tokens_per_s = 0.0
+        self.prefill_step_s = 0.0  # measured by the engine (s per step with prefill tokens)
         self.num_deferred = 0
         #: finished or aborted since the last schedule(): the runner forgets them next step
         self._finished_ids: list[str] = []
@@ -198,6 +200,10 @@ class Scheduler:
         return n + sum(r.num_tokens - r.num_computed_tokens for r in self.running
                        if r.num_tokens - r.num_computed_tokens > 1)
 
+    def num_decoding(self) -> int:
+        """Running requests past their prefill (one query token, drafts aside, per step)."""
+        return sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens <= 1)
+
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)
@@ -253,13 +259,15 @@ class Scheduler:
     def _defer_hopeless(self, now: float) -> None:
         """SLO-aware deferral (see the module docstring): a stable partition of the waiting
         queue into requests that can still meet ttft_slo_s and those that cannot."""
-        rate, limit = self.prefill_tokens_per_s, self.config.ttft_slo_s
-        if rate <= 0 or limit is None or len(self.waiting) < 2:
+        step_s, limit = self.prefill_step_s, self.config.ttft_slo_s
+        if step_s <= 0 or limit is None or len(self.waiting) < 2:
             return
+        budget = self.config.token_budget - self.num_decoding()
         keep, late, ahead = [], [], 0
         for r in self.waiting:
             need = r.num_tokens - r.num_computed_tokens
-            if r.first_token_time is None and now - r.arrival_time + (ahead + need) / rate > limit:
+            est = estimate_ttft_s(ahead, need, budget, step_s, now - r.arrival_time)
+            if r.first_token_time is None and est > limit:
                 late.append(r)
             else:
                 keep.append(r)

@@ -141,9 +141,9 @@ class Replica:
         """Requests routed here and not finished (queued, running, in the inbox or on the way)."""
         return self.sched.num_unfinished + len(self.inbox) + self.incoming
 
-    def admit(self, sent: Sequence[float]) -> list[int]:
-        """Hand the inbox to the scheduler; returns the requests it rejected (each becomes a
-        failed record with the server's 400 message)."""
+    def admit(self, sent: Sequence[float], now: float) -> list[int]:
+        """Hand the inbox to the scheduler at ``now`` (s, between steps); returns the requests
+        it rejected (each becomes a failed record with the server's 400 or 429 message)."""
         rejected = []
         for i in self.inbox:
             r = self.requests[i]
@@ -154,10 +154,14 @@ class Replica:
             if self.role == "decode":  # the prompt's KV and the first token came from prefill
                 req.output_token_ids.append(0)
                 req.num_computed_tokens = r.prompt_len
+            sched = self.sched
             rej = check_admission(
-                num_waiting=len(self.sched.waiting), queue_tokens=self.sched.num_tokens_to_prefill(),
-                prompt_tokens=r.prompt_len, prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
-                decode_step_s=self.rates.decode_step_s,
+                num_waiting=len(sched.waiting), queue_tokens=sched.num_tokens_to_prefill(),
+                prompt_tokens=r.prompt_len,
+                prefill_budget=sched.config.token_budget - sched.num_decoding(),
+                prefill_step_s=self.rates.prefill_step_s,
+                prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
+                wait_s=max(0.0, now - float(sent[i])),
                 max_waiting_requests=self.cfg.max_waiting_requests,
                 ttft_slo_s=self.cfg.ttft_slo_s, reject_over_slo=self.cfg.slo_reject)
             if rej is not None and self.role != "decode":
@@ -196,7 +200,7 @@ class Replica:
                              f"take more than 0 and at most {MAX_STEP_S:g} s: check its settings")
         end = t + dt
         self.rates.update(out.num_prefill_tokens, out.num_decode_tokens, dt)
-        self.sched.prefill_tokens_per_s = self.rates.prefill_tokens_per_s
+        self.sched.prefill_step_s = self.rates.prefill_step_s
         self.running_step = out
         if self.record_steps:
             self.steps.append((end, comp))
@@ -399,7 +403,7 @@ class _Cluster:
     def _start_idle(self) -> None:
         for r in self.reps:
             if not r.busy and r.inbox:
-                self.in_flight -= len(r.admit(self.sent))
+                self.in_flight -= len(r.admit(self.sent, self.now))
             if not r.busy:
                 end = r.start(self.now)
                 if end is not None:

@@ -80,10 +80,10 @@ def test_a_kv_shortage_preempts_lower_priority_first():
 
 def test_slo_deferral_moves_the_hopeless_behind_and_still_serves_them():
     s = _sched("fcfs", max_num_seqs=1, budget=16, ttft_slo_s=1.0, slo_deferral=True)
-    s.prefill_tokens_per_s = 100.0  # 16 tokens per 0.16 s
+    s.prefill_step_s = 0.16  # 15 prompt tokens per step beside the running decode
     s.add_request(_req("run", n=4, max_tokens=30))
     drive_step(s, now=0.0)
-    old = _req("old", n=40, arrival=0.0)     # waited 0.9 s and needs 0.4 s more: hopeless
+    old = _req("old", n=40, arrival=0.0)     # waited 0.9 s and needs 3 steps more: hopeless
     new = _req("new", n=8, arrival=0.85)
     s.add_request(old)
     s.add_request(new)
@@ -98,36 +98,47 @@ def test_slo_deferral_moves_the_hopeless_behind_and_still_serves_them():
 
 def test_step_rates_are_robust_to_tail_chunks_and_slow_outliers():
     r = StepRates()
-    assert r.prefill_tokens_per_s == 0 and r.decode_step_s == 0
+    assert r.prefill_tokens_per_s == 0 and r.decode_step_s == 0 and r.prefill_step_s == 0
     for _ in range(5):
         r.update(500, 0, 0.25)   # 2000 tok/s
     r.update(4, 0, 0.02)         # a tiny tail chunk (200 tok/s) weighs 4 tokens
     r.update(512, 0, 2.0)        # one cold step (256 tok/s)
     assert r.prefill_tokens_per_s == 2000.0
+    assert r.prefill_step_s == 0.25  # median of 0.25 x5, 0.02, 2.0
     for t in (0.03, 0.03, 0.5):
         r.update(0, 16, t)
     assert r.decode_step_s == 0.03
 
 
+def test_ttft_estimate_counts_whole_steps():
+    # 1,200 tokens at 500 per step: 3 steps, the last one as long as the others
+    assert estimate_ttft_s(1000, 200, 500, 0.35, wait_s=0.05) == pytest.approx(1.10)
+    assert estimate_ttft_s(0, 200, 500, 0.35) == pytest.approx(0.35)   # one step, not 200/500 of one
+    assert estimate_ttft_s(0, 500, 500, 0.35) == pytest.approx(0.35)
+    assert estimate_ttft_s(0, 501, 500, 0.35) == pytest.approx(0.70)
+    assert estimate_ttft_s(0, 3, 0, 0.1) == pytest.approx(0.3)        # decodes fill the budget: 1 token a step
+    assert estimate_ttft_s(0, 3, 500, 0.0) is None                    # no step measured yet
+
+
 def test_check_admission_queue_limit_and_slo():
-    kw = dict(queue_tokens=1000, prompt_tokens=200, prefill_tokens_per_s=1000.0,
-              decode_step_s=0.02)
+    kw = dict(queue_tokens=1000, prompt_tokens=200, prefill_budget=500, prefill_step_s=0.35,
+              prefill_tokens_per_s=1000.0, wait_s=0.05)
     assert check_admission(num_waiting=3, max_waiting_requests=4, ttft_slo_s=None,
                            reject_over_slo=True, **kw) is None
     rej = check_admission(num_waiting=4, max_waiting_requests=4, ttft_slo_s=None,
                           reject_over_slo=True, **kw)
     assert "4 requests are waiting, the limit is 4" in rej.message and rej.retry_after_s == 1
-    assert estimate_ttft_s(1000, 200, 1000.0, 0.02) == pytest.approx(1.22)
     rej = check_admission(num_waiting=0, max_waiting_requests=None, ttft_slo_s=1.0,
                           reject_over_slo=True, **kw)
-    assert "estimated TTFT 1220 ms" in rej.message and "limit 1000 ms" in rej.message
-    assert check_admission(num_waiting=0, max_waiting_requests=None, ttft_slo_s=1.3,
+    assert "estimated TTFT 1100 ms" in rej.message and "3 steps of 350 ms" in rej.message
+    assert "limit 1000 ms" in rej.message
+    assert check_admission(num_waiting=0, max_waiting_requests=None, ttft_slo_s=1.2,
                            reject_over_slo=True, **kw) is None
     assert check_admission(num_waiting=0, max_waiting_requests=None, ttft_slo_s=1.0,
                            reject_over_slo=False, **kw) is None     # defer: queued
-    unknown = dict(kw, prefill_tokens_per_s=0.0)
+    unknown = dict(kw, prefill_step_s=0.0)
     assert check_admission(num_waiting=0, max_waiting_requests=None, ttft_slo_s=0.001,
-                           reject_over_slo=True, **unknown) is None  # no rate yet: admit
+                           reject_over_slo=True, **unknown) is None  # no step time yet: admit
 
 
 def _flags(*argv) -> argparse.Namespace:
@@ -157,3 +168,4 @@ def test_engine_config_maps_the_old_policy_and_validates_the_new():
         EngineConfig(ttft_slo_ms=0).validate()
     with pytest.raises(ValueError, match="max_waiting_requests must be an integer >= 1"):
         EngineConfig(max_waiting_requests=0).validate()
+
