@@ -53,19 +53,32 @@ class CoreClient:
                  log_level: str = "info", startup_timeout_s: float = 900.0):
         self._tmp = tempfile.mkdtemp(prefix="sloserve-")
         self._ctx = zmq.Context(io_threads=1)
-        self._in = self._ctx.socket(zmq.PUSH)
-        self._in.setsockopt(zmq.LINGER, 0)
-        self._out = self._ctx.socket(zmq.PULL)
-        self._out.setsockopt(zmq.LINGER, 0)
-        in_addr, out_addr = f"ipc://{self._tmp}/input", f"ipc://{self._tmp}/output"
-        self._in.bind(in_addr)
-        self._out.bind(out_addr)
         self._send_lock = threading.Lock()
         self._closed = False
-        spec = {"config": asdict(config), "step_trace": step_trace, "input": in_addr,
-                "output": out_addr, "log_level": log_level, "parent_pid": os.getpid()}
-        self.proc = subprocess.Popen([sys.executable, "-m", "sloserve.engine.core_proc",
-                                      json.dumps(spec)])
+        self.proc = None
+        socks = []
+        try:  # a signal raised in here (SIGTERM while starting) must leave nothing behind
+            self._in = self._ctx.socket(zmq.PUSH)
+            socks.append(self._in)
+            self._in.setsockopt(zmq.LINGER, 0)
+            self._out = self._ctx.socket(zmq.PULL)
+            socks.append(self._out)
+            self._out.setsockopt(zmq.LINGER, 0)
+            in_addr, out_addr = f"ipc://{self._tmp}/input", f"ipc://{self._tmp}/output"
+            self._in.bind(in_addr)
+            self._out.bind(out_addr)
+            spec = {"config": asdict(config), "step_trace": step_trace, "input": in_addr,
+                    "output": out_addr, "log_level": log_level, "parent_pid": os.getpid()}
+            self.proc = subprocess.Popen([sys.executable, "-m", "sloserve.engine.core_proc",
+                                          json.dumps(spec)])
+        except BaseException:
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.kill()
+            for sock in socks:
+                sock.close(linger=0)
+            self._ctx.term()
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            raise
         self._startup_timeout_s = startup_timeout_s
         self.info: EngineInfo | None = None
 
