@@ -103,8 +103,12 @@ def estimate_ttft_s(queue_tokens: int, prompt_tokens: int, prefill_budget: int,
     """
     if prefill_step_s <= 0:
         return None
-    steps = math.ceil((queue_tokens + prompt_tokens) / max(1, prefill_budget))
-    return wait_s + steps * prefill_step_s
+    return wait_s + prefill_steps(queue_tokens + prompt_tokens, prefill_budget) * prefill_step_s
+
+
+def prefill_steps(tokens: int, prefill_budget: int) -> int:
+    """Steps ``tokens`` prompt tokens take at ``prefill_budget`` (at least 1) a step."""
+    return math.ceil(tokens / max(1, prefill_budget))
 
 
 def check_admission(*, num_waiting: int, queue_tokens: int, prompt_tokens: int,
@@ -123,7 +127,7 @@ def check_admission(*, num_waiting: int, queue_tokens: int, prompt_tokens: int,
     if ttft_slo_s is not None and reject_over_slo:
         est = estimate_ttft_s(queue_tokens, prompt_tokens, prefill_budget, prefill_step_s, wait_s)
         if est is not None and est > ttft_slo_s:
-            steps = math.ceil((queue_tokens + prompt_tokens) / max(1, prefill_budget))
+            steps = prefill_steps(queue_tokens + prompt_tokens, prefill_budget)
             return Rejection(f"the server cannot meet its TTFT SLO for this request: estimated "
                              f"TTFT {est * 1e3:.0f} ms ({queue_tokens} prompt tokens queued "
                              f"ahead + {prompt_tokens}, {max(1, prefill_budget)} per step: "

@@ -198,7 +198,7 @@ class EngineCore:
                               prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
                               decode_step_s=self.rates.decode_step_s,
                               prefill_step_s=self.rates.prefill_step_s,
-                              prefill_budget=s.config.token_budget - s.num_decoding(),
+                              prefill_budget=s.prefill_budget(),
                               num_requests_received_total=s.num_requests_received,
                               num_deferred_total=s.num_deferred)
 

@@ -128,8 +128,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_requests_received = 0
-        #: the engine's measured prefill rate (tokens/s), for SLO-aware deferral; 0: unknown
-        self.prefill_step_s = 0.0  # measured by the engine (s per step with prefill tokens)
+        #: the engine's measured time of a step with prefill tokens (s), for SLO-aware
+        #: deferral; 0: unknown
+        self.prefill_step_s = 0.0
         self.num_deferred = 0
         #: finished or aborted since the last schedule(): the runner forgets them next step
         self._finished_ids: list[str] = []
@@ -200,9 +201,11 @@ class Scheduler:
         return n + sum(r.num_tokens - r.num_computed_tokens for r in self.running
                        if r.num_tokens - r.num_computed_tokens > 1)
 
-    def num_decoding(self) -> int:
-        """Running requests past their prefill (one query token, drafts aside, per step)."""
-        return sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens <= 1)
+    def prefill_budget(self) -> int:
+        """Prompt tokens the next step can take: the token budget less the running requests
+        past their prefill (decodes take their token of every step first)."""
+        decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens <= 1)
+        return self.config.token_budget - decoding
 
     @property
     def num_unfinished(self) -> int:
@@ -262,7 +265,7 @@ class Scheduler:
         step_s, limit = self.prefill_step_s, self.config.ttft_slo_s
         if step_s <= 0 or limit is None or len(self.waiting) < 2:
             return
-        budget = self.config.token_budget - self.num_decoding()
+        budget = self.prefill_budget()
         keep, late, ahead = [], [], 0
         for r in self.waiting:
             need = r.num_tokens - r.num_computed_tokens

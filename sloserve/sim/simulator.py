@@ -158,7 +158,7 @@ class Replica:
             rej = check_admission(
                 num_waiting=len(sched.waiting), queue_tokens=sched.num_tokens_to_prefill(),
                 prompt_tokens=r.prompt_len,
-                prefill_budget=sched.config.token_budget - sched.num_decoding(),
+                prefill_budget=sched.prefill_budget(),
                 prefill_step_s=self.rates.prefill_step_s,
                 prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
                 wait_s=max(0.0, now - float(sent[i])),
