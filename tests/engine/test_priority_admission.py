@@ -104,7 +104,12 @@ def test_step_rates_are_robust_to_tail_chunks_and_slow_outliers():
     r.update(4, 0, 0.02)         # a tiny tail chunk (200 tok/s) weighs 4 tokens
     r.update(512, 0, 2.0)        # one cold step (256 tok/s)
     assert r.prefill_tokens_per_s == 2000.0
-    assert r.prefill_step_s == 0.25  # median of 0.25 x5, 0.02, 2.0
+    assert r.prefill_step_s == 2.0   # the latest step (and the 90th percentile of 7)
+    for _ in range(9):
+        r.update(500, 0, 0.25)
+    r.update(500, 0, 0.3)
+    r.update(500, 0, 0.2)
+    assert r.prefill_step_s == 0.3   # 90th percentile of 0.02, 0.2, 0.25 x14, 0.3, 2.0
     for t in (0.03, 0.03, 0.5):
         r.update(0, 16, t)
     assert r.decode_step_s == 0.03
