@@ -25,6 +25,8 @@ BATCHING_FLAGS = {"chunked": [], "naive": ["--no-enable-chunked-prefill"],
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
 LOAD_FORMAT_CHOICES = ("auto", "gguf", "safetensors", "hf", "dummy")
+#: ``--logprobs-mode`` (vLLM's): what the ``logprobs`` API returns
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 @dataclass
@@ -68,6 +70,11 @@ class EngineConfig:
             kernels; vLLM's flag for "no compiled graphs").
         enable_prefix_caching: automatic prefix caching (vLLM V1's hash-chained blocks; on).
         prefix_caching_hash_algo: the block hash ("sha256": the same in every process).
+        max_logprobs: most ``logprobs`` / ``top_logprobs`` / ``prompt_logprobs`` a request may
+            ask for (vLLM's default 20; over it: HTTP 400 naming the limit).
+        logprobs_mode: "raw_logprobs" (default: log-softmax of the model's logits),
+            "processed_logprobs" (after temperature, top-k and top-p), or the logits themselves
+            ("raw_logits", "processed_logits"), as vLLM's ``--logprobs-mode``.
     """
 
     model: str | None = None
@@ -94,6 +101,8 @@ class EngineConfig:
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
+    max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
         if self.scheduling_policy in POLICIES:  # the old spelling: one release of grace
@@ -120,6 +129,9 @@ class EngineConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or \
+                self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         for name in ("num_kv_blocks", "max_model_len", "num_threads", "max_waiting_requests"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -139,6 +151,7 @@ class EngineConfig:
                               ("scheduling_policy", QUEUE_POLICIES),
                               ("slo_admission", SLO_ADMISSION),
                               ("prefix_caching_hash_algo", HASH_ALGOS),
+                              ("logprobs_mode", LOGPROBS_MODES),
                               ("dtype", DTYPE_CHOICES), ("kv_cache_dtype", DTYPE_CHOICES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got "
@@ -238,6 +251,12 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
                    help="auto (the fastest that runs here) or a backend name")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch intra-op threads of the engine core (default: every core)")
+    p.add_argument("--max-logprobs", type=int, default=_D.max_logprobs,
+                   help=f"most logprobs / top_logprobs / prompt_logprobs per request "
+                        f"(default {_D.max_logprobs})")
+    p.add_argument("--logprobs-mode", default=_D.logprobs_mode, choices=LOGPROBS_MODES,
+                   help="raw_logprobs (default): the model's log-softmax; processed_*: after "
+                        "temperature / top-k / top-p; *_logits: the logits themselves")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:

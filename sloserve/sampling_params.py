@@ -13,6 +13,13 @@ _SEED_MIN, _SEED_MAX = -(2 ** 63), 2 ** 64 - 1  # what torch.Generator.manual_se
 MAX_TOP_K = 2 ** 31 - 1
 
 
+def child_seed(seed: int, i: int) -> int:
+    """The seed of choice ``i`` of a seeded request with ``n`` > 1: ``seed + i``, wrapped into
+    the accepted range."""
+    span = _SEED_MAX - _SEED_MIN + 1
+    return (seed + i - _SEED_MIN) % span + _SEED_MIN
+
+
 class ParamError(ValueError):
     """A request parameter is out of range. `param` names the offending field (OpenAI `param`)."""
 
@@ -35,6 +42,11 @@ class SamplingParams:
         stop_token_ids: extra token ids that end the output (not returned as text).
         ignore_eos: keep generating past EOS (benchmarks that need fixed output lengths).
         skip_special_tokens: drop special tokens from the returned text.
+        logprobs: per output token, return the sampled token's log probability and the
+            ``logprobs`` most likely tokens' (0: the sampled token's only; None: nothing).
+        prompt_logprobs: per prompt token after the first, its log probability and the
+            ``prompt_logprobs`` most likely tokens' (None: nothing). Such a request computes its
+            whole prompt: it takes no prefix-cache blocks (their logits were never kept).
     """
 
     temperature: float = 1.0
@@ -46,6 +58,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,7 +77,7 @@ class SamplingParams:
                              "temperature")
         if self.top_p is None or not (0.0 < self.top_p <= 1.0):  # NaN fails this too
             raise ParamError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        for name in ("top_k", "seed", "max_tokens"):
+        for name in ("top_k", "seed", "max_tokens", "logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 raise ParamError(f"{name} must be an integer, got {v!r}", name)
@@ -86,6 +100,10 @@ class SamplingParams:
                                  "stop") from None
         if self.seed is not None and not _SEED_MIN <= self.seed <= _SEED_MAX:
             raise ParamError(f"seed must be in [-2**63, 2**64 - 1], got {self.seed}", "seed")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= MAX_TOP_K:
+                raise ParamError(f"{name} must be >= 0, got {v}", name)
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ParamError(f"max_tokens must be >= 1, got {self.max_tokens}", "max_tokens")
 

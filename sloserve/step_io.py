@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from sloserve.logprobs import Logprobs
 from sloserve.sampling_params import SamplingParams
 
 
@@ -38,6 +39,13 @@ class ScheduledRequest:
         is_decode: one new token of a request that already has output (its KV is complete),
             possibly followed by draft tokens; prefill chunks and recomputation are not decodes.
         spec_token_ids: draft tokens proposed for verification (the last entries of token_ids).
+        prompt_logprob_targets: for a request that asked for prompt logprobs, the prompt tokens
+            that the chunk's first positions predict (position ``num_computed_tokens + i``
+            predicts ``prompt_logprob_targets[i]``); empty otherwise.
+        token_bitmask: structured output: per sampled position, the allowed tokens as a
+            little-endian bitmask of ceil(vocab / 32) int32 words in bytes (bit ``t % 32`` of
+            word ``t // 32`` set: token t allowed); empty: no constraint. One entry per sampled
+            position leaves room for draft positions.
     """
 
     request_id: str
@@ -49,6 +57,8 @@ class ScheduledRequest:
     samples: bool
     is_decode: bool
     spec_token_ids: list[int] = field(default_factory=list)
+    prompt_logprob_targets: list[int] = field(default_factory=list)
+    token_bitmask: list[bytes] = field(default_factory=list)
 
     @property
     def start_pos(self) -> int:
@@ -114,6 +124,10 @@ class ModelRunnerOutput:
         sampled_token_ids: per request, the tokens sampled after its chunk: none for a prefill
             chunk that does not finish the prompt, one for a decode or a finished prompt, and
             for a verify step the accepted draft tokens plus one more (between 1 and 1 + k).
+        logprobs: per request, the logprobs of its sampled tokens (same length) when its
+            sampling params ask for ``logprobs``, else None; empty list: none in the step.
+        prompt_logprobs: per request, the logprobs of its ``prompt_logprob_targets``, or None;
+            empty list: none in the step.
         prepare_s, forward_s, sample_s: seconds the runner spent building the inputs, in the
             model forward and sampling (perf_counter).
     """
@@ -123,6 +137,8 @@ class ModelRunnerOutput:
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
+    logprobs: list[Logprobs | None] = field(default_factory=list)
+    prompt_logprobs: list[Logprobs | None] = field(default_factory=list)
 
 
 _encoder = msgspec.msgpack.Encoder()

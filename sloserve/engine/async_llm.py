@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import subprocess
 import threading
@@ -180,29 +181,47 @@ class AsyncLLM:
             EngineDeadError: the core is not running, or died meanwhile.
             ValueError: a duplicate request id.
         """
+        async with contextlib.aclosing(self.generate_group([request])) as outs:
+            async for _, out in outs:
+                yield out
+
+    async def generate_group(self, requests: list[EngineCoreRequest]
+                             ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Send several requests (the ``n`` choices or the prompts of one API request) and yield
+        (index in ``requests``, output) as outputs arrive, until every one has finished.
+
+        Leaving early aborts those not finished. Raises as :meth:`generate`.
+        """
         if not self.is_running:
             raise EngineDeadError(self._dead or "the engine is not running")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        rid = request.request_id
-        self.output_processor.add_request(request, sink=(loop, q))
-        finished = False
+        index = {r.request_id: i for i, r in enumerate(requests)}
+        if len(index) != len(requests):
+            raise ValueError("duplicate request ids in one group")
+        added: list[str] = []
+        unfinished: set[str] = set()
         try:
-            self.client.send(request)  # inside the try: a request that cannot be sent is forgotten
-            self._sent_total += 1
-            self._in_transit.append((self._sent_total, len(request.prompt_token_ids)))
-            while True:
+            for r in requests:
+                self.output_processor.add_request(r, sink=(loop, q))
+                added.append(r.request_id)
+                unfinished.add(r.request_id)
+            for r in requests:  # inside the try: a request that cannot be sent is forgotten
+                self.client.send(r)
+                self._sent_total += 1
+                self._in_transit.append((self._sent_total, len(r.prompt_token_ids)))
+            while unfinished:
                 out = await q.get()
                 if isinstance(out, BaseException):
-                    finished = True
+                    unfinished.clear()
                     raise out
-                finished = out.finished
-                yield out
-                if finished:
-                    return
+                if out.finished:
+                    unfinished.discard(out.request_id)
+                yield index[out.request_id], out
         finally:
-            if not finished:
-                self._abort(rid)
+            for rid in added:
+                if rid in unfinished:
+                    self._abort(rid)
 
     def reset_prefix_cache(self) -> None:
         """Ask the core to forget its prefix cache (applied before its next step)."""

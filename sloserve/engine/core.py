@@ -127,7 +127,8 @@ class EngineCore:
         self.fast_path, self.weights_line = build_fast_path(self.model, weights, config)
         logger.info("%s", self.weights_line)
         self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size,
-                                  self.kv_cache_dtype, Sampler(config.seed), attn, self.fast_path)
+                                  self.kv_cache_dtype, Sampler(config.seed), attn, self.fast_path,
+                                  logprobs_mode=config.logprobs_mode)
         self.info = EngineInfo(
             model_name=model_name, model_path=model_path, max_model_len=self.max_model_len,
             vocab_size=self.model_config.vocab_size,
@@ -135,7 +136,7 @@ class EngineCore:
             block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens,
             dtype=self.dtype_choice.dtype, kv_cache_dtype=self.dtype_choice.kv_cache_dtype,
             dtype_reason=f"{self.dtype_choice.describe()}; {self.weights_line}", pid=os.getpid(),
-            scheduling_policy=config.scheduling_policy)
+            scheduling_policy=config.scheduling_policy, max_logprobs=config.max_logprobs)
         from sloserve.engine.metrics import StepTraceLogger
         self._trace = StepTraceLogger(step_trace) if step_trace else None
         self.num_steps = 0

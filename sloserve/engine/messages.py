@@ -11,15 +11,16 @@ All are ``msgspec.Struct``s, encoded as msgpack (:data:`encoder`, :func:`decode_
 reference. Plain Python: no torch, no clock (times are the sender's ``time.monotonic()``, which on
 Linux is one clock for every process of the machine).
 
-Fields for what comes next are here already: per-token and prompt logprobs (:class:`Logprobs`),
-a parent id for the ``n`` sibling requests of one API request, ``priority``, ``cache_salt``, and the
-number of accepted draft tokens of a verify step.
+Per-token and prompt logprobs travel as :class:`~sloserve.logprobs.Logprobs`; the ``n`` sibling
+requests of one API request share a ``parent_request_id``.
 """
 from __future__ import annotations
 
 import msgspec
 
+from sloserve.logprobs import Logprobs
 from sloserve.sampling_params import SamplingParams
+
 
 
 class EngineCoreRequest(msgspec.Struct, omit_defaults=True, tag=True):
@@ -58,20 +59,6 @@ class EngineCoreResetPrefixCache(msgspec.Struct, tag=True):
     """Forget every cached prefix block (``POST /reset_prefix_cache``)."""
 
 
-class Logprobs(msgspec.Struct, array_like=True):
-    """Log probabilities of consecutive positions (for the ``logprobs`` API, later).
-
-    Attributes:
-        token_ids: per position, the sampled (or prompt) token first, then the top-k ids.
-        logprobs: per position, their log probabilities (same shape as token_ids).
-        ranks: per position, the rank of the first token in the distribution (1 = most likely).
-    """
-
-    token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    ranks: list[int]
-
-
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     """One request's progress in one step.
 
@@ -87,7 +74,9 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
         num_accepted_draft_tokens: draft tokens this step accepted.
         num_preemptions: times the request was preempted so far.
         first_scheduled_time: when it was first scheduled (s, monotonic; set on finish).
-        new_logprobs, new_prompt_logprobs: when asked for (later).
+        new_logprobs: for each of new_token_ids, when the request asked for ``logprobs``.
+        new_prompt_logprobs: the prompt positions this step computed, when it asked for
+            ``prompt_logprobs`` (position i gives prompt token i + 1; token 0 has none).
         parent_request_id: see :class:`EngineCoreRequest`.
         error: the core failed the request (an engine fault: HTTP 500, not a client error).
     """
@@ -208,6 +197,7 @@ class EngineInfo(msgspec.Struct):
         dtype_reason: the one-line choice the core logged.
         pid: the core process (0 in-process).
         scheduling_policy: "fcfs" or "priority" (a request's priority only counts under the latter).
+        max_logprobs: most logprobs a request may ask for (``--max-logprobs``).
     """
 
     model_name: str
@@ -223,6 +213,7 @@ class EngineInfo(msgspec.Struct):
     dtype_reason: str = ""
     pid: int = 0
     scheduling_policy: str = "fcfs"
+    max_logprobs: int = 20
 
 
 class EngineCoreReady(msgspec.Struct, tag=True):

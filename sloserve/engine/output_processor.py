@@ -18,6 +18,7 @@ from sloserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, Engine
 from sloserve.engine.metrics import FinishedRequestStats, IterationStats
 from sloserve.engine.outputs import RequestOutput
 from sloserve.latency import tpot
+from sloserve.logprobs import Logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,8 @@ class RequestState:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: Logprobs | None = None   # accumulated until its first output
+    sent_first: bool = False                  # its first output (with the prompt's) went out
     #: where its outputs go (the async front end's queue); None in-process
     sink: Any = None
 
@@ -122,6 +125,12 @@ class OutputProcessor:
                 st = self._states.get(o.request_id)
             if st is None:
                 continue  # aborted by the front end, or stopped by a stop string before
+            if o.new_prompt_logprobs is not None:
+                if st.prompt_logprobs is None:
+                    st.prompt_logprobs = Logprobs.empty()
+                st.prompt_logprobs.extend(o.new_prompt_logprobs)
+            if not o.new_token_ids and o.finish_reason is None and not o.error:
+                continue  # a prefill chunk's prompt logprobs: kept for the first output
             if o.new_token_ids:
                 if st.first_token_time is None:
                     st.first_token_time = now
@@ -142,8 +151,10 @@ class OutputProcessor:
                 if o.finish_reason is None:  # a stop string (or a failure) here: stop the core
                     to_abort.append(o.request_id)
                 finished.append(self._finished_stats(st, reason, now, o.first_scheduled_time))
-            results.append((st.sink, self._output(st, delta, new_ids, reason is not None,
-                                                  reason, error)))
+            out = self._output(st, delta, new_ids, reason is not None, reason, error)
+            if o.new_logprobs is not None:
+                out.new_logprobs = o.new_logprobs.slice(0, len(new_ids))
+            results.append((st.sink, out))
         it = None
         if outs.step is not None:
             s, ss = outs.step, outs.scheduler_stats
@@ -183,7 +194,12 @@ class OutputProcessor:
 
     def _output(self, st: RequestState, delta: str, new_ids: list[int], finished: bool,
                 reason: str | None, error: str | None) -> RequestOutput:
+        first = not st.sent_first and (bool(new_ids) or finished)
+        if first:
+            st.sent_first = True
         return RequestOutput(
+            prompt_logprobs=st.prompt_logprobs if first else None,
+            prompt_token_ids=st.request.prompt_token_ids if first else None,
             request_id=st.request.request_id, new_text=delta, new_token_ids=new_ids,
             text=st.detok.text if st.detok else "", token_ids=list(st.output_token_ids),
             finished=finished, finish_reason=reason,

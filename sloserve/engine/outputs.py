@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sloserve.logprobs import Logprobs
+
 
 @dataclass
 class RequestOutput:
@@ -21,6 +23,10 @@ class RequestOutput:
         num_cached_tokens: prompt tokens the prefix cache served (usage's
             ``prompt_tokens_details.cached_tokens``).
         error: set when the engine failed this request (the request is finished).
+        new_logprobs: logprobs of new_token_ids, when the request asked for ``logprobs``.
+        prompt_logprobs: logprobs of prompt tokens 1.. (token 0 has none), when it asked for
+            ``prompt_logprobs``: all of them, in its first output with tokens (or its last).
+        prompt_token_ids: the prompt, in that same output (for ``echo``).
     """
 
     request_id: str
@@ -34,3 +40,6 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    new_logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
+    prompt_token_ids: list[int] | None = None

@@ -55,6 +55,11 @@ class Processor:
         if priority and info.scheduling_policy != "priority":
             raise ParamError(f"priority {priority} needs --scheduling-policy priority (the server "
                              f"runs {info.scheduling_policy})", "priority")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(params, name)
+            if v is not None and v > info.max_logprobs:
+                raise ParamError(f"{name} must be at most {info.max_logprobs} (the server's "
+                                 f"--max-logprobs), got {v}", name)
         ids = self.encode(prompt)
         n = len(ids)
         if n == 0:

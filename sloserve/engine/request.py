@@ -61,6 +61,10 @@ class Request:
     num_cached_tokens: int = 0      # prompt tokens its first admission found in the prefix cache
     deferred: bool = False          # moved back by SLO-aware deferral at least once
     block_hashes: list = field(default_factory=list)  # chained hashes of its full blocks so far
+    num_prompt_logprobs_done: int = 0  # prompt positions whose logprobs were handed out
+    #: structured output: the grammar state (``fill_bitmask(): bytes``, ``accept(token)``),
+    #: or an object with ``ready`` False while it compiles (not admitted until then)
+    grammar: object | None = None
     # timestamps filled by the engine (seconds)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -327,8 +327,12 @@ class Scheduler:
             may_admit = False
         if may_admit and cfg.slo_deferral:
             self._defer_hopeless(now)
+        held: list[Request] = []  # passed over this step, kept at the queue's front
         while may_admit and self.waiting and budget > 0:
             req = self.waiting[0]
+            if self._must_wait(req):
+                held.append(self.waiting.popleft())
+                continue
             if len(self.running) >= cfg.max_num_seqs:
                 refund = self._preempt_for(req, out, scheduled)
                 if refund is None:
@@ -337,8 +341,10 @@ class Scheduler:
                 continue
             # the longest run of cached full blocks it can start from (none with caching off)
             # (a request whose KV arrived from elsewhere, num_computed_tokens > 0, looks up none)
-            hit_blocks, n_hit = (self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0
-                                 else ([], 0))
+            # (prompt logprobs need every prompt position's logits: it computes its whole prompt)
+            hit_blocks, n_hit = (self.kv.get_computed_blocks(req)
+                                 if req.num_computed_tokens == 0
+                                 and req.sampling_params.prompt_logprobs is None else ([], 0))
             start = n_hit or req.num_computed_tokens
             n = req.num_tokens - start
             if n > budget:
@@ -363,6 +369,8 @@ class Scheduler:
             scheduled[req.request_id] = n
             budget -= n
 
+        if held:
+            self.waiting.extendleft(reversed(held))
         # decodes first, then prefill chunks, each in admission order
         items = [self._scheduled(r, scheduled[r.request_id]) for r in self.running
                  if r.request_id in scheduled]
@@ -371,18 +379,39 @@ class Scheduler:
         out.finished_request_ids, self._finished_ids = self._finished_ids, []
         return out
 
+    def _must_wait(self, req: Request) -> bool:
+        """Not admitted this step: its grammar still compiles, or (prefix caching on) it is one
+        of the ``n`` siblings of an API request whose first sibling is still prefilling the
+        shared prompt: it starts once those blocks are cached, so the prompt is prefilled once
+        and its full blocks are shared (reference counts) instead of computed n times."""
+        g = req.grammar
+        if g is not None and not getattr(g, "ready", True):
+            return True
+        if (req.parent_request_id is None or not self.kv.enable_prefix_caching
+                or req.num_computed_tokens or req.num_output_tokens
+                or req.sampling_params.prompt_logprobs is not None):
+            return False
+        full = req.num_prompt_tokens // self.kv.block_size * self.kv.block_size
+        return any(r.parent_request_id == req.parent_request_id and r.num_computed_tokens < full
+                   and r.num_output_tokens == 0 for r in self.running)
+
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         """The plain-data record of `req` computing `n` query tokens from num_computed_tokens."""
         start = req.num_computed_tokens
         spec = req.spec_token_ids if n > 1 and start + 1 == req.num_tokens else []
         end = start + n - len(spec)
+        targets: list[int] = []
+        if req.sampling_params.prompt_logprobs is not None:
+            stop = min(end, req.num_prompt_tokens - 1)  # position p predicts prompt token p + 1
+            if start < stop:
+                targets = req.prompt_token_ids[start + 1:stop + 1]
         return ScheduledRequest(
             request_id=req.request_id, num_computed_tokens=start, num_new_tokens=n,
             token_ids=req.token_ids_range(start, end) + spec,
             block_ids=list(self.kv.get_block_table(req.request_id)),
             sampling_params=req.sampling_params, samples=end == req.num_tokens,
             is_decode=end == req.num_tokens and end - start == 1 and req.num_output_tokens > 0,
-            spec_token_ids=list(spec))
+            spec_token_ids=list(spec), prompt_logprob_targets=targets)
 
     # ----------------------------------------------------------------- results
     def update_from_output(self, out: SchedulerOutput, runner_out: ModelRunnerOutput,
@@ -408,17 +437,24 @@ class Scheduler:
         if runner_out.req_ids != [s.request_id for s in out.scheduled]:
             raise ValueError("runner output is not for this scheduler output: request ids differ")
         outputs: list[EngineCoreOutput] = []
-        for sr, toks in zip(out.scheduled, runner_out.sampled_token_ids):
+        lps = runner_out.logprobs or [None] * len(out.scheduled)
+        plps = runner_out.prompt_logprobs or [None] * len(out.scheduled)
+        for sr, toks, lp, plp in zip(out.scheduled, runner_out.sampled_token_ids, lps, plps):
             req = self.requests.get(sr.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # finished or preempted meanwhile
             req.num_computed_tokens += sr.num_new_tokens
             req.spec_token_ids = []
+            plp = self._new_prompt_logprobs(req, sr, plp)
             if not sr.samples:
                 self.kv.cache_blocks(req)
                 if toks:
                     raise ValueError(f"{sr.request_id}: tokens sampled after a chunk that does "
                                      f"not reach the end of its prompt")
+                if plp is not None:
+                    outputs.append(EngineCoreOutput(request_id=req.request_id,
+                                                    new_prompt_logprobs=plp,
+                                                    parent_request_id=req.parent_request_id))
                 continue
             k = len(sr.spec_token_ids)
             if not 1 <= len(toks) <= k + 1 or toks[:-1] != sr.spec_token_ids[:len(toks) - 1]:
@@ -446,7 +482,9 @@ class Scheduler:
                                  num_accepted_draft_tokens=len(new) - 1 if k else 0,
                                  num_preemptions=req.num_preemptions,
                                  num_cached_tokens=req.num_cached_tokens,
-                                 parent_request_id=req.parent_request_id)
+                                 parent_request_id=req.parent_request_id,
+                                 new_logprobs=None if lp is None else lp.slice(0, len(new)),
+                                 new_prompt_logprobs=plp)
             if status is not None:
                 self.finish_request(req.request_id, status)
                 req.finished_time = now
@@ -456,6 +494,17 @@ class Scheduler:
                     o.stop_reason = new[-1]
             outputs.append(o)
         return outputs
+
+    @staticmethod
+    def _new_prompt_logprobs(req: Request, sr: ScheduledRequest, plp):
+        """The prompt logprobs of this chunk not handed out before (a preempted request
+        recomputes positions it already reported), or None."""
+        if plp is None or not len(plp):
+            return None
+        skip = max(0, req.num_prompt_logprobs_done - sr.num_computed_tokens)
+        req.num_prompt_logprobs_done = max(req.num_prompt_logprobs_done,
+                                           sr.num_computed_tokens + len(plp))
+        return plp.slice(skip) if skip < len(plp) else None
 
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         sp = req.sampling_params

@@ -16,7 +16,8 @@ import torch
 
 from sloserve.model.attention import AttentionBackend, StepInputs
 from sloserve.model.config import ModelConfig
-from sloserve.model.sampler import Sampler
+from sloserve.model import logprobs as lp
+from sloserve.model.sampler import Sampler, apply_token_bitmask
 from sloserve.roofline.kv import gqa_kv_bytes_per_token
 from sloserve.step_io import ModelRunnerOutput, SchedulerOutput
 
@@ -38,7 +39,8 @@ def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
 
     Logits are needed at the last query token of each request whose chunk samples, and for a
     verify step at each of its 1 + k last positions (the token after its last sampled one, then
-    one after each draft token).
+    one after each draft token); for a request that asked for prompt logprobs also at its
+    chunk's first ``len(prompt_logprob_targets)`` positions, which come first in its rows.
 
     Raises:
         ValueError: a request's token ids, positions or block table do not fit.
@@ -61,6 +63,10 @@ def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
         input_ids += sr.token_ids
         positions += range(start, end)
         slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+        m = len(sr.prompt_logprob_targets)
+        if m > n:
+            raise ValueError(f"{sr.request_id}: {m} prompt logprob targets for {n} positions")
+        logits_idx += range(t0, t0 + m)
         if sr.samples:
             k = len(sr.spec_token_ids)
             logits_idx += range(t0 + n - 1 - k, t0 + n)
@@ -97,11 +103,13 @@ class ModelRunner:
             per layer, allocated once.
         fast_path: the fused forward (``sloserve.model.fast_path.FastPath``) that runs every
             step when given; None: the model's own (torch) forward.
+        logprobs_mode: what logprobs report (``--logprobs-mode``, see sloserve.model.logprobs).
     """
 
     def __init__(self, model: torch.nn.Module, config: ModelConfig, num_blocks: int,
                  block_size: int, kv_cache_dtype: torch.dtype, sampler: Sampler,
-                 attn_backend: AttentionBackend, fast_path=None):
+                 attn_backend: AttentionBackend, fast_path=None,
+                 logprobs_mode: str = "raw_logprobs"):
         self.model = model
         self.config = config
         self.num_blocks = num_blocks
@@ -110,6 +118,7 @@ class ModelRunner:
         self.sampler = sampler
         self.attn_backend = attn_backend
         self.fast_path = fast_path
+        self.logprobs_mode = logprobs_mode
         shape = attn_backend.kv_cache_shape(num_blocks, block_size, config.num_key_value_heads,
                                             config.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=kv_cache_dtype)
@@ -138,29 +147,78 @@ class ModelRunner:
         logits = forward(inputs.input_ids, inputs.positions, self.kv_caches, self.attn_backend,
                          meta, inputs.logits_indices)
         t2 = time.perf_counter()
-        rids, params = [], []
-        for sr in out.scheduled:
-            if sr.samples:
-                rids += [sr.request_id] * (1 + len(sr.spec_token_ids))
-                params += [sr.sampling_params] * (1 + len(sr.spec_token_ids))
-        toks = self.sampler(logits, rids, params) if rids else []
-        sampled: list[list[int]] = []
-        i = 0
-        for sr in out.scheduled:
-            if not sr.samples:
-                sampled.append([])
-                continue
-            k = len(sr.spec_token_ids)
-            row = toks[i:i + k + 1]
-            i += k + 1
-            a = 0
-            while a < k and row[a] == sr.spec_token_ids[a]:
-                a += 1
-            sampled.append(row[:a + 1])
+        sampled, logprobs, prompt_logprobs = self._sample(out, logits)
         t3 = time.perf_counter()
         return ModelRunnerOutput(req_ids=[s.request_id for s in out.scheduled],
-                                 sampled_token_ids=sampled, prepare_s=t1 - t0,
+                                 sampled_token_ids=sampled, logprobs=logprobs,
+                                 prompt_logprobs=prompt_logprobs, prepare_s=t1 - t0,
                                  forward_s=t2 - t1, sample_s=t3 - t2)
+
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor):
+        """(sampled tokens, logprobs, prompt logprobs) per scheduled request from the logits
+        rows of :func:`build_step_inputs` (each request's prompt rows, then its sample rows)."""
+        sample_rows: list[int] = []
+        rids, params = [], []
+        prompt_rows: list[tuple[int, int]] = []  # (first row, count) per request
+        mask_rows, masks = [], []
+        row = 0
+        for sr in out.scheduled:
+            m = len(sr.prompt_logprob_targets)
+            prompt_rows.append((row, m))
+            row += m
+            if sr.samples:
+                k1 = 1 + len(sr.spec_token_ids)
+                for j in range(k1):
+                    if j < len(sr.token_bitmask) and sr.token_bitmask[j]:
+                        mask_rows.append(len(sample_rows))
+                        masks.append(sr.token_bitmask[j])
+                    sample_rows.append(row + j)
+                rids += [sr.request_id] * k1
+                params += [sr.sampling_params] * k1
+                row += k1
+        if row != logits.shape[0]:
+            raise ValueError(f"{logits.shape[0]} logits rows for {row} positions")
+        slogits = logits if len(sample_rows) == row else logits[sample_rows]
+        apply_token_bitmask(slogits, mask_rows, masks)
+        toks = self.sampler(slogits, rids, params) if rids else []
+        sampled: list[list[int]] = []
+        logprobs: list = []
+        prompt_logprobs: list = []
+        want_lp = any(sr.sampling_params.logprobs is not None for sr in out.scheduled)
+        want_plp = any(m for _, m in prompt_rows)
+        i = 0
+        for sr, (r0, m) in zip(out.scheduled, prompt_rows):
+            if want_plp:
+                prompt_logprobs.append(self._prompt_logprobs(sr, logits[r0:r0 + m]) if m else None)
+            if not sr.samples:
+                sampled.append([])
+                if want_lp:
+                    logprobs.append(None)
+                continue
+            k = len(sr.spec_token_ids)
+            got = toks[i:i + k + 1]
+            a = 0
+            while a < k and got[a] == sr.spec_token_ids[a]:
+                a += 1
+            sampled.append(got[:a + 1])
+            if want_lp:
+                logprobs.append(None if sr.sampling_params.logprobs is None else
+                                self._token_logprobs(sr, slogits[i:i + a + 1], got[:a + 1]))
+            i += k + 1
+        return sampled, logprobs, prompt_logprobs
+
+    def _token_logprobs(self, sr, rows: torch.Tensor, toks: list[int]):
+        sp = sr.sampling_params
+        if self.logprobs_mode.startswith("processed"):
+            rows = torch.stack([self.sampler.processed_logits(r, sp) for r in rows])
+        return lp.gather(lp.logprob_values(rows, self.logprobs_mode), toks, sp.logprobs)
+
+    def _prompt_logprobs(self, sr, rows: torch.Tensor):
+        sp = sr.sampling_params
+        if self.logprobs_mode.startswith("processed"):
+            rows = torch.stack([self.sampler.processed_logits(r, sp) for r in rows])
+        return lp.gather(lp.logprob_values(rows, self.logprobs_mode),
+                         sr.prompt_logprob_targets, sp.prompt_logprobs or 0)
 
     # ------------------------------------------------------------------ KV export / import
     def export_kv(self, block_ids: list[int], layer: int | None = None) -> torch.Tensor:

@@ -49,7 +49,11 @@ class Sampler:
         return out
 
     @staticmethod
-    def _sample_row(row: torch.Tensor, sp: SamplingParams, g: torch.Generator) -> int:
+    def processed_logits(row: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+        """The logits a non-greedy request draws from: scaled by temperature, tokens outside
+        top-k and top-p at -inf ([V] float32; a greedy request's row unchanged)."""
+        if sp.greedy:
+            return row
         row = row / sp.temperature
         if 0 < sp.top_k < row.shape[-1]:
             kth = torch.topk(row, sp.top_k).values[-1]
@@ -63,5 +67,30 @@ class Sampler:
             drop[0] = False
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             row = torch.full_like(row, float("-inf")).scatter(0, idx, sorted_logits)
-        probs = torch.softmax(row, dim=-1)
+        return row
+
+    @classmethod
+    def _sample_row(cls, row: torch.Tensor, sp: SamplingParams, g: torch.Generator) -> int:
+        probs = torch.softmax(cls.processed_logits(row, sp), dim=-1)
         return int(torch.multinomial(probs, 1, generator=g))
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], masks: list[bytes]) -> None:
+    """Set the logits of disallowed tokens to -inf in place (structured outputs).
+
+    Args:
+        logits: [S, V] float32.
+        rows: the rows to constrain; masks: one per row, ceil(V / 32) little-endian int32 words
+            as bytes (bit ``t % 32`` of word ``t // 32`` set: token t allowed; tokens past the
+            mask's end are disallowed).
+    """
+    if not rows:
+        return
+    words = torch.frombuffer(bytearray(b"".join(masks)), dtype=torch.int32).view(len(rows), -1)
+    bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1   # [R, W, 32]
+    allowed = bits.view(len(rows), -1).bool()
+    v = logits.shape[1]
+    if allowed.shape[1] < v:
+        allowed = torch.nn.functional.pad(allowed, (0, v - allowed.shape[1]))
+    idx = torch.tensor(rows, dtype=torch.long)
+    logits[idx] = logits[idx].masked_fill(~allowed[:, :v], float("-inf"))

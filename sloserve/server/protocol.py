@@ -16,6 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from sloserve.sampling_params import ParamError, SamplingParams
 
+#: most choices (``n``) per request, and most choices over all prompts of a request
+MAX_N = 128
+
 
 def random_id(prefix: str) -> str:
     """``<prefix>-<uuid4 hex>``, e.g. ``cmpl-3f2a...`` (OpenAI-style response / request id)."""
@@ -104,9 +107,10 @@ class _SamplingFields(BaseModel):
                              "priority")
         if self.cache_salt is not None and not self.cache_salt:
             raise ParamError("cache_salt must be a non-empty string", "cache_salt")
-        if self.n is not None and self.n != 1:
-            raise ParamError(f"n must be 1 (several choices per request are not supported), "
-                             f"got {self.n}", "n")
+        if self.n is None:
+            self.n = 1
+        if isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            raise ParamError(f"n must be an integer in [1, {MAX_N}], got {self.n}", "n")
         if self.presence_penalty:
             raise ParamError("presence_penalty is not supported", "presence_penalty")
         if self.frequency_penalty:
@@ -114,9 +118,11 @@ class _SamplingFields(BaseModel):
         if self.logit_bias:
             raise ParamError("logit_bias is not supported", "logit_bias")
 
-    def _sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None = None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises ParamError (e.g. temperature < 0, top_p outside (0, 1], max_tokens < 1)."""
         return SamplingParams(
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k is None else self.top_k,
@@ -145,42 +151,58 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     echo: bool | None = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # extension (vLLM's)
     best_of: int | None = None
     suffix: str | None = None
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request. Raises ParamError for several prompts."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request (a string, token ids, or a list of either).
+
+        Raises:
+            ParamError: no prompt, or more than MAX_N choices over all prompts.
+        """
         p = self.prompt
-        if isinstance(p, str):
-            return p
-        if p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ParamError(f"only one prompt per request is supported, got {len(p)}",
-                                 "prompt")
-            return p[0]
-        return p  # list[int] (possibly empty: rejected by the engine as 0 tokens)
+        if isinstance(p, str) or not p or not isinstance(p[0], (str, list)):
+            out = [p]  # one string or one list of ids (empty: rejected as 0 tokens later)
+        else:
+            out = list(p)
+        n = self.n if isinstance(self.n, int) and 1 <= self.n <= MAX_N else 1  # else: 400 later
+        if len(out) * n > MAX_N:
+            raise ParamError(f"at most {MAX_N} choices per request (prompts x n), got "
+                             f"{len(out)} x {n}", "prompt")
+        return out
 
     def unsupported(self) -> None:
         """Raise ParamError for fields this server does not implement."""
         self._common_unsupported()
-        if self.echo:
-            raise ParamError("echo is not supported", "echo")
-        if self.logprobs is not None:
-            raise ParamError("logprobs is not supported", "logprobs")
-        if self.best_of is not None and self.best_of != 1:
-            raise ParamError("best_of must be 1", "best_of")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ParamError(f"best_of must equal n ({self.n}), got {self.best_of}", "best_of")
         if self.suffix:
             raise ParamError("suffix is not supported", "suffix")
 
     def to_sampling_params(self) -> SamplingParams:
-        """Raises ParamError for out-of-range values."""
-        return self._sampling_params(self.max_tokens)
+        """Raises ParamError for out-of-range values. ``echo`` with ``logprobs`` asks for the
+        prompt's logprobs too (as vLLM does)."""
+        plp = self.prompt_logprobs
+        if plp is None and self.echo and self.logprobs is not None:
+            plp = self.logprobs
+        return self._sampling_params(self.max_tokens, self.logprobs, plp)
+
+
+class CompletionLogProbs(BaseModel):
+    """Completions ``logprobs``: per token its text, its logprob (None for the first prompt
+    token with ``echo``), the top tokens' logprobs and its character offset in the text."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
 
 
@@ -256,16 +278,17 @@ class ChatCompletionRequest(_SamplingFields):
         self._common_unsupported()
         if not self.messages:
             raise ParamError("messages must contain at least one message", "messages")
-        if self.logprobs or self.top_logprobs:
-            raise ParamError("logprobs is not supported", "logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ParamError("top_logprobs needs logprobs: true", "top_logprobs")
         if self.tools:
             raise ParamError("tools are not supported", "tools")
 
     def to_sampling_params(self) -> SamplingParams:
         """Raises ParamError for out-of-range values."""
         mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        lp = (self.top_logprobs or 0) if self.logprobs else None
         try:
-            return self._sampling_params(mt)
+            return self._sampling_params(mt, lp)
         except ParamError as e:
             if e.param == "max_tokens":
                 e.param = self.max_tokens_param
@@ -277,10 +300,27 @@ class ChatResponseMessage(BaseModel):
     content: str
 
 
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    """One output token: its own logprob, then exactly ``top_logprobs`` alternatives sorted
+    most likely first."""
+
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogProbs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class ChatCompletionChoice(BaseModel):
     index: int = 0
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
 
 
@@ -307,7 +347,7 @@ class DeltaMessage(BaseModel):
 class ChatCompletionStreamChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
 
 

@@ -7,22 +7,28 @@
                                 server drains
     GET  /metrics               Prometheus text format (from the core's published snapshot)
     POST /reset_prefix_cache    forget every cached prefix block (vLLM's endpoint)
+    POST /tokenize, /detokenize, GET /tokenizer_info   vLLM's tokenizer endpoints
+                                (``sloserve.server.tokenization``)
 """
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from sloserve.engine.async_llm import AsyncLLM
-from sloserve.engine.messages import EngineCoreRequest
-from sloserve.sampling_params import ParamError
+from sloserve.sampling_params import ParamError, child_seed
 from sloserve.server.errors import APIError, error_response
+from sloserve.server.logprobs_format import LogprobsFormatter
 from sloserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from sloserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                       ModelList, now_s, random_id)
-from sloserve.server.serving import ChatBuilder, CompletionBuilder, stream_response, whole_response
+from sloserve.server.serving import (ChatBuilder, Choice, CompletionBuilder, stream_response,
+                                     whole_response)
+from sloserve.server.tokenization import build_tokenization_router
 
 
 #: text longer than this (characters) is tokenized off the event loop
@@ -34,6 +40,7 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
     and /health into 503."""
     r = APIRouter()
     model_name = engine.model_name
+    fmt = LogprobsFormatter(engine.tokenizer)
 
     def check_model(requested: str | None) -> None:
         if requested is not None and requested != model_name:
@@ -45,29 +52,54 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
         if not engine.is_running:
             raise APIError(503, "engine is not running")
 
-    def check_overload(req: EngineCoreRequest) -> None:
-        rej = engine.check_admission(req)
-        if rej is not None:
-            metrics.count_rejection()
-            raise APIError(429, rej.message, headers={"Retry-After": str(rej.retry_after_s)})
+    def check_overload(choices: list[Choice]) -> None:
+        for c in choices:
+            rej = engine.check_admission(c.request)
+            if rej is not None:
+                metrics.count_rejection()
+                raise APIError(429, rej.message, headers={"Retry-After": str(rej.retry_after_s)})
 
-    def make_request_sync(prompt: str | list[int], body, request_id: str) -> EngineCoreRequest:
+    def make_choices_sync(prompts: list[str | list[int]], body, base_id: str) -> list[Choice]:
+        """Validate and tokenize each prompt once; its ``n`` choices are copies with their own
+        ids (``<id>-<prompt>-<choice>``; the id alone for a single choice), a shared parent id
+        and, with a seed, seeds ``seed + i`` (n different but reproducible samples)."""
         try:
             body.unsupported()
-            return engine.make_request(prompt, body.to_sampling_params(), request_id,
-                                       priority=body.priority, cache_salt=body.cache_salt)
+            sp = body.to_sampling_params()
+            n = body.n or 1
+            echo = bool(getattr(body, "echo", False))
+            choices: list[Choice] = []
+            for p, prompt in enumerate(prompts):
+                single = len(prompts) == 1 and n == 1
+                parent = None if n == 1 else f"{base_id}-{p}"
+                req = engine.make_request(prompt, sp, base_id if single else f"{base_id}-{p}-0",
+                                          priority=body.priority, cache_salt=body.cache_salt,
+                                          parent_request_id=parent)
+                echo_text = None
+                if echo:
+                    echo_text = prompt if isinstance(prompt, str) else (
+                        engine.tokenizer.decode(req.prompt_token_ids, skip_special_tokens=False)
+                        if engine.tokenizer is not None else "")
+                choices.append(Choice(req, p, echo_text))
+                for i in range(1, n):
+                    csp = req.sampling_params
+                    if csp.seed is not None:
+                        csp = replace(csp, seed=child_seed(csp.seed, i))
+                    choices.append(Choice(msgspec.structs.replace(
+                        req, request_id=f"{base_id}-{p}-{i}", sampling_params=csp), p, echo_text))
+            return choices
         except ParamError as e:
             param = e.param
             if param == "max_tokens" and isinstance(body, ChatCompletionRequest):
                 param = body.max_tokens_param
             raise APIError(400, str(e), param) from e
 
-    async def make_request(prompt: str | list[int], body, request_id: str) -> EngineCoreRequest:
-        """Validate and tokenize; a long text prompt is tokenized in a worker thread, so the
+    async def make_choices(prompts: list[str | list[int]], body, base_id: str) -> list[Choice]:
+        """Validate and tokenize; long text prompts are tokenized in a worker thread, so the
         event loop keeps answering (/health, other streams) meanwhile."""
-        if isinstance(prompt, str) and len(prompt) > OFFLOAD_CHARS:
-            return await asyncio.to_thread(make_request_sync, prompt, body, request_id)
-        return make_request_sync(prompt, body, request_id)
+        if sum(len(p) for p in prompts if isinstance(p, str)) > OFFLOAD_CHARS:
+            return await asyncio.to_thread(make_choices_sync, prompts, body, base_id)
+        return make_choices_sync(prompts, body, base_id)
 
     @r.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
@@ -107,23 +139,25 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
         """OpenAI text completion. Errors: 400 (parameters), 404 (model), 500 (engine), 503."""
         check_model(body.model)
         check_admitting()
-        b = CompletionBuilder(random_id("cmpl"), now_s(), model_name)
+        b = CompletionBuilder(random_id("cmpl"), now_s(), model_name, fmt,
+                              logprobs=body.logprobs is not None, echo=bool(body.echo))
         try:
-            prompt = body.single_prompt()
+            prompts = body.prompts()
         except ParamError as e:
             raise APIError(400, str(e), e.param) from e
-        req = await make_request(prompt, body, b.id)
-        check_overload(req)
+        choices = await make_choices(prompts, body, b.id)
+        check_overload(choices)
         if body.stream:
-            return stream_response(engine, req, body.include_usage, b)
-        return await whole_response(engine, req, raw, b)
+            return stream_response(engine, choices, body.include_usage, b)
+        return await whole_response(engine, choices, raw, b)
 
     @r.post("/v1/chat/completions", response_model=None)
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         """OpenAI chat completion via the chat template. Errors: 400, 404, 500, 503."""
         check_model(body.model)
         check_admitting()
-        b = ChatBuilder(random_id("chatcmpl"), now_s(), model_name)
+        b = ChatBuilder(random_id("chatcmpl"), now_s(), model_name, fmt,
+                        logprobs=bool(body.logprobs))
         tok = engine.tokenizer
         if tok is None:
             raise APIError(400, "this model has no tokenizer, so no chat template", "messages")
@@ -139,10 +173,11 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
                 raise APIError(400, f"cannot apply the chat template: {e}", "messages") from e
         long = sum(len(str(m.content or "")) for m in body.messages) > OFFLOAD_CHARS
         ids = await asyncio.to_thread(render) if long else render()
-        req = await make_request(ids, body, b.id)
-        check_overload(req)
+        choices = await make_choices([ids], body, b.id)
+        check_overload(choices)
         if body.stream:
-            return stream_response(engine, req, body.include_usage, b)
-        return await whole_response(engine, req, raw, b)
+            return stream_response(engine, choices, body.include_usage, b)
+        return await whole_response(engine, choices, raw, b)
 
+    r.include_router(build_tokenization_router(engine, check_model))
     return r

@@ -1,15 +1,17 @@
-"""One generation's HTTP flow, shared by ``/v1/completions`` and ``/v1/chat/completions``.
+"""One API request's HTTP flow, shared by ``/v1/completions`` and ``/v1/chat/completions``.
 
-The endpoints differ only in their JSON shapes; each has a :class:`ResponseBuilder` (stream
-chunk, usage chunk, the events before the first token, the whole response) and both run through
-:func:`stream_response` or :func:`whole_response`.
+An API request becomes one engine request per choice (``n`` per prompt; completions may carry
+several prompts): choice ``i`` of prompt ``p`` has index ``p * n + i``, as in vLLM. The choices
+run together (``AsyncLLM.generate_group``); the endpoints differ only in their JSON shapes,
+built by a :class:`CompletionBuilder` or a :class:`ChatBuilder` from per-choice
+:class:`ChoiceState` and run through :func:`stream_response` or :func:`whole_response`.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -18,17 +20,77 @@ from pydantic import BaseModel
 from sloserve.engine.async_llm import AsyncLLM
 from sloserve.engine.messages import EngineCoreRequest
 from sloserve.engine.outputs import RequestOutput
+from sloserve.logprobs import Logprobs
 from sloserve.server.disconnect import ClientDisconnected, run_until_disconnect
 from sloserve.server.errors import APIError, engine_error
+from sloserve.server.logprobs_format import LogprobsFormatter
 from sloserve.server.protocol import (ChatCompletionChoice, ChatCompletionResponse,
                                       ChatCompletionStreamChoice, ChatCompletionStreamResponse,
-                                      ChatResponseMessage, CompletionChoice, CompletionResponse,
-                                      CompletionStreamResponse, DeltaMessage, UsageInfo)
+                                      ChatLogProbs, ChatResponseMessage, CompletionChoice,
+                                      CompletionResponse, CompletionStreamResponse, DeltaMessage,
+                                      PromptTokensDetails, UsageInfo)
 from sloserve.server.sse import DONE, SSEResponse, sse
 
 logger = logging.getLogger(__name__)
 
 _CLIENT_CLOSED = 499  # nginx's "client closed request"; nobody reads it
+
+
+@dataclass
+class Choice:
+    """One choice of an API request: its engine request, the prompt it belongs to, and (for
+    ``echo``) the prompt's text to put before the completion."""
+
+    request: EngineCoreRequest
+    prompt_index: int = 0
+    echo_text: str | None = None
+
+
+@dataclass
+class ChoiceState:
+    """What has been produced for one choice so far."""
+
+    choice: Choice
+    index: int
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: Logprobs = field(default_factory=Logprobs.empty)
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: Logprobs | None = None
+    chars_sent: int = 0      # characters streamed so far (completions' text_offset)
+    started: bool = False    # its first output arrived
+    final: RequestOutput | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.text.append(out.new_text)
+        self.token_ids += out.new_token_ids
+        if out.new_logprobs is not None:
+            self.logprobs.extend(out.new_logprobs)
+        if out.prompt_token_ids is not None:
+            self.prompt_token_ids = out.prompt_token_ids
+            self.prompt_logprobs = out.prompt_logprobs
+        if out.finished:
+            self.final = out
+
+
+def usage_of(states: list[ChoiceState]) -> UsageInfo:
+    """Prompt tokens once per prompt (its choices share it), completion tokens summed over
+    choices, cached tokens the most any choice of a prompt found (its siblings reuse the first
+    one's blocks)."""
+    prompts: dict[int, tuple[int, int]] = {}
+    completion = 0
+    for st in states:
+        f = st.final
+        if f is None:
+            continue
+        n, c = prompts.get(st.choice.prompt_index, (0, 0))
+        prompts[st.choice.prompt_index] = (max(n, f.num_prompt_tokens), max(c, f.num_cached_tokens))
+        completion += f.num_output_tokens
+    prompt = sum(n for n, _ in prompts.values())
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
+                     total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(
+                         cached_tokens=sum(c for _, c in prompts.values())))
 
 
 @dataclass
@@ -38,24 +100,51 @@ class CompletionBuilder:
     id: str
     created: int
     model: str
+    fmt: LogprobsFormatter
+    logprobs: bool = False   # the request asked for logprobs
+    echo: bool = False
 
-    def preamble(self) -> list[str]:
+    def _logprobs(self, st: ChoiceState, ids: list[int], lp: Logprobs | None, first: bool,
+                  offset: int):
+        if not self.logprobs:
+            return None
+        runs: list[Logprobs | None] = []
+        toks: list[int] = []
+        if first and self.echo and st.prompt_token_ids:
+            toks += st.prompt_token_ids
+            runs += [None, st.prompt_logprobs or Logprobs.empty()]
+        toks += ids
+        runs.append(lp or Logprobs.empty())
+        return self.fmt.completion(toks, runs, offset)
+
+    def preamble(self, st: ChoiceState) -> list[str]:
         return []
 
-    def chunk(self, text: str, finish_reason: str | None) -> str:
+    def chunk(self, st: ChoiceState, out: RequestOutput, first: bool) -> str | None:
+        text = ((st.choice.echo_text or "") if first and self.echo else "") + out.new_text
+        lp = self._logprobs(st, out.new_token_ids, out.new_logprobs, first, st.chars_sent)
+        st.chars_sent += len(text)
+        if not text and not out.finished and not (lp and lp.tokens):
+            return None
         return sse(CompletionStreamResponse(
             id=self.id, created=self.created, model=self.model,
-            choices=[CompletionChoice(text=text, finish_reason=finish_reason)]))
+            choices=[CompletionChoice(index=st.index, text=text, logprobs=lp,
+                                      finish_reason=out.finish_reason if out.finished else None)]))
 
     def usage_chunk(self, usage: UsageInfo) -> str:
         return sse(CompletionStreamResponse(id=self.id, created=self.created, model=self.model,
                                             choices=[], usage=usage))
 
-    def response(self, final: RequestOutput, text: str) -> BaseModel:
-        return CompletionResponse(
-            id=self.id, created=self.created, model=self.model,
-            choices=[CompletionChoice(text=text, finish_reason=final.finish_reason)],
-            usage=UsageInfo.from_output(final))
+    def response(self, states: list[ChoiceState]) -> BaseModel:
+        choices = []
+        for st in states:
+            echo = (st.choice.echo_text or "") if self.echo else ""
+            choices.append(CompletionChoice(
+                index=st.index, text=echo + "".join(st.text),
+                logprobs=self._logprobs(st, st.token_ids, st.logprobs, True, 0),
+                finish_reason=st.final.finish_reason))
+        return CompletionResponse(id=self.id, created=self.created, model=self.model,
+                                  choices=choices, usage=usage_of(states))
 
 
 @dataclass
@@ -65,31 +154,46 @@ class ChatBuilder:
     id: str
     created: int
     model: str
+    fmt: LogprobsFormatter
+    logprobs: bool = False
 
-    def preamble(self) -> list[str]:
-        """The role chunk, sent with the first token (as vLLM does), so a client that times the
-        first event with choices measures the real TTFT."""
+    def preamble(self, st: ChoiceState) -> list[str]:
+        """The role chunk, sent with the choice's first token (as vLLM does), so a client that
+        times the first event with choices measures the real TTFT."""
         return [sse(ChatCompletionStreamResponse(
             id=self.id, created=self.created, model=self.model,
-            choices=[ChatCompletionStreamChoice(delta=DeltaMessage(role="assistant",
+            choices=[ChatCompletionStreamChoice(index=st.index,
+                                                delta=DeltaMessage(role="assistant",
                                                                    content=""))]))]
 
-    def chunk(self, text: str, finish_reason: str | None) -> str:
-        delta = DeltaMessage(content=text) if text else DeltaMessage()
+    def _logprobs(self, lp: Logprobs | None) -> ChatLogProbs | None:
+        if not self.logprobs:
+            return None
+        return ChatLogProbs(content=self.fmt.chat(lp or Logprobs.empty()))
+
+    def chunk(self, st: ChoiceState, out: RequestOutput, first: bool) -> str | None:
+        lp = self._logprobs(out.new_logprobs)
+        if not out.new_text and not out.finished and not (lp and lp.content):
+            return None
+        delta = DeltaMessage(content=out.new_text) if out.new_text else DeltaMessage()
         return sse(ChatCompletionStreamResponse(
             id=self.id, created=self.created, model=self.model,
-            choices=[ChatCompletionStreamChoice(delta=delta, finish_reason=finish_reason)]))
+            choices=[ChatCompletionStreamChoice(
+                index=st.index, delta=delta, logprobs=lp,
+                finish_reason=out.finish_reason if out.finished else None)]))
 
     def usage_chunk(self, usage: UsageInfo) -> str:
         return sse(ChatCompletionStreamResponse(id=self.id, created=self.created,
                                                 model=self.model, choices=[], usage=usage))
 
-    def response(self, final: RequestOutput, text: str) -> BaseModel:
+    def response(self, states: list[ChoiceState]) -> BaseModel:
         return ChatCompletionResponse(
             id=self.id, created=self.created, model=self.model,
-            choices=[ChatCompletionChoice(message=ChatResponseMessage(content=text),
-                                          finish_reason=final.finish_reason)],
-            usage=UsageInfo.from_output(final))
+            choices=[ChatCompletionChoice(
+                index=st.index, message=ChatResponseMessage(content="".join(st.text)),
+                logprobs=self._logprobs(st.logprobs), finish_reason=st.final.finish_reason)
+                for st in states],
+            usage=usage_of(states))
 
 
 ResponseBuilder = CompletionBuilder | ChatBuilder
@@ -99,57 +203,65 @@ def _error_event(err: APIError) -> str:
     return sse(err.body().model_dump())  # a dict: rendered ASCII-safe
 
 
-async def _events(engine: AsyncLLM, req: EngineCoreRequest, include_usage: bool,
+async def _events(engine: AsyncLLM, choices: list[Choice], include_usage: bool,
                   b: ResponseBuilder) -> AsyncIterator[str]:
-    """SSE events of one request: preamble with the first output, content chunks, optional
-    usage, ``[DONE]``; a failure mid-stream is an error event before ``[DONE]``."""
-    first = b.preamble()
-    usage: UsageInfo | None = None
+    """SSE events of one API request: per choice its preamble with its first output, then its
+    content chunks; optional usage once every choice finished; ``[DONE]``. A failure mid-stream
+    is an error event before ``[DONE]``."""
+    states = [ChoiceState(c, i) for i, c in enumerate(choices)]
+    failed = False
     try:
-        async with contextlib.aclosing(engine.generate(req)) as outs:
-            async for out in outs:
+        gen = engine.generate_group([c.request for c in choices])
+        async with contextlib.aclosing(gen) as outs:
+            async for i, out in outs:
+                st = states[i]
                 if out.error:
-                    logger.error("request %s failed: %s", req.request_id, out.error)
+                    logger.error("request %s failed: %s", out.request_id, out.error)
                     yield _error_event(APIError(500, out.error))
+                    failed = True
                     break
-                for ev in first:
+                first = not st.started
+                st.started = True
+                st.add(out)
+                if first:
+                    for ev in b.preamble(st):
+                        yield ev
+                ev = b.chunk(st, out, first)
+                if ev is not None:
                     yield ev
-                first = []
-                if out.finished:
-                    yield b.chunk(out.new_text, out.finish_reason)
-                    usage = UsageInfo.from_output(out)
-                elif out.new_text:
-                    yield b.chunk(out.new_text, None)
     except Exception as e:  # engine died or refused (CancelledError is not an Exception)
         yield _error_event(engine_error(e))
     else:
-        if include_usage and usage is not None:
-            yield b.usage_chunk(usage)
+        if include_usage and not failed and all(st.final is not None for st in states):
+            yield b.usage_chunk(usage_of(states))
     yield DONE
 
 
-def stream_response(engine: AsyncLLM, req: EngineCoreRequest, include_usage: bool,
+def stream_response(engine: AsyncLLM, choices: list[Choice], include_usage: bool,
                     b: ResponseBuilder) -> Response:
-    """The streamed (SSE) answer; a client that disconnects aborts the request."""
-    return SSEResponse(_events(engine, req, include_usage, b))
+    """The streamed (SSE) answer; a client that disconnects aborts every choice."""
+    return SSEResponse(_events(engine, choices, include_usage, b))
 
 
-async def whole_response(engine: AsyncLLM, req: EngineCoreRequest, raw: Request,
+async def whole_response(engine: AsyncLLM, choices: list[Choice], raw: Request,
                          b: ResponseBuilder) -> Response:
-    """Run a non-streamed request to the end and answer its JSON.
+    """Run every choice to the end and answer the JSON.
 
     Raises:
-        APIError: 500 when the engine failed the request, 503 when the core is down. A client
-            that went away gets no body (the request is aborted).
+        APIError: 500 when the engine failed a choice, 503 when the core is down. A client
+            that went away gets no body (the requests are aborted).
     """
     try:
-        outs = await run_until_disconnect(lambda: engine.generate(req), raw)
+        outs = await run_until_disconnect(
+            lambda: engine.generate_group([c.request for c in choices]), raw)
     except ClientDisconnected:
-        logger.info("client disconnected, aborted %s", req.request_id)
+        logger.info("client disconnected, aborted %s", b.id)
         return Response(status_code=_CLIENT_CLOSED)
     except Exception as e:
         raise engine_error(e) from e
-    final = outs[-1]
-    if final.error:
-        raise APIError(500, final.error)
-    return JSONResponse(b.response(final, "".join(o.new_text for o in outs)).model_dump())
+    states = [ChoiceState(c, i) for i, c in enumerate(choices)]
+    for i, out in outs:
+        if out.error:
+            raise APIError(500, out.error)
+        states[i].add(out)
+    return JSONResponse(b.response(states).model_dump())

@@ -32,9 +32,13 @@ COMPLETION_400 = [
     ({"prompt": "Hi", "top_p": 0}, "top_p"),
     ({"prompt": "Hi", "top_p": 1.5}, "top_p"),
     ({"prompt": "Hi", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "Hi", "n": 2}, "n"),
-    ({"prompt": "Hi", "echo": True}, "echo"),
-    ({"prompt": ["Hi", "there"]}, "prompt"),
+    ({"prompt": "Hi", "n": 0}, "n"),
+    ({"prompt": "Hi", "n": 129}, "n"),
+    ({"prompt": ["Hi"] * 3, "n": 50}, "prompt"),               # 150 choices over the cap of 128
+    ({"prompt": "Hi", "n": 2, "best_of": 3}, "best_of"),
+    ({"prompt": "Hi", "logprobs": 21}, "logprobs"),            # over --max-logprobs (20)
+    ({"prompt": "Hi", "logprobs": -1}, "logprobs"),
+    ({"prompt": "Hi", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "Hi", "top_k": -5}, "top_k"),
     ({"prompt": [10 ** 9]}, "prompt"),
     ({"prompt": "Hi", "temperature": "hot"}, "temperature"),   # pydantic validation
@@ -62,7 +66,10 @@ CHAT_400 = [
      "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": MAX_LEN * 2}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "Hi"}], "temperature": -1}, "temperature"),
-    ({"messages": [{"role": "user", "content": "Hi"}], "n": 3}, "n"),
+    ({"messages": [{"role": "user", "content": "Hi"}], "n": 0}, "n"),
+    ({"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 21},
+     "logprobs"),
     ({"messages": []}, "messages"),
     ({"messages": "Hi"}, "messages"),
     ({}, "messages"),
