@@ -1,0 +1,157 @@
+"""``n``, logprobs, echo, several prompts and the tokenizer endpoints through the HTTP API, with
+the official ``openai`` client and httpx (the embedded model in float32)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+PROMPT = "The capital of France is"
+
+
+def _stream(http, path, body) -> list[dict]:
+    with http.stream("POST", path, json=dict(body, stream=True)) as r:
+        assert r.status_code == 200, r.read()
+        data = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_n2(http, stream):
+    body = {"prompt": PROMPT, "max_tokens": 5, "n": 2, "temperature": 0,
+            "stream_options": {"include_usage": True}}
+    if stream:
+        evs = _stream(http, "/v1/completions", body)
+        texts, reasons = {0: "", 1: ""}, {}
+        for ev in evs[:-1]:
+            for c in ev["choices"]:
+                texts[c["index"]] += c["text"]
+                if c["finish_reason"]:
+                    reasons[c["index"]] = c["finish_reason"]
+        usage = evs[-1]["usage"]
+    else:
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        d = r.json()
+        assert [c["index"] for c in d["choices"]] == [0, 1]
+        texts = {c["index"]: c["text"] for c in d["choices"]}
+        reasons = {c["index"]: c["finish_reason"] for c in d["choices"]}
+        usage = d["usage"]
+    assert texts[0] == texts[1] and texts[0]  # greedy: the same text twice
+    assert reasons == {0: "length", 1: "length"}
+    n_prompt = len(http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"])
+    assert usage["prompt_tokens"] == n_prompt  # once, not per choice
+    assert usage["completion_tokens"] == 10
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_n2(http, stream):
+    body = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4, "n": 2,
+            "seed": 3, "ignore_eos": True}
+    if stream:
+        evs = _stream(http, "/v1/chat/completions", body)
+        roles = [c["index"] for ev in evs for c in ev["choices"] if c["delta"].get("role")]
+        assert sorted(roles) == [0, 1]  # one role chunk per choice
+        done = {c["index"]: c["finish_reason"] for ev in evs for c in ev["choices"]
+                if c["finish_reason"]}
+        assert set(done) == {0, 1}
+    else:
+        d = http.post("/v1/chat/completions", json=body).json()
+        assert [c["index"] for c in d["choices"]] == [0, 1]
+        assert all(c["message"]["role"] == "assistant" for c in d["choices"])
+        assert [c["finish_reason"] for c in d["choices"]] == ["length", "length"]
+        assert d["usage"]["completion_tokens"] == 8  # summed over the choices
+
+
+def test_n3_seed_gives_different_reproducible_samples(client, live_server):
+    def go():
+        r = client.completions.create(model=live_server.model, prompt="Once upon a time",
+                                      max_tokens=12, n=3, seed=1234, temperature=1.0)
+        return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    a, b = go(), go()
+    assert a == b                      # reproducible
+    assert len(set(a)) == 3            # and different from each other
+
+
+def test_completions_logprobs_3(client, live_server):
+    r = client.completions.create(model=live_server.model, prompt=PROMPT, max_tokens=4,
+                                  temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert val <= 0 and tok in top and top[tok] == val
+        assert 3 <= len(top) <= 4          # the chosen token plus the top 3 (deduplicated)
+        assert max(top.values()) == val    # greedy: the chosen token is the most likely
+
+
+def test_chat_logprobs_top_3(client, live_server):
+    r = client.chat.completions.create(
+        model=live_server.model, messages=[{"role": "user", "content": "Name a colour."}],
+        max_tokens=5, logprobs=True, top_logprobs=3, temperature=1.0, seed=5)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert "".join(c.token for c in content) == r.choices[0].message.content
+    for c in content:
+        assert len(c.top_logprobs) == 3                        # exactly k
+        vals = [t.logprob for t in c.top_logprobs]
+        assert vals == sorted(vals, reverse=True)              # sorted
+        assert c.logprob <= vals[0] + 1e-6 and c.bytes == list(c.token.encode())
+        assert sum(math.exp(v) for v in vals) <= 1 + 1e-5
+
+
+def test_echo_loglikelihood_request_like_lm_eval(http):
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs 1, max_tokens 1, token ids."""
+    ids = http.post("/tokenize", json={"prompt": PROMPT + " Paris"}).json()["tokens"]
+    r = http.post("/v1/completions", json={"prompt": [ids], "echo": True, "logprobs": 1,
+                                           "max_tokens": 1, "temperature": 0, "seed": 1234})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == len(ids) + 1           # the prompt, then one new token
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(v is not None and v <= 0 for v in lp["token_logprobs"][1:])
+    text = http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert r.json()["choices"][0]["text"].startswith(text)
+    # " Paris" after "The capital of France is" is the model's greedy choice
+    last = lp["top_logprobs"][len(ids) - 1]
+    assert lp["token_logprobs"][len(ids) - 1] == max(last.values())
+    # and equals the logprob the same continuation gets when sampled
+    ctx = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    s = http.post("/v1/completions", json={"prompt": ctx, "max_tokens": 1, "temperature": 0,
+                                           "logprobs": 0}).json()
+    assert abs(s["choices"][0]["logprobs"]["token_logprobs"][0]
+               - lp["token_logprobs"][len(ids) - 1]) < 1e-3
+
+
+def test_several_prompts_with_n(http):
+    d = http.post("/v1/completions", json={"prompt": ["Hello", "Goodbye"], "n": 2,
+                                           "max_tokens": 3, "temperature": 0}).json()
+    assert [c["index"] for c in d["choices"]] == [0, 1, 2, 3]
+    t = [c["text"] for c in d["choices"]]
+    assert t[0] == t[1] and t[2] == t[3]
+    single = http.post("/v1/completions", json={"prompt": "Goodbye", "max_tokens": 3,
+                                                "temperature": 0}).json()["choices"][0]["text"]
+    assert t[2] == single
+
+
+def test_echo_without_logprobs_returns_the_prompt_first(http):
+    d = http.post("/v1/completions", json={"prompt": PROMPT, "echo": True, "max_tokens": 2,
+                                           "temperature": 0}).json()
+    assert d["choices"][0]["text"].startswith(PROMPT) and d["choices"][0]["logprobs"] is None
+
+
+def test_tokenize_detokenize_round_trip_and_errors(http, live_server):
+    r = http.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
+    assert r["count"] == len(r["tokens"]) == len(r["token_strs"]) and r["max_model_len"] == 2048
+    assert http.post("/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == "Hello world"
+    chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["count"] > r["count"]
+    bad = http.post("/detokenize", json={"tokens": [10 ** 9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert http.post("/tokenize", json={"prompt": "x", "model": "nope"}).status_code == 404
+    assert http.post("/tokenize", json={}).status_code == 400
+    info = http.get("/tokenizer_info").json()
+    assert info["eos_token"] and info["chat_template"]
