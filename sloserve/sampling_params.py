@@ -28,6 +28,59 @@ class ParamError(ValueError):
         self.param = param
 
 
+#: longest structured-output spec (characters of a schema, regex or grammar)
+MAX_STRUCTURED_SPEC = 65536
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must match (vLLM's ``structured_outputs``); exactly one field is set.
+
+    Attributes:
+        json: a JSON schema (as JSON text).
+        json_object: any JSON object (``response_format: {"type": "json_object"}``).
+        regex: a regular expression the whole output matches.
+        choice: one of these strings exactly.
+        grammar: an EBNF grammar (xgrammar's GBNF dialect, root rule ``root``).
+    """
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        set_ = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        set_ += ["json_object"] if self.json_object else []
+        if len(set_) != 1:
+            raise ParamError(f"structured_outputs takes exactly one of json, json_object, regex, "
+                             f"choice, grammar; got {', '.join(set_) or 'none'}",
+                             "structured_outputs")
+        if self.choice is not None and (not self.choice or not all(
+                isinstance(c, str) and c for c in self.choice)):
+            raise ParamError("structured_outputs.choice must be a non-empty list of non-empty "
+                             "strings", "structured_outputs")
+        size = len(self.key)
+        if size > MAX_STRUCTURED_SPEC:
+            raise ParamError(f"structured_outputs spec has {size} characters, over the limit "
+                             f"of {MAX_STRUCTURED_SPEC}", "structured_outputs")
+
+    @property
+    def kind(self) -> str:
+        return ("json schema" if self.json is not None else "json object" if self.json_object
+                else "regex" if self.regex is not None else "choice" if self.choice is not None
+                else "grammar")
+
+    @property
+    def key(self) -> str:
+        """One string per distinct spec (the compiled-grammar cache key)."""
+        body = (self.json if self.json is not None else "" if self.json_object
+                else self.regex if self.regex is not None
+                else "\x00".join(self.choice) if self.choice is not None else self.grammar)
+        return f"{self.kind}:{body}"
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token and when to stop.
@@ -47,6 +100,7 @@ class SamplingParams:
         prompt_logprobs: per prompt token after the first, its log probability and the
             ``prompt_logprobs`` most likely tokens' (None: nothing). Such a request computes its
             whole prompt: it takes no prefix-cache blocks (their logits were never kept).
+        structured_outputs: constrain the output to a schema, regex, choice or grammar.
     """
 
     temperature: float = 1.0
@@ -60,6 +114,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

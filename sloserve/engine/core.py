@@ -145,6 +145,10 @@ class EngineCore:
         self._inject_failures = int(os.environ.get(INJECT_FAILURES_ENV, "0") or 0)
         #: the last step's runner output (its timings), for benchmarks
         self.last_runner_output: ModelRunnerOutput | None = None
+        #: structured outputs: built at the first request that asks for them (loads xgrammar
+        #: and the tokenizer in its worker thread); requests whose grammar is compiling
+        self._structured = None
+        self._grammar_pending: set[str] = set()
         logger.info("engine core: %s, %d layers, dtype %s, KV %s, %d KV blocks x %d tokens "
                     "(%.2f GiB), max_model_len %d, policy %s, attention %s, %d torch threads",
                     model_name, self.model_config.num_hidden_layers, self.dtype,
@@ -157,11 +161,42 @@ class EngineCore:
     # ------------------------------------------------------------------ inputs
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request. Raises ValueError (duplicate id, over the KV capacity, ...)."""
-        self.scheduler.add_request(Request(
+        r = Request(
             request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids),
             sampling_params=req.sampling_params, arrival_time=req.arrival_time,
             eos_token_ids=tuple(req.eos_token_ids), parent_request_id=req.parent_request_id,
-            priority=req.priority, cache_salt=req.cache_salt))
+            priority=req.priority, cache_salt=req.cache_salt)
+        spec = req.sampling_params.structured_outputs
+        if spec is not None:
+            r.grammar = self._structured_manager().grammar_for(spec)
+        self.scheduler.add_request(r)
+        if spec is not None:
+            self._grammar_pending.add(r.request_id)
+
+    def _structured_manager(self):
+        if self._structured is None:
+            from sloserve.engine.structured_output import StructuredOutputManager
+            from sloserve.model.loader import load_model_tokenizer
+            cfg = self.config
+            self._structured = StructuredOutputManager(
+                lambda: load_model_tokenizer(cfg.model, cfg.load_format),
+                self.model_config.vocab_size)
+        return self._structured
+
+    def _fail_broken_grammars(self) -> list[EngineCoreOutput]:
+        """Finish requests whose grammar failed to compile (an engine fault: the front end
+        checked the spec)."""
+        outs = []
+        for rid in list(self._grammar_pending):
+            r = self.scheduler.requests.get(rid)
+            if r is None or r.grammar.ready:
+                self._grammar_pending.discard(rid)
+            if r is not None and r.grammar.ready and r.grammar.error:
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+                outs.append(EngineCoreOutput(request_id=rid, finish_reason="abort",
+                                             error=f"grammar compilation failed: "
+                                                   f"{r.grammar.error}"))
+        return outs
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         """Finish queued or running requests now and free their KV blocks; unknown ids are
@@ -207,10 +242,12 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs | None:
         """Schedule, run the model once, update; None when there was nothing to run."""
         t0 = time.monotonic()
+        failed = self._fail_broken_grammars() if self._grammar_pending else []
         out = self.scheduler.schedule(now=t0)
         if out.is_empty:
-            return None
+            return EngineCoreOutputs(failed, self.stats(), timestamp=t0) if failed else None
         kv_usage = self.kv.usage
+        grammars = self._fill_bitmasks(out) if self._structured is not None else {}
         try:
             if self._inject_failures > 0:
                 self._inject_failures -= 1
@@ -218,6 +255,11 @@ class EngineCore:
             runner_out = self.runner.execute(out)
             now = time.monotonic()
             outputs = self.scheduler.update_from_output(out, runner_out, now)
+            for o in outputs:
+                g = grammars.get(o.request_id)
+                for tok in o.new_token_ids if g is not None else ():
+                    if not g.accept(tok):
+                        logger.warning("%s: token %d is outside its grammar", o.request_id, tok)
         except Exception as e:  # a bug must not kill the loop: fail this step's requests
             logger.exception("model step failed")
             return EngineCoreOutputs(self._fail(out, f"engine step failed: {type(e).__name__}: {e}"),
@@ -235,7 +277,19 @@ class EngineCore:
         stats = self.stats()
         if self._trace is not None:
             self._record_trace(out, step, stats)
-        return EngineCoreOutputs(outputs, stats, step, timestamp=now)
+        return EngineCoreOutputs(failed + outputs, stats, step, timestamp=now)
+
+    def _fill_bitmasks(self, out: SchedulerOutput) -> dict:
+        """Set the token bitmask of every sampling request with a grammar; returns their
+        grammars by request id (to advance with the tokens the step samples)."""
+        grammars = {}
+        reqs = self.scheduler.requests
+        for sr in out.scheduled:
+            r = reqs.get(sr.request_id)
+            if sr.samples and r is not None and r.grammar is not None:
+                sr.token_bitmask = [r.grammar.fill_bitmask()]
+                grammars[sr.request_id] = r.grammar
+        return grammars
 
     def _record_trace(self, out: SchedulerOutput, step: StepStats, stats: SchedulerStats) -> None:
         reqs = self.scheduler.requests
@@ -262,6 +316,8 @@ class EngineCore:
         return outs
 
     def close(self) -> None:
+        if self._structured is not None:
+            self._structured.shutdown()
         if self._trace is not None:
             self._trace.close()
             self._trace = None

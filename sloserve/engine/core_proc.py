@@ -129,6 +129,8 @@ def _serve(core, inbox: queue.Queue, send, stop: threading.Event, parent_pid: in
             outs = core.step()
             if outs is not None:
                 send(outs)
+            else:  # nothing could run (e.g. grammars still compiling): do not spin
+                time.sleep(0.001)
 
 
 def _drain(core, inbox: queue.Queue, pending: list[EngineCoreOutput], block: bool) -> bool:

@@ -8,13 +8,14 @@ silently gets different semantics than it asked for.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from sloserve.sampling_params import ParamError, SamplingParams
+from sloserve.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 
 #: most choices (``n``) per request, and most choices over all prompts of a request
 MAX_N = 128
@@ -74,6 +75,36 @@ class UsageInfo(BaseModel):
         return cls.of(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema`` (OpenAI)."""
+
+    model_config = ConfigDict(populate_by_name=True, extra="ignore")
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI ``response_format``: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's ``structured_outputs`` request field: exactly one of these."""
+
+    model_config = ConfigDict(populate_by_name=True, extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by both endpoints (OpenAI names; vLLM extensions marked)."""
 
@@ -94,6 +125,8 @@ class _SamplingFields(BaseModel):
     user: str | None = None                   # accepted, ignored
     priority: int | None = 0                  # extension: lower runs first (null: 0)
     cache_salt: str | None = None             # extension: prefix-cache isolation key
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None  # extension (vLLM's)
     # accepted only at their "off" values
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -123,6 +156,7 @@ class _SamplingFields(BaseModel):
         """Raises ParamError (e.g. temperature < 0, top_p outside (0, 1], max_tokens < 1)."""
         return SamplingParams(
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            structured_outputs=self.structured_spec(),
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k is None else self.top_k,
@@ -133,6 +167,34 @@ class _SamplingFields(BaseModel):
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
         )
+
+    def structured_spec(self) -> StructuredOutputsParams | None:
+        """The output constraint of ``structured_outputs`` or ``response_format`` (not both).
+
+        Raises:
+            ParamError: both given, a json_schema format without a schema, or not exactly one
+                field of structured_outputs.
+        """
+        so, rf = self.structured_outputs, self.response_format
+        if rf is not None and rf.type == "text":
+            rf = None
+        if so is not None and rf is not None:
+            raise ParamError("give response_format or structured_outputs, not both",
+                             "response_format")
+        if rf is not None:
+            if rf.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise ParamError("response_format json_schema needs json_schema.schema",
+                                 "response_format")
+            return StructuredOutputsParams(json=json.dumps(rf.json_schema.schema_))
+        if so is None:
+            return None
+        j = so.json_
+        return StructuredOutputsParams(
+            json=j if isinstance(j, str) or j is None else json.dumps(j),
+            json_object=bool(so.json_object), regex=so.regex, choice=so.choice,
+            grammar=so.grammar)
 
     @property
     def include_usage(self) -> bool:

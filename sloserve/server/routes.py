@@ -19,6 +19,7 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from sloserve.engine import structured_output
 from sloserve.engine.async_llm import AsyncLLM
 from sloserve.sampling_params import ParamError, child_seed
 from sloserve.server.errors import APIError, error_response
@@ -66,6 +67,12 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
         try:
             body.unsupported()
             sp = body.to_sampling_params()
+            if sp.structured_outputs is not None:
+                try:
+                    structured_output.validate(sp.structured_outputs)
+                except ValueError as e:
+                    raise ParamError(str(e), "response_format" if body.response_format
+                                     else "structured_outputs") from None
             n = body.n or 1
             echo = bool(getattr(body, "echo", False))
             choices: list[Choice] = []
@@ -97,7 +104,8 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
     async def make_choices(prompts: list[str | list[int]], body, base_id: str) -> list[Choice]:
         """Validate and tokenize; long text prompts are tokenized in a worker thread, so the
         event loop keeps answering (/health, other streams) meanwhile."""
-        if sum(len(p) for p in prompts if isinstance(p, str)) > OFFLOAD_CHARS:
+        if (sum(len(p) for p in prompts if isinstance(p, str)) > OFFLOAD_CHARS
+                or body.structured_outputs is not None or body.response_format is not None):
             return await asyncio.to_thread(make_choices_sync, prompts, body, base_id)
         return make_choices_sync(prompts, body, base_id)
 
