@@ -16,6 +16,7 @@ from sloserve.config import EngineConfig
 from sloserve.engine.async_llm import AsyncLLM
 from sloserve.server.errors import install_error_handlers
 from sloserve.server.metrics import PrometheusStatLogger
+from sloserve.server.openapi import install_openapi_constraints
 from sloserve.server.routes import build_router
 
 logger = logging.getLogger(__name__)
@@ -139,6 +140,7 @@ def build_app(engine: AsyncLLM, metrics: PrometheusStatLogger, *,
     app.add_middleware(InFlightMiddleware, counter=app.state.in_flight)
     install_error_handlers(app)
     app.include_router(build_router(engine, metrics, app.state))
+    install_openapi_constraints(app, engine)
     return app
 
 

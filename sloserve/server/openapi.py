@@ -1,0 +1,103 @@
+"""The OpenAPI document states the limits the server really enforces.
+
+pydantic describes only the field types; the ranges are checked in code (``SamplingParams``,
+``Processor``), with messages that name the limit. Here the same ranges, some known only once
+the model is loaded (the served name, max_model_len, the vocabulary, ``--max-logprobs``), are
+written into ``/openapi.json``, so a client generated from it, or a fuzzer such as schemathesis,
+sends what the engine can run. A request outside them still gets its 400.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+
+from sloserve.sampling_params import MAX_STOP_STRINGS, MAX_TOP_K
+from sloserve.server.protocol import MAX_N
+
+_INT64 = 2 ** 63
+
+
+def _branches(prop: dict[str, Any]) -> list[dict[str, Any]]:
+    """The schema and its ``anyOf`` alternatives (pydantic writes ``X | None`` as anyOf)."""
+    return [prop, *prop.get("anyOf", [])]
+
+
+def _constrain(prop: dict[str, Any], **by_type: dict[str, Any]) -> None:
+    """Add constraints to the branches of a given JSON type (integer=..., number=..., ...)."""
+    for b in _branches(prop):
+        extra = by_type.get(b.get("type"))
+        if extra:
+            b.update(extra)
+        if b.get("type") == "array" and "items" in b and "items" in by_type:
+            _constrain(b["items"], **by_type["items"])
+
+
+def constraints(engine) -> dict[str, dict[str, dict[str, Any]]]:
+    """{schema name: {property: constraints by JSON type}} for ``engine``'s limits."""
+    info = engine.info
+    vocab, max_len, k = info.vocab_size, info.max_model_len, info.max_logprobs
+    token = {"integer": {"minimum": 0, "maximum": vocab - 1}}
+    sampling = {
+        "model": {"string": {"enum": [info.model_name]}},
+        "temperature": {"number": {"minimum": 0}},
+        "top_p": {"number": {"exclusiveMinimum": 0, "maximum": 1}},
+        "top_k": {"integer": {"minimum": -1, "maximum": MAX_TOP_K}},
+        "seed": {"integer": {"minimum": -_INT64, "maximum": 2 * _INT64 - 1}},
+        "n": {"integer": {"minimum": 1, "maximum": MAX_N}},
+        "stop": {"array": {"maxItems": MAX_STOP_STRINGS}},
+        "stop_token_ids": {"array": {}, "items": token},
+        "priority": {"integer": ({"minimum": -_INT64, "maximum": _INT64 - 1}
+                                 if info.scheduling_policy == "priority"
+                                 else {"minimum": 0, "maximum": 0})},
+        "cache_salt": {"string": {"minLength": 1}},
+        "presence_penalty": {"number": {"minimum": 0, "maximum": 0}},
+        "frequency_penalty": {"number": {"minimum": 0, "maximum": 0}},
+        "logit_bias": {"object": {"maxProperties": 0}},
+        "max_tokens": {"integer": {"minimum": 1, "maximum": max_len - 1}},
+    }
+    return {
+        "CompletionRequest": {
+            **sampling,
+            "prompt": {"string": {"minLength": 1}, "array": {"minItems": 1},
+                       "items": {"string": {"minLength": 1}, "array": {"minItems": 1},
+                                 **token}},
+            "logprobs": {"integer": {"minimum": 0, "maximum": k}},
+            "prompt_logprobs": {"integer": {"minimum": 0, "maximum": k}},
+            "suffix": {"string": {"maxLength": 0}},
+        },
+        "ChatCompletionRequest": {
+            **sampling,
+            "messages": {"array": {"minItems": 1}},
+            "max_completion_tokens": {"integer": {"minimum": 1, "maximum": max_len - 1}},
+            "top_logprobs": {"integer": {"minimum": 0, "maximum": k}},
+            "tools": {"array": {"maxItems": 0}},
+        },
+        "DetokenizeRequest": {"tokens": {"array": {}, "items": token},
+                              "model": sampling["model"]},
+        "TokenizeRequest": {"model": sampling["model"]},
+    }
+
+
+def install_openapi_constraints(app: FastAPI, engine) -> None:
+    """Make ``app.openapi()`` (``/openapi.json``) carry :func:`constraints`."""
+    default = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        doc = default()
+        schemas = doc.get("components", {}).get("schemas", {})
+        tok = schemas.get("TokenizeRequest")
+        if tok is not None:  # exactly one of prompt and messages
+            tok["oneOf"] = [{"required": ["prompt"], "not": {"required": ["messages"]}},
+                            {"required": ["messages"], "not": {"required": ["prompt"]}}]
+        for name, props in constraints(engine).items():
+            for field, by_type in props.items():
+                prop = schemas.get(name, {}).get("properties", {}).get(field)
+                if prop is not None:
+                    _constrain(prop, **by_type)
+        app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi
