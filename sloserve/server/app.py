@@ -1,5 +1,5 @@
 """Wiring: the FastAPI app over an AsyncLLM (routes, error handlers, in-flight accounting,
-the request-body size limit of body_limit.py).
+request-body checks: size in body_limit.py, UTF-8 in utf8_body.py).
 
 The engine core runs in its own process; this process does HTTP, validation, tokenization, chat
 templates, detokenization, stop strings and SSE. A client that disconnects, streaming or not,
@@ -19,6 +19,7 @@ from sloserve.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddlewa
 from sloserve.server.errors import install_error_handlers
 from sloserve.server.metrics import PrometheusStatLogger
 from sloserve.server.routes import build_router
+from sloserve.server.utf8_body import Utf8BodyMiddleware
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,8 @@ def build_app(engine: AsyncLLM, metrics: PrometheusStatLogger, *,
         metrics: the Prometheus exporter rendered at ``/metrics``; bound here to the engine's
             model name, max_model_len and token budget.
         manage_engine: start the engine on app startup and shut it down on app shutdown.
-        max_request_body_bytes: larger request bodies get 413.
+        max_request_body_bytes: larger request bodies get 413 (OpenAI's error body, the
+            connection kept); a JSON body that is not UTF-8 gets 400.
 
     Returns:
         The app; ``app.state.engine``, ``app.state.metrics``, ``app.state.in_flight`` (requests
@@ -83,6 +85,7 @@ def build_app(engine: AsyncLLM, metrics: PrometheusStatLogger, *,
     app.state.metrics = metrics
     app.state.draining = False
     app.state.in_flight = InFlightCounter()
+    app.add_middleware(Utf8BodyMiddleware)  # the last added runs first: limit, then UTF-8
     app.add_middleware(BodyLimitMiddleware, limit=max_request_body_bytes)
     app.add_middleware(InFlightMiddleware, counter=app.state.in_flight)
     install_error_handlers(app)
