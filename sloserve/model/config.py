@@ -9,6 +9,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+#: the Hugging Face model classes this engine serves -> the family they are
+HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                    "Qwen2ForCausalLM": "qwen2"}
+
+
 @dataclass
 class ModelConfig:
     """Shape and hyper-parameters of a Llama-family / Qwen2 model.
@@ -67,22 +72,48 @@ class ModelConfig:
     def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         """Build from a Hugging Face config.json dict (LlamaConfig, MistralConfig, Qwen2Config).
 
+        ``model_type`` names the family (absent: the one ``architectures`` names, else llama);
+        ``architectures``, when given, must name a supported class (``HF_ARCHITECTURES``).
+
         Raises:
-            ValueError: the architecture is neither Llama-family nor Qwen2, or a required key
+            ValueError: not a JSON object; the model_type or architectures name neither
+                Llama-family nor Qwen2 (e.g. ``GPT2LMHeadModel``); a required key
                 (vocab_size, hidden_size, intermediate_size, num_hidden_layers,
-                num_attention_heads) is missing or not a positive integer.
+                num_attention_heads) is missing or not a positive integer; head_dim,
+                rms_norm_eps or rope_theta of the wrong type.
         """
-        model_type = cfg.get("model_type", "llama")
+        if not isinstance(cfg, dict):
+            raise ValueError(f"model config: expected a JSON object, got {type(cfg).__name__}")
+        archs = cfg.get("architectures")
+        if archs is not None and not (isinstance(archs, list)
+                                      and all(isinstance(a, str) for a in archs)):
+            raise ValueError(f"model config: architectures must be a list of class names, got "
+                             f"{archs!r}")
+        known = [HF_ARCHITECTURES[a] for a in archs or () if a in HF_ARCHITECTURES]
+        model_type = cfg.get("model_type") or (known[0] if known else "llama")
+        supported = (f"supported: model_type llama, mistral, qwen2 "
+                     f"({', '.join(HF_ARCHITECTURES)})")
         if model_type in ("llama", "mistral"):
             arch = "llama"
         elif model_type == "qwen2":
             arch = "qwen2"
         else:
-            raise ValueError(f"unsupported model_type {model_type!r}; supported: llama, mistral, qwen2")
+            named = f" ({', '.join(archs)})" if archs else ""
+            raise ValueError(f"unsupported model_type {model_type!r}{named}; {supported}")
+        if archs and not known:
+            given = f"model_type {cfg['model_type']!r}" if cfg.get("model_type") else "no model_type"
+            raise ValueError(f"unsupported architecture {', '.join(archs)} ({given}); {supported}")
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
                                "num_hidden_layers", "num_attention_heads") if k not in cfg]
         if missing:
             raise ValueError(f"model config: missing {', '.join(missing)}")
+        for k in ("rms_norm_eps", "rope_theta"):
+            if cfg.get(k) is not None and (isinstance(cfg[k], bool)
+                                           or not isinstance(cfg[k], (int, float))):
+                raise ValueError(f"model config: {k} must be a number, got {cfg[k]!r}")
+        hd = cfg.get("head_dim")
+        if hd is not None and (isinstance(hd, bool) or not isinstance(hd, int) or hd < 0):
+            raise ValueError(f"model config: head_dim must be a positive integer, got {hd!r}")
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         rope_scaling = cfg.get("rope_scaling")

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 
 from sloserve.model.config import ModelConfig
+from sloserve.model.gguf_check import gguf_problem
+from sloserve.model.gguf_check import gguf_version as _gguf_version
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
@@ -80,8 +82,9 @@ class GGUFFile:
         try:
             arr = dequantize(self.reader_tensors[name].data, qtype)
         except NotImplementedError as e:
-            raise ValueError(f"{self.path}: tensor {name!r} is stored as {qtype.name}, which "
-                             f"gguf {_gguf_version()} cannot dequantize ({e})") from e
+            raise ValueError(f"{self.path}: tensor {name!r} is stored as {qtype.name}, an "
+                             f"unsupported quantization type (gguf {_gguf_version()} cannot "
+                             f"dequantize it: {e})") from e
         arr = np.array(arr, dtype=np.float32, order="C").reshape(info.shape)
         return torch.from_numpy(arr)
 
@@ -91,14 +94,6 @@ class GGUFFile:
         if self._by_name is None:
             self._by_name = {t.name: t for t in self.reader.tensors}
         return self._by_name
-
-
-def _gguf_version() -> str:
-    try:
-        from importlib.metadata import version
-        return version("gguf")
-    except Exception:  # pragma: no cover - metadata missing
-        return "?"
 
 
 def read_gguf(path: str | os.PathLike) -> GGUFFile:
@@ -112,7 +107,9 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: not a GGUF file, or a truncated/corrupt one.
+        ValueError: ``"{path} is not a readable GGUF file: ..."``: not a GGUF file, a truncated
+            one (where it ends), a corrupt one (which field), an unsupported version or tensor
+            type (see :func:`~sloserve.model.gguf_check.gguf_problem`); else the reader's error.
     """
     from gguf import GGUFReader
 
@@ -122,7 +119,8 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
     try:
         reader = GGUFReader(path, "r")
     except Exception as e:  # the reader raises ValueError/struct errors/IndexError on bad input
-        raise ValueError(f"{path} is not a readable GGUF file: {type(e).__name__}: {e}") from e
+        problem = gguf_problem(path) or f"{type(e).__name__}: {e}"
+        raise ValueError(f"{path} is not a readable GGUF file: {problem}") from e
     meta = {k: f.contents() for k, f in reader.fields.items()}
     tensors = {t.name: GGUFTensorInfo(t.name, tuple(int(d) for d in reversed(t.shape.tolist())),
                                       int(t.tensor_type), int(t.data_offset), int(t.n_bytes))
@@ -141,9 +139,21 @@ def gguf_to_config(gf: GGUFFile) -> ModelConfig:
     ``attention.key_length``, else from the rows of ``blk.0.attn_q.weight``, else hidden / heads.
 
     Raises:
-        ValueError: architecture other than llama / qwen2, required keys missing, or an
-            unrecognised RoPE scaling.
+        ValueError: architecture other than llama / qwen2, required keys missing, metadata of
+            the wrong type or value (a head count of 0), or an unrecognised RoPE scaling; the
+            message starts with the file's path.
     """
+    try:
+        return _gguf_config(gf)
+    except ValueError as e:
+        if str(e).startswith(gf.path):
+            raise
+        raise ValueError(f"{gf.path}: {e}") from e
+    except (TypeError, ZeroDivisionError, OverflowError) as e:  # e.g. a list where a count goes
+        raise ValueError(f"{gf.path}: corrupt GGUF metadata ({type(e).__name__}: {e})") from e
+
+
+def _gguf_config(gf: GGUFFile) -> ModelConfig:
     md = gf.metadata
     arch = gf.architecture
     if arch not in SUPPORTED_ARCHITECTURES:

@@ -190,9 +190,17 @@ def load_model_tokenizer(path: str | None, load_format: str = "auto") -> Tokeniz
     front end loads while the engine core loads the weights): from a GGUF's metadata, or a
     folder's tokenizer files; None for a dummy model without tokenizer files.
 
+    A file or folder the weights' loader would refuse is refused here with the same one-line
+    message (what the file is, what is wrong), whichever of the two processes notices first:
+    a folder's config.json is checked before its tokenizer loads; a GGUF whose tokenizer does
+    not load is read by :func:`~sloserve.model.gguf_loader.read_gguf` to say why.
+
     Raises:
-        FileNotFoundError: the path (or a hf folder's tokenizer files) does not exist.
-        ValueError: unknown load format, or no tokenizer can be built from the file.
+        FileNotFoundError: the path (or a hf folder's config.json or tokenizer files) does not
+            exist.
+        ValueError: unknown load format, a config.json that is not JSON, misses a required key
+            or names an unsupported architecture, a truncated / corrupt GGUF file, or no
+            tokenizer can be built from the file (every message names the file).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; allowed: {', '.join(LOAD_FORMATS)}")
@@ -201,14 +209,38 @@ def load_model_tokenizer(path: str | None, load_format: str = "auto") -> Tokeniz
         raise FileNotFoundError(f"model path does not exist: {source}")
     fmt = _detect_format(source) if load_format == "auto" else load_format
     if fmt == "gguf":
-        return Tokenizer.from_gguf(_single_gguf(source))
+        return _gguf_tokenizer(_single_gguf(source))
     from sloserve.model import hf_loader as hl
     folder = source if os.path.isdir(source) else os.path.dirname(source)
+    hl.read_hf_config(source if fmt == "dummy" else folder)  # its errors name the file
     if not hl.has_tokenizer_files(folder):
         if fmt == "dummy":
             return None
         raise FileNotFoundError(f"no tokenizer files ({', '.join(hl.TOKENIZER_FILES)}) in {folder}")
-    return Tokenizer.from_pretrained(folder)
+    try:
+        return Tokenizer.from_pretrained(folder)
+    except Exception as e:  # transformers raises OSError/ValueError/TypeError/its own errors
+        raise ValueError(f"cannot load the tokenizer in {folder}: {_first_line(e)}") from e
+
+
+def _gguf_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer of a GGUF file; when it cannot be built, why (the file's own problem)."""
+    try:
+        return Tokenizer.from_gguf(path)
+    except Exception as e:  # transformers' GGUF parse raises struct/Index/Unicode errors
+        from sloserve.model import gguf_loader as gl
+        from sloserve.model.gguf_check import gguf_problem
+        problem = gguf_problem(path)  # what read_gguf would say, without its slow parse first
+        if problem:
+            raise ValueError(f"{path} is not a readable GGUF file: {problem}") from e
+        gf = gl.read_gguf(path)  # raises "{path} is not a readable GGUF file: ..." if it is not
+        if "tokenizer.ggml.tokens" not in gf.metadata:
+            raise ValueError(f"{path} carries no tokenizer (tokenizer.ggml.tokens missing)") from e
+        raise ValueError(f"cannot build the tokenizer of {path}: {_first_line(e)}") from e
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
 
 
 def load_weights(path: str | None, dtype: str | torch.dtype = "bfloat16",

@@ -1,4 +1,5 @@
-"""Wiring: the FastAPI app over an AsyncLLM (routes, error handlers, in-flight accounting).
+"""Wiring: the FastAPI app over an AsyncLLM (routes, error handlers, in-flight accounting,
+request-body checks: size in body_limit.py, UTF-8 in utf8_body.py).
 
 The engine core runs in its own process; this process does HTTP, validation, tokenization, chat
 templates, detokenization, stop strings and SSE. A client that disconnects, streaming or not,
@@ -14,10 +15,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sloserve.config import EngineConfig
 from sloserve.engine.async_llm import AsyncLLM
+from sloserve.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from sloserve.server.errors import install_error_handlers
 from sloserve.server.metrics import PrometheusStatLogger
 from sloserve.server.openapi import install_openapi_constraints
 from sloserve.server.routes import build_router
+from sloserve.server.utf8_body import Utf8BodyMiddleware
 
 logger = logging.getLogger(__name__)
 
@@ -48,60 +51,6 @@ class InFlightMiddleware:
             self.counter.count -= 1
 
 
-class BodyTooLarge(BaseException):
-    """A BaseException: FastAPI turns any Exception raised while it reads a body into a 400."""
-
-
-class BodyLimitMiddleware:
-    """Pure ASGI middleware: a request body over ``limit`` bytes gets 413 (by its
-    Content-Length at once, or as soon as a chunked body passes the limit), before anything
-    parses or tokenizes it."""
-
-    def __init__(self, app: ASGIApp, limit: int):
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for k, v in scope.get("headers", ()):
-            if k == b"content-length" and v.isdigit() and int(v) > self.limit:
-                await self._reject(send, int(v))
-                return
-        seen, started = 0, False
-
-        async def limited_receive():
-            nonlocal seen
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > self.limit:
-                    raise BodyTooLarge()
-            return msg
-
-        async def tracking_send(msg):
-            nonlocal started
-            if msg["type"] == "http.response.start":
-                started = True
-            await send(msg)
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except BodyTooLarge:
-            if not started:
-                await self._reject(send, seen)
-
-    async def _reject(self, send: Send, size: int) -> None:
-        from sloserve.server.errors import APIError
-        r = APIError(413, f"request body of {size} bytes is over the limit of {self.limit} "
-                          f"bytes (--max-request-body-bytes)").response()
-        await send({"type": "http.response.start", "status": 413, "headers": r.raw_headers})
-        await send({"type": "http.response.body", "body": r.body})
-
-
-#: the default limit of a request body (bytes): ~1000x the embedded model's longest prompt
-DEFAULT_MAX_BODY_BYTES = 10 * 2 ** 20
-
-
 def build_app(engine: AsyncLLM, metrics: PrometheusStatLogger, *,
               manage_engine: bool = False,
               max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
@@ -112,7 +61,8 @@ def build_app(engine: AsyncLLM, metrics: PrometheusStatLogger, *,
         metrics: the Prometheus exporter rendered at ``/metrics``; bound here to the engine's
             model name, max_model_len and token budget.
         manage_engine: start the engine on app startup and shut it down on app shutdown.
-        max_request_body_bytes: larger request bodies get 413.
+        max_request_body_bytes: larger request bodies get 413 (OpenAI's error body, the
+            connection kept); a JSON body that is not UTF-8 gets 400.
 
     Returns:
         The app; ``app.state.engine``, ``app.state.metrics``, ``app.state.in_flight`` (requests
@@ -136,6 +86,7 @@ def build_app(engine: AsyncLLM, metrics: PrometheusStatLogger, *,
     app.state.metrics = metrics
     app.state.draining = False
     app.state.in_flight = InFlightCounter()
+    app.add_middleware(Utf8BodyMiddleware)  # the last added runs first: limit, then UTF-8
     app.add_middleware(BodyLimitMiddleware, limit=max_request_body_bytes)
     app.add_middleware(InFlightMiddleware, counter=app.state.in_flight)
     install_error_handlers(app)

@@ -1,7 +1,8 @@
 """The error model: OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
 
 400 BadRequestError for invalid parameters and malformed / schema-invalid JSON (FastAPI's 422
-becomes 400), 404 NotFoundError for an unknown model, 500 InternalServerError when the engine
+becomes 400) or a JSON body that is not UTF-8, 413 RequestTooLargeError for a body over
+``--max-request-body-bytes``, 404 NotFoundError for an unknown model, 500 InternalServerError when the engine
 failed a request (an engine fault, never the client's), 503 ServiceUnavailableError while the
 engine core is not running or the server drains, 429 RateLimitError (with ``Retry-After``) when
 overload control refuses a request. Only validation errors are 4xx.
