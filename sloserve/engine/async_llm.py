@@ -152,8 +152,7 @@ class AsyncLLM:
                                                  or cfg.slo_admission != "reject"):
             return None
         s = self.stats
-        while self._in_transit and self._in_transit[0][0] <= s.num_requests_received_total:
-            self._in_transit.popleft()
+        self._forget_received(s)
         # requests on their way wait only beyond the seats the core has free
         free_seats = max(0, cfg.max_num_seqs - s.num_running - s.num_waiting)
         queue_tokens = s.num_waiting_tokens + sum(n for _, n in self._in_transit)
@@ -170,6 +169,11 @@ class AsyncLLM:
             max_waiting_requests=cfg.max_waiting_requests,
             ttft_slo_s=cfg.ttft_slo_ms / 1e3 if cfg.ttft_slo_ms else None,
             reject_over_slo=cfg.slo_admission == "reject")
+
+    def _forget_received(self, s: SchedulerStats) -> None:
+        """Drop the requests the core says it has queued from those counted as on their way."""
+        while self._in_transit and self._in_transit[0][0] <= s.num_requests_received_total:
+            self._in_transit.popleft()
 
     async def generate(self, request: EngineCoreRequest) -> AsyncIterator[RequestOutput]:
         """Send a request made by make_request and yield its outputs until it finishes.
@@ -209,6 +213,7 @@ class AsyncLLM:
             for r in requests:  # inside the try: a request that cannot be sent is forgotten
                 self.client.send(r)
                 self._sent_total += 1
+                self._forget_received(self.stats)  # also without overload control: no growth
                 self._in_transit.append((self._sent_total, len(r.prompt_token_ids)))
             while unfinished:
                 out = await q.get()

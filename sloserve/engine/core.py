@@ -297,7 +297,7 @@ class EngineCore:
         for s in out.scheduled:
             r = reqs.get(s.request_id)
             if r is not None and r.first_scheduled_time == step.start_time:
-                admitted.append((r.arrival_time, r.num_prompt_tokens))
+                admitted.append((r.arrival_time, r.num_prompt_tokens, s.request_id))
         try:
             self._trace.record(out, step, stats, admitted)
         except Exception:  # a full disk must not cost the outputs

@@ -101,7 +101,9 @@ class StepTraceLogger:
     """Writes one JSON line per engine step (``sloserve serve --step-trace FILE``): start time
     (s, monotonic), step seconds, queue sizes after it, its composition (decode contexts,
     prefill chunks as [tokens, start]) and the requests it admitted ([arrival time, prompt
-    tokens]). The simulator's profiler fits its cost model to the time from one step's start to
+    tokens]), with the request ids of the prefill chunks and of the admitted requests in the same
+    order (``prefill_ids``, ``admitted_ids``: which request a chunk belongs to, for tests and
+    debugging). The simulator's profiler fits its cost model to the time from one step's start to
     the next one's while the engine stays busy (``sloserve profile --from-trace``): what a step
     really costs in a serving process. Written by the engine core (it has the composition).
 
@@ -117,7 +119,8 @@ class StepTraceLogger:
 
         Args:
             out: the step's SchedulerOutput; step: its StepStats; stats: the SchedulerStats after it.
-            admitted: (arrival time, prompt tokens) of the requests first scheduled in it.
+            admitted: (arrival time, prompt tokens, request id) of the requests first scheduled
+                in it.
         """
         import json
         dec, pre = out.composition()
@@ -125,7 +128,9 @@ class StepTraceLogger:
             "t": round(step.start_time, 6), "step_s": round(step.step_s, 6),
             "running": stats.num_running, "waiting": stats.num_waiting,
             "decode_contexts": list(dec), "prefill_chunks": [list(c) for c in pre],
-            "admitted": [[round(a, 6), n] for a, n in admitted]}) + "\n")
+            "admitted": [[round(a, 6), n] for a, n, _ in admitted],
+            "prefill_ids": [s.request_id for s in out.scheduled if not s.is_decode],
+            "admitted_ids": [rid for _, _, rid in admitted]}) + "\n")
 
     def close(self) -> None:
         self._f.close()

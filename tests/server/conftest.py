@@ -41,9 +41,10 @@ class LiveServer:
         self.engine.shutdown()
 
 
-def start_server(config: EngineConfig) -> LiveServer:
-    """Build engine + app and serve it with uvicorn on a free port in a daemon thread."""
-    engine, app = create_engine_and_app(config)
+def start_server(config: EngineConfig, step_trace: str | None = None) -> LiveServer:
+    """Build engine + app and serve it with uvicorn on a free port in a daemon thread (the core
+    writes its step trace to ``step_trace`` if given)."""
+    engine, app = create_engine_and_app(config, step_trace=step_trace)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

@@ -41,6 +41,16 @@ def test_step_trace_records_every_step_and_its_composition(tiny_llama_dir, tmp_p
     assert sorted(n for r in rows for _, n in r["admitted"]) == sorted(PROMPTS)
     assert sum(n for r in rows for n, _ in r["prefill_chunks"]) == sum(PROMPTS)
     assert sum(len(r["decode_contexts"]) for r in rows) == sum(o - 1 for o in OUTPUTS)
+    # the ids name each chunk's request: per request, contiguous chunks from 0 to its prompt end
+    lengths = {rid: n for r in rows for (_, n), rid in zip(r["admitted"], r["admitted_ids"])}
+    assert sorted(lengths.values()) == sorted(PROMPTS)
+    ends = dict.fromkeys(lengths, 0)
+    for r in rows:
+        assert len(r["prefill_ids"]) == len(r["prefill_chunks"])
+        for (n, start), rid in zip(r["prefill_chunks"], r["prefill_ids"]):
+            assert start == ends[rid]
+            ends[rid] = start + n
+    assert ends == lengths
     ts = [r["t"] for r in rows]
     assert ts == sorted(ts) and rows[-1]["running"] + rows[-1]["waiting"] == 0
     samples = trace_samples([path])

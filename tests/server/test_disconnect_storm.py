@@ -1,0 +1,394 @@
+"""Disconnect storm: 200 streamed requests (completions and chat, mixed) cancelled at seeded
+random points: right after sending (the client reads nothing), right after the response
+headers (most are then still queued in the core), during their prefill chunks and mid-decode.
+Afterwards, within 1 s, no KV block is held by any request (blocks kept only by the prefix cache
+count as free), nothing runs or waits, and greedy output is what it was before. And a client
+that leaves during a long prefill is dropped at the next chunk boundary, not after its whole
+prompt (from the core's step trace).
+
+The step trace (``--step-trace``) names the request of every prefill chunk and every admission
+(``prefill_ids``, ``admitted_ids``); each storm request has a prompt length no other has, so the
+test knows which trace entries are whose.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from sloserve.config import EngineConfig
+from sloserve.sampling_params import SamplingParams
+
+N_REQUESTS = 200
+BUDGET = 32  # --max-num-batched-tokens of the storm server: a 256-480 token prompt is 8-15 chunks
+MAX_LEN = 512  # the tiny checkpoint's context
+WORDS = ("apple river stone cloud maple tiger copper violet harbor lantern meadow falcon orbit "
+         "pepper canyon velvet willow ember glacier quartz sparrow thunder cobalt nectar island "
+         "marble saddle prism walnut breeze").split()
+
+
+class Trace:
+    """Tails the core's step trace: which request (by id) was admitted with how many prompt
+    tokens, and every prefill chunk of each request as (step start, tokens, start position)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._pos = 0
+        self._buf = ""
+        self.rows: list[dict] = []
+        self.length_of: dict[str, int] = {}      # request id -> prompt tokens
+        self.id_of_length: dict[int, str] = {}   # prompt tokens -> request id (unique here)
+        self.chunks: dict[str, list[tuple[float, int, int]]] = {}
+
+    def poll(self) -> None:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                f.seek(self._pos)
+                data = f.read()
+                self._pos = f.tell()
+        except FileNotFoundError:
+            return
+        self._buf += data
+        *lines, self._buf = self._buf.split("\n")
+        for line in lines:
+            if not line:
+                continue
+            r = json.loads(line)
+            self.rows.append(r)
+            for (_, n), rid in zip(r["admitted"], r["admitted_ids"]):
+                self.length_of[rid] = n
+                self.id_of_length[n] = rid
+            for (n, start), rid in zip(r["prefill_chunks"], r["prefill_ids"]):
+                self.chunks.setdefault(rid, []).append((r["t"], n, start))
+
+    def skip_to_end(self) -> None:
+        """Forget what the trace holds so far (only later steps count)."""
+        self.poll()
+        self.rows.clear()
+        self.length_of.clear()
+        self.id_of_length.clear()
+        self.chunks.clear()
+
+    def prefill_done(self, rid: str) -> bool:
+        """Some chunk of the request reached the end of its prompt."""
+        n = self.length_of[rid]
+        return any(start + k == n for _, k, start in self.chunks.get(rid, ()))
+
+
+def _text(rng: random.Random, n_words: int) -> str:
+    return " ".join(rng.choice(WORDS) + str(rng.randrange(100)) for _ in range(n_words))
+
+
+@dataclass
+class Planned:
+    kind: str        # "pre" | "queued" | "prefill" | "decode"
+    path: str        # /v1/completions or /v1/chat/completions
+    body: dict
+    length: int      # prompt tokens, unique among the storm's requests
+    arg: int = 0     # prefill: close after this many chunks; decode: after this many content events
+    delay: float = 0.0  # seconds after the storm starts
+    # outcome
+    events: int = 0
+    finished: bool = False
+    status: int = 0
+    fallback: bool = False
+
+
+def _prompt_len(engine, path: str, body: dict) -> int:
+    if "chat" in path:
+        ids = engine.tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True)
+        return len(engine.make_request(ids, SamplingParams(max_tokens=1)).prompt_token_ids)
+    return len(engine.make_request(body["prompt"], SamplingParams(max_tokens=1)).prompt_token_ids)
+
+
+def plan_storm(engine, seed: int = 20261201) -> list[Planned]:
+    """200 requests, each kind about half completions half chat, every prompt length
+    distinct, arriving at seeded random times."""
+    rng = random.Random(seed)
+    kinds = ["pre"] * 25 + ["queued"] * 25 + ["prefill"] * 70 + ["decode"] * 80
+    rng.shuffle(kinds)
+    used: set[int] = set()
+    out, t = [], 0.0
+    for i, kind in enumerate(kinds):
+        lo, hi = {"pre": (40, 250), "queued": (40, 250), "prefill": (256, 480),
+                  "decode": (8, 200)}[kind]
+        path = "/v1/chat/completions" if i % 2 else "/v1/completions"
+        while True:
+            text = _text(rng, rng.randrange(max(1, lo // 3), hi // 3 + 1))
+            body = {"temperature": 0, "ignore_eos": True, "stream": True}
+            if "chat" in path:
+                body["messages"] = [{"role": "user", "content": text}]
+            else:
+                body["prompt"] = text
+            n = _prompt_len(engine, path, body)
+            if lo <= n <= hi and n not in used:
+                break
+        used.add(n)
+        # as many tokens as fit: left alone, every request would run for hundreds of steps, so
+        # only the aborts can empty the engine within the storm's one second
+        body["max_tokens"] = MAX_LEN - n
+        arg = 0
+        if kind == "prefill":
+            arg = rng.randint(1, max(1, n // BUDGET // 2))  # at most half-way through
+        elif kind == "decode":
+            arg = rng.randint(1, 8)  # far below max_tokens: always mid-decode
+        t += rng.expovariate(1 / 0.008)  # ~125 arrivals/s: a long queue behind 16 seats
+        out.append(Planned(kind, path, body, n, arg, t))
+    return out
+
+
+def _content_events(line: str) -> tuple[int, bool]:
+    """(1 if the SSE data line carries generated text else 0, whether it finishes the choice)."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return 0, False
+    d = json.loads(line[6:])
+    ch = (d.get("choices") or [{}])[0]
+    text = ch.get("text") or (ch.get("delta") or {}).get("content")
+    return (1 if text else 0), ch.get("finish_reason") is not None
+
+
+async def _raw_send_and_close(port: int, p: Planned) -> None:
+    """Write the whole HTTP request and close at once, reading nothing."""
+    body = json.dumps(p.body).encode()
+    head = (f"POST {p.path} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n").encode()
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head + body)
+    await writer.drain()
+    writer.close()
+    await writer.wait_closed()
+
+
+async def _one(client: httpx.AsyncClient, port: int, trace: Trace, p: Planned,
+               t0: float) -> None:
+    await asyncio.sleep(max(0.0, t0 + p.delay - time.monotonic()))
+    if p.kind == "pre":
+        await _raw_send_and_close(port, p)
+        return
+    async with client.stream("POST", p.path, json=p.body) as r:
+        p.status = r.status_code
+        if p.kind == "queued" or r.status_code != 200:
+            return  # leaving the block closes the connection
+        if p.kind == "prefill":
+            reader = asyncio.ensure_future(_count_events(r, p))
+            deadline = time.monotonic() + 30
+            while not reader.done():
+                rid = trace.id_of_length.get(p.length)
+                if rid is not None and len(trace.chunks.get(rid, ())) >= p.arg:
+                    break
+                if time.monotonic() > deadline:
+                    p.fallback = True
+                    break
+                await asyncio.sleep(0.002)
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+            return
+        async for line in r.aiter_lines():  # decode: close after `arg` content events
+            n, fin = _content_events(line)
+            p.events += n
+            p.finished |= fin
+            if p.events >= p.arg or fin:
+                return
+
+
+async def _count_events(r: httpx.Response, p: Planned) -> None:
+    async for line in r.aiter_lines():
+        n, fin = _content_events(line)
+        p.events += n
+        p.finished |= fin
+
+
+async def _tail(trace: Trace, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        trace.poll()
+        await asyncio.sleep(0.002)
+
+
+async def run_storm(port: int, trace: Trace, plan: list[Planned]) -> float:
+    """Run every planned request; returns time.monotonic() when the last client was gone."""
+    stop = asyncio.Event()
+    tailer = asyncio.ensure_future(_tail(trace, stop))
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60,
+                                 limits=limits) as client:
+        t0 = time.monotonic()
+        await asyncio.gather(*(_one(client, port, trace, p, t0) for p in plan))
+    done = time.monotonic()
+    stop.set()
+    await tailer
+    return done
+
+
+def _greedy(http: httpx.Client) -> tuple[str, str]:
+    a = http.post("/v1/completions", json={"prompt": "The quick brown fox", "max_tokens": 16,
+                                           "temperature": 0, "ignore_eos": True})
+    b = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Name three rivers."}], "max_tokens": 16,
+        "temperature": 0, "ignore_eos": True})
+    assert a.status_code == 200 and b.status_code == 200, (a.text, b.text)
+    return a.json()["choices"][0]["text"], b.json()["choices"][0]["message"]["content"]
+
+
+def _gauge(metrics_text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)}{{[^}}]*}} ([0-9.e+-]+)$", metrics_text, re.M)
+    assert m, name
+    return float(m.group(1))
+
+
+@pytest.fixture(scope="module")
+def storm_server(helpers, tiny_llama_dir, tmp_path_factory):
+    """The tiny random Llama (float32, one torch thread: steps of a few ms) with a small token
+    budget and 16 seats (prefill chunks take the budget first, so a long queue waits), writing
+    a step trace."""
+    trace = str(tmp_path_factory.mktemp("storm") / "trace.jsonl")
+    srv = helpers.start_server(EngineConfig(model=tiny_llama_dir, dtype="float32",
+                                            num_kv_blocks=128, max_model_len=MAX_LEN,
+                                            max_num_batched_tokens=BUDGET, max_num_seqs=16,
+                                            num_threads=1), step_trace=trace)
+    yield srv, trace
+    srv.stop()
+
+
+def test_disconnect_storm_leaks_no_block_and_changes_no_output(storm_server, helpers):
+    srv, trace_path = storm_server
+    engine = srv.engine
+    with httpx.Client(base_url=srv.base_url, timeout=60) as http:
+        before = _greedy(http)
+        helpers.wait_all_blocks_free(engine, timeout=1.0)
+        received0 = engine.stats.num_requests_received_total
+        plan = plan_storm(engine)
+        trace = Trace(trace_path)
+        trace.skip_to_end()  # the greedy requests' steps are not the storm's
+        last_client_gone = asyncio.run(run_storm(srv.port, trace, plan))
+
+        # within 1 s of the last client leaving: no block referenced, nothing running or waiting
+        # (free counts the blocks only the prefix cache keeps), nothing left in the front end
+        helpers.wait_all_blocks_free(engine, timeout=max(0.0, 1.0 - (time.monotonic()
+                                                                    - last_client_gone)))
+        m = http.get("/metrics").text
+        assert _gauge(m, "vllm:num_requests_running") == 0
+        assert _gauge(m, "vllm:num_requests_waiting") == 0
+        assert _gauge(m, "vllm:kv_cache_usage_perc") == 0
+        stats = engine.stats
+        trace.poll()
+
+        # every kind of cancellation happened, as planned
+        by_kind = {k: [p for p in plan if p.kind == k] for k in ("pre", "queued", "prefill",
+                                                                 "decode")}
+        assert all(p.status == 200 for p in plan if p.kind != "pre")
+        assert not [p for p in plan if p.fallback]
+        decode = by_kind["decode"]
+        assert [p.events for p in decode] == [p.arg for p in decode]  # cut after k events
+        assert not any(p.finished for p in decode + by_kind["queued"])
+        admitted = {trace.id_of_length.get(p.length) for p in plan} - {None}
+        received = stats.num_requests_received_total - received0
+        # requests the core queued and never scheduled were aborted while waiting (most of the
+        # 50 that left right after sending or after the headers)
+        assert received - len(admitted) >= 25, (received, len(admitted))
+        cut_in_prefill = [p for p in by_kind["prefill"]
+                          if p.length in trace.id_of_length
+                          and not trace.prefill_done(trace.id_of_length[p.length])]
+        assert len(cut_in_prefill) >= len(by_kind["prefill"]) // 2, len(cut_in_prefill)
+        assert all(len(trace.chunks[trace.id_of_length[p.length]]) >= 1 for p in cut_in_prefill)
+        steps = trace.rows
+        adm = {k: sum(p.length in trace.id_of_length for p in v) for k, v in by_kind.items()}
+        print(f"\nstorm: {len(plan)} requests, {received} reached the core, {len(admitted)} "
+              f"admitted (by kind {adm}), {received - len(admitted)} aborted while queued, "
+              f"{len(cut_in_prefill)}/{len(by_kind['prefill'])} cut mid-prefill, "
+              f"{len(decode)} cut mid-decode; {len(steps)} steps, "
+              f"{stats.num_preemptions_total} preemptions; "
+              f"{time.monotonic() - last_client_gone:.3f} s to the checks")
+
+        # the blocks the storm's chats left in the prefix cache counted as free above and are
+        # still cached: a new chat starts from the shared system-prompt block
+        r = http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "A question nobody asked before."}],
+            "max_tokens": 1})
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
+        # and greedy output is the same text as before the storm
+        assert _greedy(http) == before
+        helpers.wait_all_blocks_free(engine, timeout=1.0)
+        # nor does the front end keep anything per request: of the requests it counts as on
+        # their way to the core (for overload control, off here) only the last can be left
+        assert len(engine._in_transit) <= 1, len(engine._in_transit)
+
+
+# ------------------------------------------------------------ the next chunk boundary
+LONG_PROMPT_BUDGET = 64
+
+
+#: SmolLM2-135M's shape (30 layers, hidden 576) with random weights: steps cost what the
+#: embedded model's dense float32 steps cost, without reading and repacking the GGUF at start
+SMOLLM2_SHAPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                 "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                 "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+                 "vocab_size": 49152, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+                 "rope_theta": 100000.0, "tie_word_embeddings": True, "bos_token_id": 1,
+                 "eos_token_id": 2, "hidden_act": "silu"}
+
+
+@pytest.fixture(scope="module")
+def prefill_server(helpers, tmp_path_factory):
+    """A model of SmolLM2-135M's size (random weights, float32, one torch thread) with a
+    64-token budget: a 1,000-token prompt is 16 chunks, each a dense step of a few tenths of a
+    second here, far longer than an abort takes to reach the core."""
+    folder = tmp_path_factory.mktemp("smollm2-shape")
+    (folder / "config.json").write_text(json.dumps(SMOLLM2_SHAPE))
+    trace = str(tmp_path_factory.mktemp("prefill") / "trace.jsonl")
+    srv = helpers.start_server(EngineConfig(model=str(folder), load_format="dummy",
+                                            dtype="float32", num_kv_blocks=128,
+                                            max_model_len=2048,
+                                            max_num_batched_tokens=LONG_PROMPT_BUDGET,
+                                            num_threads=1),
+                               step_trace=trace)
+    yield srv, trace
+    srv.stop()
+
+
+def test_disconnect_during_a_long_prefill_stops_it_at_the_next_chunk(prefill_server, helpers):
+    srv, trace_path = prefill_server
+    engine = srv.engine
+    prompt = list(range(1000, 2000))  # 1,000 token ids: 16 chunks of <= 64
+    trace = Trace(trace_path)
+
+    async def go() -> tuple[float, int, int]:
+        async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as client:
+            async with client.stream("POST", "/v1/completions", json={
+                    "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True}) as r:
+                assert r.status_code == 200
+                deadline = time.monotonic() + 60
+                while True:
+                    trace.poll()
+                    rid = trace.id_of_length.get(len(prompt))
+                    if rid is not None and len(trace.chunks[rid]) >= 3:
+                        break
+                    assert time.monotonic() < deadline, "the prefill did not get going"
+                    await asyncio.sleep(0.005)
+                seen = len(trace.chunks[rid])
+                t_close = time.monotonic()
+            return t_close, seen, sum(n for _, n, _ in trace.chunks[rid])  # closed on leaving
+
+    t_close, seen, computed_at_close = asyncio.run(go())
+    # the chunk in flight finishes first: however long a step takes on a loaded machine
+    helpers.wait_all_blocks_free(engine, timeout=60.0)
+    time.sleep(0.2)
+    trace.poll()
+    rid = trace.id_of_length[len(prompt)]
+    chunks = trace.chunks[rid]
+    after = [n for t, n, _ in chunks if t >= t_close]  # steps started after the client left
+    total = sum(n for _, n, _ in chunks)
+    # the chunk in flight when the client left finishes (it started before); at most one more
+    # starts before the abort reaches the core; then nothing of this request is computed
+    assert sum(after) <= LONG_PROMPT_BUDGET, (chunks, t_close)
+    assert len(chunks) <= seen + 2
+    assert total <= computed_at_close + 2 * LONG_PROMPT_BUDGET < len(prompt)
+    assert not trace.prefill_done(rid)
+    assert not any(r["decode_contexts"] for r in trace.rows)  # it never sampled a token
+    print(f"\nlong prefill: {len(chunks)} of 16 chunks computed ({total} of {len(prompt)} "
+          f"tokens), {seen} seen before the disconnect, {len(after)} started after it")
