@@ -9,7 +9,8 @@ Phases: (1) capacity, measured with a closed loop of streamed requests (or given
 ``--capacity``); (2) warm-up at the overload rate; drain, RSS at start; (3) the soak at the
 overload rate (Poisson arrivals, mixed prompt lengths, completions and chat, streamed) for
 ``--duration`` seconds or ``--num-requests`` requests; drain, RSS at end. ``/health`` is polled
-every 0.2 s throughout (from its own thread).
+every 0.2 s throughout (from its own thread), which also samples both RSS every 5 s (in the
+JSON report, to tell a plateau from steady growth).
 
 Checks (exit status 1 when one fails, 2 for a usage error):
   * no 5xx, no other unexpected status, no transport error, no error event in a 200 stream;
@@ -95,19 +96,33 @@ def gauges(text: str) -> dict[str, float]:
 
 
 class HealthPoller(threading.Thread):
-    """GET /health every ``interval`` s on its own thread and connection: latency of each."""
+    """GET /health every ``interval`` s on its own thread and connection: latency of each; and
+    every ``rss_every`` s the RSS of ``pids`` ([seconds since start, kB, ...] in rss_samples)."""
 
-    def __init__(self, url: str, interval: float = 0.2, timeout: float = 5.0):
+    def __init__(self, url: str, interval: float = 0.2, timeout: float = 5.0,
+                 pids: dict[str, int] | None = None, rss_every: float = 5.0):
         super().__init__(name="soak-health", daemon=True)
         self.url, self.interval, self.timeout = url, interval, timeout
+        self.pids, self.rss_every = dict(pids or {}), rss_every
         self.latencies: list[float] = []
         self.failures: list[str] = []
+        self.rss_samples: list[list[float]] = []
+        self.t0 = time.perf_counter()
         self._halt = threading.Event()
 
     def run(self) -> None:
+        next_rss = 0.0
         with httpx.Client(timeout=self.timeout) as c:
             while not self._halt.is_set():
                 t0 = time.perf_counter()
+                if self.pids and t0 - self.t0 >= next_rss:
+                    try:
+                        self.rss_samples.append([round(t0 - self.t0, 1)]
+                                                + [rss_kb(p) for p in self.pids.values()])
+                    except (OSError, RuntimeError):
+                        pass  # the process is gone: the end-of-run read will say so
+                    next_rss += self.rss_every
+                    t0 = time.perf_counter()
                 try:
                     r = c.get(self.url + "/health")
                     if r.status_code != 200:
@@ -284,9 +299,9 @@ async def soak(args) -> dict:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         work = Workload(args, model)
         arrivals = random.Random(args.seed + 1)
-        health = HealthPoller(args.url, args.health_interval)
+        health = HealthPoller(args.url, args.health_interval, pids=pids)
         health.start()
-        t_start = time.perf_counter()
+        t_start = health.t0
         try:
             if args.capacity:
                 capacity, cap_results, cap_s = args.capacity, [], 0.0
@@ -301,6 +316,7 @@ async def soak(args) -> dict:
             warm_gauges, _ = await drain(client, args.drain_timeout)
             rss_start = {k: rss_kb(p) for k, p in pids.items()}
             t_main = time.perf_counter()
+            main_from = t_main - t_start
             main, sent_for = await open_loop(client, work, "soak", rate, args.num_requests,
                                              args.duration, arrivals)
             main_s = time.perf_counter() - t_main
@@ -334,6 +350,9 @@ async def soak(args) -> dict:
         "status_counts": main_counts,
         "status_counts_all_phases": status_counts,
         "completed_req_s": main_counts["200"] / main_s if main_s else None,
+        # no 429 at all: the server kept up, so this was no overload (the machine may have been
+        # slower while the capacity was measured); not a failed check, but say so
+        "overloaded": main_counts["429"] > 0,
         "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
         "ttft_max_s": max(ttfts) if ttfts else None,
         "health_polls": len(health.latencies),
@@ -341,6 +360,13 @@ async def soak(args) -> dict:
         "health_p99_s": percentile(health.latencies, 99),
         "health_failures": health.failures[:10],
         "rss_kb_start": rss_start, "rss_kb_end": rss_end, "rss_growth": growth,
+        "rss_kb_max_in_soak": {k: max([s[i + 1] for s in health.rss_samples
+                                       if main_from <= s[0] <= main_from + main_s]
+                                      + [rss_start[k], rss_end[k]])
+                               for i, k in enumerate(pids)},
+        "rss_samples": {"columns": ["s", *[f"{k}_kb" for k in pids]],
+                        "soak_from_s": round(main_from, 1),
+                        "soak_to_s": round(main_from + main_s, 1), "rows": health.rss_samples},
         "after_warmup_gauges": warm_gauges,
         "after_drain_gauges": end_gauges, "drain_s": drain_s,
         "total_seconds": total_s,
@@ -400,12 +426,16 @@ def render(rep: dict) -> str:
     ]
     for k in rep["pids"]:
         lines.append(f"  RSS {k} (pid {rep['pids'][k]}): {rep['rss_kb_start'][k] / 1024:,.1f} "
-                     f"-> {rep['rss_kb_end'][k] / 1024:,.1f} MiB ({rep['rss_growth'][k]:+.2%})")
+                     f"-> {rep['rss_kb_end'][k] / 1024:,.1f} MiB ({rep['rss_growth'][k]:+.2%}; "
+                     f"max in the soak {rep['rss_kb_max_in_soak'][k] / 1024:,.1f} MiB)")
     g = rep["after_drain_gauges"]
     lines.append(f"  after drain ({rep['drain_s']:.2f} s): running "
                  f"{g['vllm:num_requests_running']:g}, waiting "
                  f"{g['vllm:num_requests_waiting']:g}, KV usage "
                  f"{g['vllm:kv_cache_usage_perc']:g}")
+    if not rep["overloaded"]:
+        lines.append("  warning: no request got 429, so the server was not overloaded (pass a "
+                     "higher --capacity or --overload)")
     failed = {k: v for k, v in rep["checks"].items() if v}
     lines.append("  checks: " + ("all passed" if not failed else "FAILED: " + "; ".join(
         f"{k}: {v}" for k, v in failed.items())))

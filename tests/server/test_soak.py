@@ -90,6 +90,8 @@ def test_overload_soak_holds(served, tmp_path):
     assert rep["health_polls"] >= rep["total_seconds"] / 0.2 * 0.5  # it polled all along
     for k in ("server", "core"):
         assert rep["rss_growth"][k] < 0.05
+    rows = rep["rss_samples"]["rows"]  # sampled along the way (every 5 s)
+    assert rows and all(len(r) == 3 and r[1] > 0 and r[2] > 0 for r in rows)
     with open(f"/proc/{rep['pids']['core']}/cmdline", "rb") as f:  # the core was measured
         assert b"sloserve.engine.core_proc" in f.read()
     g = rep["after_drain_gauges"]
