@@ -140,6 +140,12 @@ class _SamplingFields(BaseModel):
                              "priority")
         if self.cache_salt is not None and not self.cache_salt:
             raise ParamError("cache_salt must be a non-empty string", "cache_salt")
+        if self.cache_salt is not None:
+            try:  # it crosses the process boundary as UTF-8
+                self.cache_salt.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ParamError("cache_salt must be valid Unicode (no lone surrogates)",
+                                 "cache_salt") from None
         if self.n is None:
             self.n = 1
         if isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:

@@ -182,3 +182,20 @@ def test_unsatisfiable_grammar_fails_only_its_own_request(http, helpers, engine)
     assert neighbour["r"].json()["choices"][0]["finish_reason"] == "length"
     assert http.get("/health").status_code == 200
     helpers.wait_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("field,param", [
+    ('"structured_outputs": {"choice": ["ok", "\\ud800"]}', "structured_outputs"),
+    ('"cache_salt": "\\udfff"', "cache_salt"),
+])
+def test_lone_surrogates_in_a_choice_or_cache_salt_are_400(http, engine, helpers, field, param):
+    """Valid JSON escapes that are not valid UTF-8 passed validation (a choice is quoted as
+    ASCII-escaped JSON for xgrammar) and failed when the request was encoded for the core: a
+    500. They are a 400 now, like lone surrogates in stop strings."""
+    body = '{"prompt": "Answer:", "max_tokens": 4, ' + field + '}'
+    r = http.post("/v1/completions", content=body.encode(),
+                  headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "surrogate" in err["message"]
+    helpers.wait_all_blocks_free(engine)
