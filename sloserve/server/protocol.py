@@ -267,11 +267,23 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One entry of a prompt position (vLLM's ``Logprob``): its value, its rank in the whole
+    distribution (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
+    #: ``prompt_logprobs`` (vLLM's extension): None for the first prompt token, then per
+    #: prompt token its own entry and the top ones', keyed by token id
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
