@@ -61,7 +61,13 @@ class StructuredOutputsParams:
                 isinstance(c, str) and c for c in self.choice)):
             raise ParamError("structured_outputs.choice must be a non-empty list of non-empty "
                              "strings", "structured_outputs")
-        size = len(self.key)
+        key = self.key
+        try:  # it crosses the process boundary as UTF-8 (msgspec)
+            key.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ParamError("structured_outputs must be valid Unicode (no lone surrogates)",
+                             "structured_outputs") from None
+        size = len(key)
         if size > MAX_STRUCTURED_SPEC:
             raise ParamError(f"structured_outputs spec has {size} characters, over the limit "
                              f"of {MAX_STRUCTURED_SPEC}", "structured_outputs")

@@ -247,7 +247,7 @@ class EngineCore:
         if out.is_empty:
             return EngineCoreOutputs(failed, self.stats(), timestamp=t0) if failed else None
         kv_usage = self.kv.usage
-        grammars = self._fill_bitmasks(out) if self._structured is not None else {}
+        grammars, broken = self._fill_bitmasks(out) if self._structured is not None else ({}, {})
         try:
             if self._inject_failures > 0:
                 self._inject_failures -= 1
@@ -255,11 +255,10 @@ class EngineCore:
             runner_out = self.runner.execute(out)
             now = time.monotonic()
             outputs = self.scheduler.update_from_output(out, runner_out, now)
-            for o in outputs:
-                g = grammars.get(o.request_id)
-                for tok in o.new_token_ids if g is not None else ():
-                    if not g.accept(tok):
-                        logger.warning("%s: token %d is outside its grammar", o.request_id, tok)
+            if grammars or broken:
+                for o in outputs:
+                    self._advance_grammar(o, grammars.get(o.request_id),
+                                          broken.get(o.request_id))
         except Exception as e:  # a bug must not kill the loop: fail this step's requests
             logger.exception("model step failed")
             return EngineCoreOutputs(self._fail(out, f"engine step failed: {type(e).__name__}: {e}"),
@@ -279,17 +278,62 @@ class EngineCore:
             self._record_trace(out, step, stats)
         return EngineCoreOutputs(failed + outputs, stats, step, timestamp=now)
 
-    def _fill_bitmasks(self, out: SchedulerOutput) -> dict:
+    def _fill_bitmasks(self, out: SchedulerOutput) -> tuple[dict, dict]:
         """Set the token bitmask of every sampling request with a grammar; returns their
-        grammars by request id (to advance with the tokens the step samples)."""
-        grammars = {}
+        grammars by request id (to advance with the tokens the step samples) and, by request
+        id, why a request's grammar cannot go on (its mask allows no token, not even EOS: an
+        unsatisfiable spec; or the matcher failed). Those run this step without a mask (a row
+        with every token masked cannot be sampled from) and fail after it: a failure here must
+        neither fail the step's other requests nor stop the core."""
+        grammars, broken = {}, {}
         reqs = self.scheduler.requests
         for sr in out.scheduled:
             r = reqs.get(sr.request_id)
             if sr.samples and r is not None and r.grammar is not None:
-                sr.token_bitmask = [r.grammar.fill_bitmask()]
+                try:
+                    mask = r.grammar.fill_bitmask()
+                except Exception as e:
+                    broken[sr.request_id] = (f"structured output failed: "
+                                             f"{type(e).__name__}: {e}")
+                    continue
+                if not mask.strip(b"\0"):
+                    broken[sr.request_id] = ("structured output: no token can continue the "
+                                             "output under its grammar (the spec cannot be "
+                                             "satisfied)")
+                    continue
+                sr.token_bitmask = [mask]
                 grammars[sr.request_id] = r.grammar
-        return grammars
+        return grammars, broken
+
+    def _advance_grammar(self, o: EngineCoreOutput, g, broken: str | None) -> None:
+        """Advance a request's matcher over the tokens it got this step. A grammar that is
+        complete (it accepted a stop token) finishes the request (``stop``) even where the
+        engine would go on (``ignore_eos``, or a stop token the engine does not stop on): no
+        token may follow. A token the grammar refuses (or a broken grammar) fails the request."""
+        why = broken
+        for j, tok in enumerate(o.new_token_ids if g is not None and why is None else ()):
+            if not g.accept(tok):
+                why = f"structured output: token {tok} is outside the request's grammar"
+                break
+            if g.is_terminated:
+                del o.new_token_ids[j + 1:]
+                if o.new_logprobs is not None:
+                    o.new_logprobs = o.new_logprobs.slice(0, j + 1)
+                if o.finish_reason is None:
+                    req = self.scheduler.finish_request(o.request_id,
+                                                        RequestStatus.FINISHED_STOPPED)
+                    o.finish_reason = "stop"
+                    o.stop_reason = tok
+                    if req is not None:
+                        o.first_scheduled_time = req.first_scheduled_time
+                break
+        if why is not None:
+            logger.warning("%s: %s", o.request_id, why)
+            req = self.scheduler.finish_request(o.request_id, RequestStatus.FINISHED_ABORTED)
+            if req is not None:
+                o.first_scheduled_time = req.first_scheduled_time
+            o.finish_reason = "abort"
+            o.error = why
 
     def _record_trace(self, out: SchedulerOutput, step: StepStats, stats: SchedulerStats) -> None:
         reqs = self.scheduler.requests

@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 
 from sloserve.logprobs import Logprobs
-from sloserve.server.protocol import (ChatTokenLogprob, ChatTopLogprob, CompletionLogProbs)
+from sloserve.server.protocol import (ChatTokenLogprob, ChatTopLogprob, CompletionLogProbs,
+                                      PromptLogprob)
 
 FLOOR = -9999.0
 _CACHE_MAX = 65536
@@ -56,6 +57,20 @@ class LogprobsFormatter:
             ids, vals = lp.token_ids[i], lp.logprobs[i]
             out.token_logprobs.append(_v(vals[0]))
             out.top_logprobs.append({self.token_text(t): _v(v) for t, v in zip(ids, vals)})
+        return out
+
+    def prompt(self, lp: Logprobs | None) -> list[dict[str, PromptLogprob] | None]:
+        """vLLM's ``prompt_logprobs``: None for the first prompt token, then per position the
+        prompt token's entry (its rank in the whole distribution) and the top k (ranks 1..k),
+        keyed by token id."""
+        out: list[dict[str, PromptLogprob] | None] = [None]
+        for ids, vals, rank in zip(lp.token_ids, lp.logprobs, lp.ranks) if lp else ():
+            d = {str(ids[0]): PromptLogprob(logprob=_v(vals[0]), rank=rank,
+                                            decoded_token=self.token_text(ids[0]))}
+            for r, (t, v) in enumerate(zip(ids[1:], vals[1:]), start=1):
+                d.setdefault(str(t), PromptLogprob(logprob=_v(v), rank=r,
+                                                   decoded_token=self.token_text(t)))
+            out.append(d)
         return out
 
     def chat(self, lp: Logprobs) -> list[ChatTokenLogprob]:

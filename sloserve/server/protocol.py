@@ -140,6 +140,12 @@ class _SamplingFields(BaseModel):
                              "priority")
         if self.cache_salt is not None and not self.cache_salt:
             raise ParamError("cache_salt must be a non-empty string", "cache_salt")
+        if self.cache_salt is not None:
+            try:  # it crosses the process boundary as UTF-8
+                self.cache_salt.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ParamError("cache_salt must be valid Unicode (no lone surrogates)",
+                                 "cache_salt") from None
         if self.n is None:
             self.n = 1
         if isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
@@ -261,11 +267,23 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One entry of a prompt position (vLLM's ``Logprob``): its value, its rank in the whole
+    distribution (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
+    #: ``prompt_logprobs`` (vLLM's extension): None for the first prompt token, then per
+    #: prompt token its own entry and the top ones', keyed by token id
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -148,7 +148,8 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
         check_model(body.model)
         check_admitting()
         b = CompletionBuilder(random_id("cmpl"), now_s(), model_name, fmt,
-                              logprobs=body.logprobs is not None, echo=bool(body.echo))
+                              logprobs=body.logprobs is not None, echo=bool(body.echo),
+                              prompt_logprobs=body.prompt_logprobs is not None)
         try:
             prompts = body.prompts()
         except ParamError as e:

@@ -103,6 +103,12 @@ class CompletionBuilder:
     fmt: LogprobsFormatter
     logprobs: bool = False   # the request asked for logprobs
     echo: bool = False
+    prompt_logprobs: bool = False  # the request asked for prompt_logprobs (vLLM's field)
+
+    def _prompt_logprobs(self, st: ChoiceState, first: bool):
+        if not (first and self.prompt_logprobs and st.prompt_token_ids):
+            return None
+        return self.fmt.prompt(st.prompt_logprobs)
 
     def _logprobs(self, st: ChoiceState, ids: list[int], lp: Logprobs | None, first: bool,
                   offset: int):
@@ -124,12 +130,14 @@ class CompletionBuilder:
         text = ((st.choice.echo_text or "") if first and self.echo else "") + out.new_text
         lp = self._logprobs(st, out.new_token_ids, out.new_logprobs, first, st.chars_sent)
         st.chars_sent += len(text)
-        if not text and not out.finished and not (lp and lp.tokens):
+        if not text and not out.finished and not (lp and lp.tokens) and not (
+                first and self.prompt_logprobs):
             return None
         return sse(CompletionStreamResponse(
             id=self.id, created=self.created, model=self.model,
             choices=[CompletionChoice(index=st.index, text=text, logprobs=lp,
-                                      finish_reason=out.finish_reason if out.finished else None)]))
+                                      finish_reason=out.finish_reason if out.finished else None,
+                                      prompt_logprobs=self._prompt_logprobs(st, first))]))
 
     def usage_chunk(self, usage: UsageInfo) -> str:
         return sse(CompletionStreamResponse(id=self.id, created=self.created, model=self.model,
@@ -142,7 +150,8 @@ class CompletionBuilder:
             choices.append(CompletionChoice(
                 index=st.index, text=echo + "".join(st.text),
                 logprobs=self._logprobs(st, st.token_ids, st.logprobs, True, 0),
-                finish_reason=st.final.finish_reason))
+                finish_reason=st.final.finish_reason,
+                prompt_logprobs=self._prompt_logprobs(st, True)))
         return CompletionResponse(id=self.id, created=self.created, model=self.model,
                                   choices=choices, usage=usage_of(states))
 

@@ -155,3 +155,33 @@ def test_tokenize_detokenize_round_trip_and_errors(http, live_server):
     assert http.post("/tokenize", json={}).status_code == 400
     info = http.get("/tokenizer_info").json()
     assert info["eos_token"] and info["chat_template"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_logprobs_are_returned(http, stream):
+    """``prompt_logprobs`` alone (vLLM's field) used to be computed (skipping the prefix cache)
+    and then dropped: every choice has them now, in vLLM's shape (None for the first prompt
+    token, then per token id its logprob, rank and text), the same as echo's prompt part."""
+    ids = http.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2, "n": 2}
+    if stream:
+        evs = _stream(http, "/v1/completions", body)
+        plps = {c["index"]: c["prompt_logprobs"] for ev in evs for c in ev["choices"]
+                if c.get("prompt_logprobs") is not None}
+    else:
+        d = http.post("/v1/completions", json=body).json()
+        plps = {c["index"]: c["prompt_logprobs"] for c in d["choices"]}
+    assert set(plps) == {0, 1} and plps[0] == plps[1]
+    plp = plps[0]
+    assert len(plp) == len(ids) and plp[0] is None
+    echo = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "temperature": 0,
+                                              "echo": True, "logprobs": 2}).json()
+    elp = echo["choices"][0]["logprobs"]
+    assert echo["choices"][0]["prompt_logprobs"] is None  # not asked for
+    for i in range(1, len(ids)):
+        entry = plp[i]
+        own = entry[str(ids[i])]
+        assert next(iter(entry)) == str(ids[i])  # the prompt's own token first
+        assert abs(own["logprob"] - elp["token_logprobs"][i]) < 1e-4
+        assert own["decoded_token"] == elp["tokens"][i] and own["rank"] >= 1
+        assert {e["rank"] for e in entry.values()} >= {1, 2} and 2 <= len(entry) <= 3

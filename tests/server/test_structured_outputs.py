@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
+import httpx
 import pydantic
 import pytest
 
@@ -124,3 +126,76 @@ def test_grammar_survives_chunked_prefill_and_preemption(helpers):
                                                    and re.fullmatch("([a-z]+ )*[a-z]*", text)), text
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_complete_grammar_with_ignore_eos_finishes_and_the_core_survives(http, helpers, engine,
+                                                                         stream):
+    """A grammar that accepted its stop token allows no further token: with ``ignore_eos`` the
+    core used to ask the finished matcher for the next mask, which raised in the step loop and
+    killed the engine core process (every later request 503)."""
+    body = {"prompt": "Answer:", "max_tokens": 32, "temperature": 0, "ignore_eos": True,
+            "structured_outputs": {"choice": ["yes", "no"]}, "logprobs": 0}
+    if stream:
+        with http.stream("POST", "/v1/completions", json=dict(body, stream=True)) as r:
+            data = helpers.sse_events(r.iter_lines())
+        assert data[-1] == "[DONE]" and not any('"error"' in d for d in data), data
+        evs = [json.loads(d) for d in data[:-1]]
+        text = "".join(c["text"] for ev in evs for c in ev.get("choices", ()))
+        reason = [c["finish_reason"] for ev in evs for c in ev.get("choices", ())
+                  if c["finish_reason"]]
+        assert reason == ["stop"], evs
+    else:
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        text, reason = c["text"], c["finish_reason"]
+        assert reason == "stop"
+    assert text in ("yes", "no")
+    assert http.get("/health").status_code == 200
+    helpers.wait_all_blocks_free(engine)
+
+
+def test_unsatisfiable_grammar_fails_only_its_own_request(http, helpers, engine):
+    """A regex no string matches (the mask allows no token, not even EOS): sampled, the row of
+    all -inf logits used to make torch.multinomial raise, failing every request of the step;
+    greedy, it returned masked tokens until max_tokens. Now that request alone fails, naming
+    the reason, and a request running beside it is unaffected."""
+    import threading
+    neighbour = {}
+
+    def run():
+        neighbour["r"] = httpx.post(http.base_url.join("/v1/completions"), timeout=120, json={
+            "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0})
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.3)
+    for temperature in (1.0, 0):
+        r = http.post("/v1/completions", json={
+            "prompt": "Answer:", "max_tokens": 16, "temperature": temperature,
+            "structured_outputs": {"regex": "ab[^\\s\\S]"}})
+        assert r.status_code == 500, r.text
+        assert "cannot be satisfied" in r.json()["error"]["message"]
+    t.join()
+    assert neighbour["r"].status_code == 200, neighbour["r"].text
+    assert neighbour["r"].json()["choices"][0]["finish_reason"] == "length"
+    assert http.get("/health").status_code == 200
+    helpers.wait_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("field,param", [
+    ('"structured_outputs": {"choice": ["ok", "\\ud800"]}', "structured_outputs"),
+    ('"cache_salt": "\\udfff"', "cache_salt"),
+])
+def test_lone_surrogates_in_a_choice_or_cache_salt_are_400(http, engine, helpers, field, param):
+    """Valid JSON escapes that are not valid UTF-8 passed validation (a choice is quoted as
+    ASCII-escaped JSON for xgrammar) and failed when the request was encoded for the core: a
+    500. They are a 400 now, like lone surrogates in stop strings."""
+    body = '{"prompt": "Answer:", "max_tokens": 4, ' + field + '}'
+    r = http.post("/v1/completions", content=body.encode(),
+                  headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "surrogate" in err["message"]
+    helpers.wait_all_blocks_free(engine)
