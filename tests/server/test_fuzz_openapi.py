@@ -27,8 +27,8 @@ def _cap(case) -> None:
         for key in ("max_tokens", "max_completion_tokens"):
             if isinstance(body.get(key), int) and not isinstance(body.get(key), bool):
                 body[key] = max(1, min(body[key], MAX_TOKENS))
-        if body.get("max_tokens") is None and "messages" in body:
-            body["max_tokens"] = MAX_TOKENS  # chat's default is "up to max_model_len"
+        if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+            body["max_tokens"] = MAX_TOKENS  # null means "up to max_model_len"
         if isinstance(body.get("n"), int) and not isinstance(body.get("n"), bool):
             body["n"] = max(1, min(body["n"], MAX_N))
         if isinstance(body.get("prompt"), list) and body["prompt"] and isinstance(
