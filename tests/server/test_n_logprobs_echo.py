@@ -211,3 +211,22 @@ def test_booleans_in_integer_fields_are_400(http, path, body, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and "boolean" in err["message"], err
+
+
+def test_streamed_text_offsets_equal_the_whole_responses_and_never_go_back(http):
+    """Streamed chunks used to start their text_offset at the characters of text sent so far,
+    while within a chunk (and in the whole response) each offset follows the previous token's
+    text: with characters split over several tokens (each shown as U+FFFD) the offsets went
+    backwards between chunks and differed from the non-streamed answer."""
+    body = {"prompt": "I love 😀🎉 and 日本語", "max_tokens": 8, "temperature": 0,
+            "logprobs": 1, "echo": True}
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    offsets, tokens = [], []
+    for ev in _stream(http, "/v1/completions", body):
+        for c in ev["choices"]:
+            if c["logprobs"]:
+                offsets += c["logprobs"]["text_offset"]
+                tokens += c["logprobs"]["tokens"]
+    assert tokens == whole["tokens"]
+    assert offsets == whole["text_offset"]
+    assert offsets == sorted(offsets)
