@@ -11,14 +11,25 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, field_validator,
+                      model_serializer)
 
 from sloserve.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 
 #: most choices (``n``) per request, and most choices over all prompts of a request
 MAX_N = 128
+
+
+def _not_bool(v: Any) -> Any:
+    if isinstance(v, bool):  # pydantic's lax mode would read true as 1 and false as 0
+        raise ValueError("must be an integer, not a boolean")
+    return v
+
+
+#: an integer request field: JSON true / false are refused (not read as 1 / 0)
+Int = Annotated[int, BeforeValidator(_not_bool)]
 
 
 def random_id(prefix: str) -> str:
@@ -113,17 +124,17 @@ class _SamplingFields(BaseModel):
     model: str | None = None
     temperature: float | None = None        # None -> 1.0 (OpenAI / vLLM default)
     top_p: float | None = None              # None -> 1.0
-    top_k: int | None = None                # extension; None / 0 / -1: disabled
-    seed: int | None = None
+    top_k: Int | None = None                # extension; None / 0 / -1: disabled
+    seed: Int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extension
+    stop_token_ids: list[Int] | None = None  # extension
     ignore_eos: bool = False                  # extension
     skip_special_tokens: bool = True          # extension
-    n: int | None = 1
+    n: Int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None                   # accepted, ignored
-    priority: int | None = 0                  # extension: lower runs first (null: 0)
+    priority: Int | None = 0                  # extension: lower runs first (null: 0)
     cache_salt: str | None = None             # extension: prefix-cache isolation key
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None  # extension (vLLM's)
@@ -216,12 +227,20 @@ class CompletionRequest(_SamplingFields):
     """
 
     prompt: Union[list[int], list[list[int]], str, list[str]]
-    max_tokens: int | None = 16
+    max_tokens: Int | None = 16
     echo: bool | None = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None  # extension (vLLM's)
-    best_of: int | None = None
+    logprobs: Int | None = None
+    prompt_logprobs: Int | None = None  # extension (vLLM's)
+    best_of: Int | None = None
     suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _no_bool_token_ids(cls, v: Any) -> Any:
+        if isinstance(v, list) and any(isinstance(t, bool) or (
+                isinstance(t, list) and any(isinstance(u, bool) for u in t)) for t in v):
+            raise ValueError("token ids must be integers, not booleans")
+        return v
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request (a string, token ids, or a list of either).
@@ -342,10 +361,10 @@ class ChatCompletionRequest(_SamplingFields):
     """
 
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True  # extension
 

@@ -57,7 +57,9 @@ class ChoiceState:
     logprobs: Logprobs = field(default_factory=Logprobs.empty)
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: Logprobs | None = None
-    chars_sent: int = 0      # characters streamed so far (completions' text_offset)
+    #: completions' text_offset of the next streamed token: the token texts streamed so far
+    #: (as in the whole response, where each token's offset follows the previous token's text)
+    lp_offset: int = 0
     started: bool = False    # its first output arrived
     final: RequestOutput | None = None
 
@@ -128,8 +130,9 @@ class CompletionBuilder:
 
     def chunk(self, st: ChoiceState, out: RequestOutput, first: bool) -> str | None:
         text = ((st.choice.echo_text or "") if first and self.echo else "") + out.new_text
-        lp = self._logprobs(st, out.new_token_ids, out.new_logprobs, first, st.chars_sent)
-        st.chars_sent += len(text)
+        lp = self._logprobs(st, out.new_token_ids, out.new_logprobs, first, st.lp_offset)
+        if lp is not None:
+            st.lp_offset += sum(len(t) for t in lp.tokens)
         if not text and not out.finished and not (lp and lp.tokens) and not (
                 first and self.prompt_logprobs):
             return None

@@ -17,7 +17,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
 
 from sloserve.server.errors import APIError
-from sloserve.server.protocol import ChatMessage
+from sloserve.server.protocol import ChatMessage, Int
 
 
 class TokenizeRequest(BaseModel):
@@ -44,7 +44,7 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int]
 
 
 class DetokenizeResponse(BaseModel):

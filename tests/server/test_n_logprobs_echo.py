@@ -185,3 +185,48 @@ def test_prompt_logprobs_are_returned(http, stream):
         assert abs(own["logprob"] - elp["token_logprobs"][i]) < 1e-4
         assert own["decoded_token"] == elp["tokens"][i] and own["rank"] >= 1
         assert {e["rank"] for e in entry.values()} >= {1, 2} and 2 <= len(entry) <= 3
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": PROMPT, "n": True}, "n"),
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": False}, "logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": True}, "logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": True}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "best_of": True}, "best_of"),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": True}, "max_tokens"),
+    ("/v1/completions", {"prompt": PROMPT, "seed": False}, "seed"),
+    ("/v1/completions", {"prompt": [True, False]}, "prompt"),
+    ("/v1/completions", {"prompt": [[5, 6], [7, True]]}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True,
+                              "top_logprobs": True}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": True}, "n"),
+    ("/detokenize", {"tokens": [True]}, "tokens"),
+])
+def test_booleans_in_integer_fields_are_400(http, path, body, param):
+    """pydantic's lax mode read JSON true / false as 1 / 0 before the server's own bool checks
+    ran: ``n: true`` gave one choice and ``logprobs: false`` returned logprobs."""
+    if path != "/detokenize":
+        body = dict(body, max_tokens=body.get("max_tokens", 2))
+    r = http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "boolean" in err["message"], err
+
+
+def test_streamed_text_offsets_equal_the_whole_responses_and_never_go_back(http):
+    """Streamed chunks used to start their text_offset at the characters of text sent so far,
+    while within a chunk (and in the whole response) each offset follows the previous token's
+    text: with characters split over several tokens (each shown as U+FFFD) the offsets went
+    backwards between chunks and differed from the non-streamed answer."""
+    body = {"prompt": "I love 😀🎉 and 日本語", "max_tokens": 8, "temperature": 0,
+            "logprobs": 1, "echo": True}
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    offsets, tokens = [], []
+    for ev in _stream(http, "/v1/completions", body):
+        for c in ev["choices"]:
+            if c["logprobs"]:
+                offsets += c["logprobs"]["text_offset"]
+                tokens += c["logprobs"]["tokens"]
+    assert tokens == whole["tokens"]
+    assert offsets == whole["text_offset"]
+    assert offsets == sorted(offsets)
