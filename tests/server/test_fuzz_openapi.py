@@ -15,7 +15,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-EXAMPLES = 25          # per operation
+EXAMPLES = 15          # per operation
 MAX_TOKENS, MAX_N = 4, 2
 #: operations that would change the server for the others (tested elsewhere)
 SKIP = {"POST /reset_prefix_cache"}
