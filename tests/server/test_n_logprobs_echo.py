@@ -230,3 +230,32 @@ def test_streamed_text_offsets_equal_the_whole_responses_and_never_go_back(http)
     assert tokens == whole["tokens"]
     assert offsets == whole["text_offset"]
     assert offsets == sorted(offsets)
+
+
+def test_a_long_tokenize_does_not_block_the_event_loop(http, live_server):
+    """/tokenize ran the tokenizer on the event loop: a 5 MB prompt froze /health and every
+    stream of the server for seconds (completions already tokenize long text in a thread)."""
+    import threading
+    import time
+
+    import httpx
+    done = {}
+
+    def big():
+        t0 = time.monotonic()
+        r = httpx.post(live_server.base_url + "/tokenize", json={"prompt": "word " * 1_000_000},
+                       timeout=120)
+        done["r"], done["s"] = r, time.monotonic() - t0
+
+    t = threading.Thread(target=big)
+    t.start()
+    time.sleep(0.2)
+    worst = 0.0
+    while t.is_alive():
+        t0 = time.monotonic()
+        assert http.get("/health").status_code == 200
+        worst = max(worst, time.monotonic() - t0)
+        time.sleep(0.02)
+    t.join()
+    assert done["r"].status_code == 200 and done["r"].json()["count"] >= 1_000_000
+    assert worst < max(0.5, done["s"] / 4), (worst, done["s"])
