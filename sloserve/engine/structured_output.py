@@ -8,7 +8,10 @@ still compiling is not admitted (``ready`` False, see ``Scheduler._must_wait``).
 core fills the bitmask of every sampling request with a grammar (``fill_bitmask``, into
 ``ScheduledRequest.token_bitmask``, applied by the runner) and advances its matcher with the
 accepted tokens (``accept``). The matcher lives in the core, so preemption (recompute) keeps
-its state: recomputed tokens are not sampled again.
+its state: recomputed tokens are not sampled again. A grammar that accepted its stop token
+finishes its request (``stop``, also with ``ignore_eos``); one whose mask allows no token at all
+(a spec no string satisfies, e.g. the regex ``[^\s\S]``) fails that request alone, with an error
+(the core cannot tell this from the spec before it runs, so it is a 500, not a 400).
 """
 from __future__ import annotations
 
