@@ -189,7 +189,9 @@ class ModelRunner:
         i = 0
         for sr, (r0, m) in zip(out.scheduled, prompt_rows):
             if want_plp:
-                prompt_logprobs.append(self._prompt_logprobs(sr, logits[r0:r0 + m]) if m else None)
+                prompt_logprobs.append(self._logprobs(
+                    sr.sampling_params, logits[r0:r0 + m], sr.prompt_logprob_targets,
+                    sr.sampling_params.prompt_logprobs or 0) if m else None)
             if not sr.samples:
                 sampled.append([])
                 if want_lp:
@@ -203,22 +205,16 @@ class ModelRunner:
             sampled.append(got[:a + 1])
             if want_lp:
                 logprobs.append(None if sr.sampling_params.logprobs is None else
-                                self._token_logprobs(sr, slogits[i:i + a + 1], got[:a + 1]))
+                                self._logprobs(sr.sampling_params, slogits[i:i + a + 1], got[:a + 1],
+                                              sr.sampling_params.logprobs))
             i += k + 1
         return sampled, logprobs, prompt_logprobs
 
-    def _token_logprobs(self, sr, rows: torch.Tensor, toks: list[int]):
-        sp = sr.sampling_params
+    def _logprobs(self, sp, rows: torch.Tensor, token_ids: list[int], k: int):
+        """Logprobs of ``token_ids`` (one per row) and the top ``k``, per --logprobs-mode."""
         if self.logprobs_mode.startswith("processed"):
             rows = torch.stack([self.sampler.processed_logits(r, sp) for r in rows])
-        return lp.gather(lp.logprob_values(rows, self.logprobs_mode), toks, sp.logprobs)
-
-    def _prompt_logprobs(self, sr, rows: torch.Tensor):
-        sp = sr.sampling_params
-        if self.logprobs_mode.startswith("processed"):
-            rows = torch.stack([self.sampler.processed_logits(r, sp) for r in rows])
-        return lp.gather(lp.logprob_values(rows, self.logprobs_mode),
-                         sr.prompt_logprob_targets, sp.prompt_logprobs or 0)
+        return lp.gather(lp.logprob_values(rows, self.logprobs_mode), token_ids, k)
 
     # ------------------------------------------------------------------ KV export / import
     def export_kv(self, block_ids: list[int], layer: int | None = None) -> torch.Tensor:

@@ -28,7 +28,7 @@ from sloserve.server.protocol import (ChatCompletionChoice, ChatCompletionRespon
                                       ChatCompletionStreamChoice, ChatCompletionStreamResponse,
                                       ChatLogProbs, ChatResponseMessage, CompletionChoice,
                                       CompletionResponse, CompletionStreamResponse, DeltaMessage,
-                                      PromptTokensDetails, UsageInfo)
+                                      UsageInfo)
 from sloserve.server.sse import DONE, SSEResponse, sse
 
 logger = logging.getLogger(__name__)
@@ -88,11 +88,8 @@ def usage_of(states: list[ChoiceState]) -> UsageInfo:
         n, c = prompts.get(st.choice.prompt_index, (0, 0))
         prompts[st.choice.prompt_index] = (max(n, f.num_prompt_tokens), max(c, f.num_cached_tokens))
         completion += f.num_output_tokens
-    prompt = sum(n for n, _ in prompts.values())
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
-                     total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(
-                         cached_tokens=sum(c for _, c in prompts.values())))
+    return UsageInfo.of(sum(n for n, _ in prompts.values()), completion,
+                        sum(c for _, c in prompts.values()))
 
 
 @dataclass

@@ -117,6 +117,21 @@ def wait_all_blocks_free(engine: AsyncLLM, timeout: float = 1.0) -> float:
         time.sleep(0.01)
 
 
+def wait_healthy(proc, base: str, log_path, timeout: float = 120) -> None:
+    """Poll a ``sloserve serve`` subprocess's /health until 200. Raises AssertionError (with the
+    server's log) if it exits first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, open(log_path).read()
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "server did not get healthy"
+        time.sleep(0.2)
+
+
 def sse_events(lines) -> list[str]:
     """The `data:` payloads of an SSE line iterator (httpx iter_lines)."""
     return [ln[len("data: "):] for ln in lines if ln.startswith("data: ")]
@@ -131,5 +146,6 @@ def helpers():
         wait_all_blocks_free = staticmethod(wait_all_blocks_free)
         sse_events = staticmethod(sse_events)
         start_server = staticmethod(start_server)
+        wait_healthy = staticmethod(wait_healthy)
 
     return H

@@ -93,7 +93,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path):
+def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path, helpers):
     port = _free_port()
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "sloserve.cli", "serve", "--dtype", "float32",
@@ -105,16 +105,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path):
                             stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not get healthy"
-            time.sleep(0.2)
+        helpers.wait_healthy(proc, base, tmp_path / "server.log")
         results: dict[int, object] = {}
 
         def stream(i: int) -> None:

@@ -38,7 +38,7 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_llama_dir, tmp_path_factory):
+def served(tiny_llama_dir, tmp_path_factory, helpers):
     port = _free_port()
     log_path = tmp_path_factory.mktemp("soak") / "server.log"
     log = open(log_path, "w")
@@ -49,16 +49,7 @@ def served(tiny_llama_dir, tmp_path_factory):
          "--log-level", "warning"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log_path.read_text()
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not get healthy"
-            time.sleep(0.2)
+        helpers.wait_healthy(proc, base, log_path)
         yield proc, base, log_path
     finally:
         proc.terminate()
