@@ -241,11 +241,15 @@ def test_max_concurrency_serialises_requests(mock_server):
     recs = sorted(run.records, key=lambda r: r.send_time)
     for a, b in zip(recs, recs[1:]):
         assert b.send_time >= a.chunk_times[-1]
-    assert all(0.030 <= r.ttft < 0.100 for r in run.records)  # TTFT starts at the actual send
+    # TTFT starts at the actual send: each is at least the server's 30 ms, and well under the
+    # 60 ms + 30 ms a TTFT counted from the due time would be for the later two (a loaded machine
+    # only makes both longer, so the bound is on the difference)
+    assert all(r.ttft >= 0.030 for r in run.records)
+    assert recs[2].ttft - recs[0].ttft < 0.10
     # the wait for the slot is queue time, not TTFT
     q = [r.queue_time for r in recs]
     assert q[0] < 0.02
-    assert 0.07 <= q[1] < 0.20 and 0.14 <= q[2] < 0.40
+    assert q[1] >= 0.07 and q[2] >= 0.14  # each waited for the whole previous request
     for r in recs:  # all were due at 0, so each waited until its send
         assert r.queue_time == pytest.approx(r.send_time - run.start_time, abs=0.01)
     assert result_json(run)["queue_times"] == [r.queue_time for r in run.records]

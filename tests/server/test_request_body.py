@@ -189,7 +189,7 @@ def test_the_utf8_check_counts_offsets_across_messages():
 
 def _stub_app(limit: int):
     """The real app over an engine stub: the refusals happen before any route touches it."""
-    engine = SimpleNamespace(model_name="m", max_model_len=64,
+    engine = SimpleNamespace(model_name="m", max_model_len=64, tokenizer=None,
                              info=SimpleNamespace(max_num_batched_tokens=64))
     return build_app(engine, PrometheusStatLogger(), max_request_body_bytes=limit)
 
