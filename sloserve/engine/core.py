@@ -281,8 +281,9 @@ class EngineCore:
     def _fill_bitmasks(self, out: SchedulerOutput) -> tuple[dict, dict]:
         """Set the token bitmask of every sampling request with a grammar; returns their
         grammars by request id (to advance with the tokens the step samples) and, by request
-        id, why a request's grammar cannot go on (its mask allows no token, not even EOS: an
-        unsatisfiable spec; or the matcher failed). Those run this step without a mask (a row
+        id, why a request's grammar cannot go on and whether that is the request's own fault:
+        (message, True) when its mask allows no token, not even EOS (an unsatisfiable spec: a
+        400), (message, False) when the matcher failed. Those run this step without a mask (a row
         with every token masked cannot be sampled from) and fail after it: a failure here must
         neither fail the step's other requests nor stop the core."""
         grammars, broken = {}, {}
@@ -294,23 +295,24 @@ class EngineCore:
                     mask = r.grammar.fill_bitmask()
                 except Exception as e:
                     broken[sr.request_id] = (f"structured output failed: "
-                                             f"{type(e).__name__}: {e}")
+                                             f"{type(e).__name__}: {e}", False)
                     continue
                 if not mask.strip(b"\0"):
                     broken[sr.request_id] = ("structured output: no token can continue the "
                                              "output under its grammar (the spec cannot be "
-                                             "satisfied)")
+                                             "satisfied)", True)
                     continue
                 sr.token_bitmask = [mask]
                 grammars[sr.request_id] = r.grammar
         return grammars, broken
 
-    def _advance_grammar(self, o: EngineCoreOutput, g, broken: str | None) -> None:
+    def _advance_grammar(self, o: EngineCoreOutput, g,
+                         broken: tuple[str, bool] | None) -> None:
         """Advance a request's matcher over the tokens it got this step. A grammar that is
         complete (it accepted a stop token) finishes the request (``stop``) even where the
         engine would go on (``ignore_eos``, or a stop token the engine does not stop on): no
         token may follow. A token the grammar refuses (or a broken grammar) fails the request."""
-        why = broken
+        why, bad_request = broken or (None, False)
         for j, tok in enumerate(o.new_token_ids if g is not None and why is None else ()):
             if not g.accept(tok):
                 why = f"structured output: token {tok} is outside the request's grammar"
@@ -333,7 +335,7 @@ class EngineCore:
             if req is not None:
                 o.first_scheduled_time = req.first_scheduled_time
             o.finish_reason = "abort"
-            o.error = why
+            o.error, o.bad_request = why, bad_request
 
     def _record_trace(self, out: SchedulerOutput, step: StepStats, stats: SchedulerStats) -> None:
         reqs = self.scheduler.requests

@@ -78,7 +78,10 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
         new_prompt_logprobs: the prompt positions this step computed, when it asked for
             ``prompt_logprobs`` (position i gives prompt token i + 1; token 0 has none).
         parent_request_id: see :class:`EngineCoreRequest`.
-        error: the core failed the request (an engine fault: HTTP 500, not a client error).
+        error: the core failed the request (an engine fault: HTTP 500, not a client error,
+            unless ``bad_request``).
+        bad_request: the failure is the request's own (a structured-output spec that no
+            string satisfies): the API answers 400.
     """
 
     request_id: str
@@ -94,6 +97,7 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     new_prompt_logprobs: Logprobs | None = None
     parent_request_id: str | None = None
     error: str | None = None
+    bad_request: bool = False
 
     @property
     def finished(self) -> bool:

@@ -151,7 +151,8 @@ class OutputProcessor:
                 if o.finish_reason is None:  # a stop string (or a failure) here: stop the core
                     to_abort.append(o.request_id)
                 finished.append(self._finished_stats(st, reason, now, o.first_scheduled_time))
-            out = self._output(st, delta, new_ids, reason is not None, reason, error)
+            out = self._output(st, delta, new_ids, reason is not None, reason, error,
+                               o.bad_request and error is not None)
             if o.new_logprobs is not None:
                 out.new_logprobs = o.new_logprobs.slice(0, len(new_ids))
             results.append((st.sink, out))
@@ -193,7 +194,8 @@ class OutputProcessor:
         return kept, "".join(parts), reason, None
 
     def _output(self, st: RequestState, delta: str, new_ids: list[int], finished: bool,
-                reason: str | None, error: str | None) -> RequestOutput:
+                reason: str | None, error: str | None,
+                bad_request: bool = False) -> RequestOutput:
         first = not st.sent_first and (bool(new_ids) or finished)
         if first:
             st.sent_first = True
@@ -205,7 +207,8 @@ class OutputProcessor:
             finished=finished, finish_reason=reason,
             num_prompt_tokens=len(st.request.prompt_token_ids),
             num_output_tokens=len(st.output_token_ids),
-            num_cached_tokens=st.num_cached_tokens, error=error)
+            num_cached_tokens=st.num_cached_tokens, error=error,
+            bad_request=bad_request)
 
     @staticmethod
     def _finished_stats(st: RequestState, reason: str, now: float,

@@ -23,6 +23,7 @@ class RequestOutput:
         num_cached_tokens: prompt tokens the prefix cache served (usage's
             ``prompt_tokens_details.cached_tokens``).
         error: set when the engine failed this request (the request is finished).
+        bad_request: the failure is the request's own (HTTP 400, not 500).
         new_logprobs: logprobs of new_token_ids, when the request asked for ``logprobs``.
         prompt_logprobs: logprobs of prompt tokens 1.. (token 0 has none), when it asked for
             ``prompt_logprobs``: all of them, in its first output with tokens (or its last).
@@ -40,6 +41,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    bad_request: bool = False
     new_logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
     prompt_token_ids: list[int] | None = None

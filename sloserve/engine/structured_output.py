@@ -10,8 +10,9 @@ core fills the bitmask of every sampling request with a grammar (``fill_bitmask`
 accepted tokens (``accept``). The matcher lives in the core, so preemption (recompute) keeps
 its state: recomputed tokens are not sampled again. A grammar that accepted its stop token
 finishes its request (``stop``, also with ``ignore_eos``); one whose mask allows no token at all
-(a spec no string satisfies, e.g. the regex ``[^\s\S]``) fails that request alone, with an error
-(the core cannot tell this from the spec before it runs, so it is a 500, not a 400).
+(a spec no string satisfies, e.g. the regex ``[^\\s\\S]``) fails that request alone, as the
+request's own fault (``bad_request``: the API answers 400; the core finds it when the first
+token is sampled, not from the spec).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from sloserve.engine.json_schema_support import schema_problem
 from sloserve.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -59,7 +61,13 @@ def _grammar(spec: StructuredOutputsParams):
 
 
 def validate(spec: StructuredOutputsParams) -> None:
-    """Parse the spec as the core will (no tokenizer needed). Raises ValueError."""
+    """Parse the spec as the core will (no tokenizer needed). Raises ValueError: a spec that
+    does not compile, or a JSON schema with a keyword the grammar would silently drop
+    (:mod:`sloserve.engine.json_schema_support`)."""
+    if spec.json is not None:  # before xgrammar parses it: a deep schema takes long there
+        why = schema_problem(json.loads(spec.json))
+        if why is not None:
+            raise ValueError(f"the JSON schema {why}")
     _grammar(spec)
 
 

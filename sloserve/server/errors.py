@@ -5,7 +5,8 @@ becomes 400) or a JSON body that is not UTF-8, 413 RequestTooLargeError for a bo
 ``--max-request-body-bytes``, 404 NotFoundError for an unknown model, 500 InternalServerError when the engine
 failed a request (an engine fault, never the client's), 503 ServiceUnavailableError while the
 engine core is not running or the server drains, 429 RateLimitError (with ``Retry-After``) when
-overload control refuses a request. Only validation errors are 4xx.
+overload control refuses a request. Only validation errors are 4xx, and one the engine finds:
+a structured-output spec that no string satisfies (400, as the first token is sampled).
 """
 from __future__ import annotations
 

@@ -109,7 +109,8 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
             return await asyncio.to_thread(make_choices_sync, prompts, body, base_id)
         return make_choices_sync(prompts, body, base_id)
 
-    @r.api_route("/health", methods=["GET", "HEAD"])
+    @r.get("/health")
+    @r.head("/health", operation_id="health_head", include_in_schema=True)
     async def health() -> Response:
         """200 while the engine core runs and the server admits requests, 503 otherwise."""
         if getattr(state, "draining", False):

@@ -208,6 +208,12 @@ class ChatBuilder:
 ResponseBuilder = CompletionBuilder | ChatBuilder
 
 
+def _failed(out: RequestOutput) -> APIError:
+    """The error of a choice the engine failed: 400 when the request itself cannot be served
+    (a structured-output spec no string satisfies), else 500."""
+    return APIError(400 if out.bad_request else 500, out.error)
+
+
 def _error_event(err: APIError) -> str:
     return sse(err.body().model_dump())  # a dict: rendered ASCII-safe
 
@@ -226,7 +232,7 @@ async def _events(engine: AsyncLLM, choices: list[Choice], include_usage: bool,
                 st = states[i]
                 if out.error:
                     logger.error("request %s failed: %s", out.request_id, out.error)
-                    yield _error_event(APIError(500, out.error))
+                    yield _error_event(_failed(out))
                     failed = True
                     break
                 first = not st.started
@@ -271,6 +277,6 @@ async def whole_response(engine: AsyncLLM, choices: list[Choice], raw: Request,
     states = [ChoiceState(c, i) for i, c in enumerate(choices)]
     for i, out in outs:
         if out.error:
-            raise APIError(500, out.error)
+            raise _failed(out)
         states[i].add(out)
     return JSONResponse(b.response(states).model_dump())

@@ -88,6 +88,10 @@ def test_structured_outputs_field(http, spec, check):
      "response_format"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
      "response_format"),
+    # compiles, but xgrammar would drop the keyword: refused (as vLLM does)
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "array", "uniqueItems": True}}}}, "response_format"),
+    ({"structured_outputs": {"json": {"not": {"type": "null"}}}}, "structured_outputs"),
 ])
 def test_bad_specs_400(http, body, param):
     r = http.post("/v1/completions", json=dict(body, prompt="x", max_tokens=4))
@@ -160,7 +164,8 @@ def test_unsatisfiable_grammar_fails_only_its_own_request(http, helpers, engine)
     """A regex no string matches (the mask allows no token, not even EOS): sampled, the row of
     all -inf logits used to make torch.multinomial raise, failing every request of the step;
     greedy, it returned masked tokens until max_tokens. Now that request alone fails, naming
-    the reason, and a request running beside it is unaffected."""
+    the reason, with a 400 (the spec is the client's: vLLM's users get a 400 for a spec it
+    refuses), and a request running beside it is unaffected."""
     import threading
     neighbour = {}
 
@@ -175,8 +180,16 @@ def test_unsatisfiable_grammar_fails_only_its_own_request(http, helpers, engine)
         r = http.post("/v1/completions", json={
             "prompt": "Answer:", "max_tokens": 16, "temperature": temperature,
             "structured_outputs": {"regex": "ab[^\\s\\S]"}})
-        assert r.status_code == 500, r.text
+        assert r.status_code == 400, r.text
         assert "cannot be satisfied" in r.json()["error"]["message"]
+        assert r.json()["error"]["type"] == "BadRequestError"
+    r = http.post("/v1/completions", json={  # streamed: the headers went out, so an error event
+        "prompt": "Answer:", "max_tokens": 16, "stream": True,
+        "structured_outputs": {"regex": "ab[^\\s\\S]"}})
+    events = [e[len("data: "):] for e in r.text.split("\n\n") if e]
+    assert r.status_code == 200 and events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["type"] == "BadRequestError" and "cannot be satisfied" in err["message"]
     t.join()
     assert neighbour["r"].status_code == 200, neighbour["r"].text
     assert neighbour["r"].json()["choices"][0]["finish_reason"] == "length"

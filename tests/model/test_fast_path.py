@@ -1,0 +1,54 @@
+"""The fused path's dense products: 16-bit GEMMs run at a bounded set of row counts."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sloserve.model.fast_path import FastPath, dense_rows
+
+
+def test_dense_rows_buckets():
+    assert [dense_rows(t) for t in (1, 2, 3, 5, 9, 17, 32, 33, 64, 65, 256, 257, 320, 321)] == \
+        [1, 2, 4, 8, 16, 32, 32, 64, 64, 96, 256, 320, 320, 384]
+    for t in range(1, 2049):
+        r = dense_rows(t)
+        assert t <= r and (r == t or dense_rows(r) == r)  # a bucket maps to itself
+    assert len({dense_rows(t) for t in range(1, 513)}) == 17
+    assert len({dense_rows(t) for t in range(1, 2049)}) == 41
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 33, 100, 257])
+def test_padded_bf16_product_is_the_rows_product(tokens):
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, 64)
+    w1, w2 = torch.randn(48, 64).bfloat16(), torch.randn(16, 64).bfloat16()
+    fp = SimpleNamespace(dtype=torch.bfloat16)
+    out = FastPath._d(fp, x, w1)
+    assert out.shape == (tokens, 48) and out.dtype == torch.float32
+    ref = F.linear(x.bfloat16(), w1).float()
+    torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)  # bf16 output rounding
+    both = FastPath._d(fp, x, w1, w2)
+    assert both.shape == (tokens, 64)
+    assert torch.equal(both[:, :48], out)
+
+
+def test_float32_is_not_padded():
+    x, w = torch.randn(33, 64), torch.randn(48, 64)
+    assert torch.equal(FastPath._d(SimpleNamespace(dtype=torch.float32), x, w), F.linear(x, w))
+
+
+def test_bf16_gemm_sees_bucketed_rows(monkeypatch):
+    import sloserve.model.fast_path as fpm
+    seen, real = [], F.linear
+
+    def linear(x, w):
+        seen.append(x.shape[0])
+        return real(x, w)
+    monkeypatch.setattr(fpm.F, "linear", linear)
+    w = torch.randn(8, 16).bfloat16()
+    for t in (5, 6, 7, 40, 50):
+        FastPath._d(SimpleNamespace(dtype=torch.bfloat16), torch.randn(t, 16), w)
+    assert seen == [8, 8, 8, 64, 64]
