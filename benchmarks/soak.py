@@ -288,7 +288,24 @@ def percentile(xs: list[float], q: float) -> float | None:
 
 
 # --------------------------------------------------------------------------------------- the run
+def wait_ready(url: str, timeout_s: float) -> None:
+    """Poll ``/health`` until it answers 200 (a server just started loads its model first).
+
+    Raises SystemExit naming the URL when it does not within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"soak: {url}/health did not answer 200 within {timeout_s:g} s")
+        time.sleep(0.5)
+
+
 async def soak(args) -> dict:
+    wait_ready(args.url, args.ready_timeout)
     pids = {"server": args.server_pid,
             "core": args.core_pid or find_core_pid(args.server_pid)}
     if pids["core"] is None:
@@ -449,6 +466,8 @@ def parse_args(argv=None):
     p.add_argument("--server-pid", type=int, required=True,
                    help="pid of the server process (RSS); its engine-core child is found in /proc")
     p.add_argument("--core-pid", type=int, help="pid of the engine core (default: found)")
+    p.add_argument("--ready-timeout", type=float, default=300.0,
+                   help="seconds to wait for /health to answer 200 before starting")
     p.add_argument("--capacity", type=float, help="req/s; default: measured")
     p.add_argument("--capacity-requests", type=int, default=60)
     p.add_argument("--capacity-concurrency", type=int, default=8)
