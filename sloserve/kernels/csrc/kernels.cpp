@@ -1260,7 +1260,7 @@ void sl_paged_attn_decode(const float* q, int64_t q_stride, const void* cache, i
   const int64_t vplane = num_blocks * block_size * row;
   const int64_t item_floats = G * (D + 2);
   const int64_t items = B * Hkv * max_splits;
-  auto body = [&](int64_t it) {
+  auto one = [&](int64_t it) {
     thread_local std::vector<float> sc;  // scores of one split, [G, len]
     thread_local std::vector<float> kv;  // one K or V row in float32
     const int64_t b = it / (Hkv * max_splits);
@@ -1319,7 +1319,18 @@ void sl_paged_attn_decode(const float* q, int64_t q_stride, const void* cache, i
       }
     }
   };
-  parallel_for(items, body);
+  // A work item is one split of one request with all its KV heads, one after the other: a
+  // token's K (or V) row holds every head (Hkv * D contiguous values), so the heads of a split
+  // read the same cache lines and the hardware prefetcher streams whole rows. One item per
+  // (request, KV head, split) read a third of each row at a stride and ran at ~7 GB/s from
+  // DRAM in a 16-request decode step (vs ~20 GB/s streaming). With too few such items to
+  // keep every thread busy (a short batch), an item is one KV head again.
+  auto body = [&](int64_t bs_it) {
+    const int64_t b = bs_it / max_splits, sp = bs_it % max_splits;
+    for (int64_t hk = 0; hk < Hkv; ++hk) one((b * Hkv + hk) * max_splits + sp);
+  };
+  if (B * max_splits >= 2 * nthreads()) parallel_for(B * max_splits, body);
+  else parallel_for(items, one);
   // merge the splits: o = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s
   for (int64_t b = 0; b < B; ++b)
     for (int64_t hk = 0; hk < Hkv; ++hk)
