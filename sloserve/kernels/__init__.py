@@ -36,9 +36,9 @@ _SIGS = {
     "sl_repack_x16": ([_P, _P, _P, _I64, _I64, _I32, _P, _P, _P], _I32),
     "sl_qlinear_x16": ([_P, _I64, _I64, _P, _P, _P, _I32, _I64, _P, _P], None),
     "sl_qembed": ([_P, _I64, _P, _P, _P, _I32, _I32, _I64, _P], _I32),
-    "sl_rms_norm": ([_P, _P, _I64, _I64, _F, _P], None),
-    "sl_add_rms_norm": ([_P, _P, _P, _I64, _I64, _F, _P], None),
-    "sl_silu_mul": ([_P, _I64, _I64, _P], None),
+    "sl_rms_norm": ([_P, _P, _I64, _I64, _F, _P, _I32], None),
+    "sl_add_rms_norm": ([_P, _P, _P, _I64, _I64, _F, _P, _I32, _I32], None),
+    "sl_silu_mul": ([_P, _I64, _I64, _P, _I32], None),
     "sl_rope": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64], None),
     "sl_cache_write": ([_P, _I64, _P, _I64, _P, _I32, _P, _I64, _I64, _I64], None),
     "sl_paged_attn_decode": ([_P, _I64, _P, _I32, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64,
@@ -174,23 +174,28 @@ class Kernels:
         return out
 
     # ------------------------------------------------------------------ elementwise
-    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        out = torch.empty_like(x)
-        self.lib.sl_rms_norm(_ptr(x), _ptr(w), x.shape[0], x.shape[1], eps, _ptr(out))
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float,
+                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """rmsnorm(x) * w: x [T, D] float32 -> [T, D] in ``out_dtype`` (float32 or bfloat16)."""
+        out = torch.empty(x.shape, dtype=out_dtype)
+        self.lib.sl_rms_norm(_ptr(x), _ptr(w), x.shape[0], x.shape[1], eps, _ptr(out),
+                             _is_bf16(out_dtype))
         return out
 
     def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, w: torch.Tensor,
-                     eps: float) -> torch.Tensor:
-        """``h += delta`` in place, returns rmsnorm(h) * w."""
-        out = torch.empty_like(h)
+                     eps: float, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``h += delta`` in place (h [T, D] float32; delta float32 or bfloat16), returns
+        rmsnorm(h) * w in ``out_dtype`` (float32 or bfloat16)."""
+        out = torch.empty(h.shape, dtype=out_dtype)
         self.lib.sl_add_rms_norm(_ptr(h), _ptr(delta), _ptr(w), h.shape[0], h.shape[1], eps,
-                                 _ptr(out))
+                                 _ptr(out), _is_bf16(delta.dtype), _is_bf16(out_dtype))
         return out
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up: gu [T, 2F] (gate then up) float32 or bfloat16 -> [T, F], same dtype."""
         T, F2 = gu.shape
-        out = torch.empty(T, F2 // 2, dtype=torch.float32)
-        self.lib.sl_silu_mul(_ptr(gu), T, F2 // 2, _ptr(out))
+        out = torch.empty(T, F2 // 2, dtype=gu.dtype)
+        self.lib.sl_silu_mul(_ptr(gu), T, F2 // 2, _ptr(out), _is_bf16(gu.dtype))
         return out
 
     def rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
@@ -226,6 +231,15 @@ class Kernels:
             _ptr(block_table), block_table.shape[1], _ptr(seq_lens), B, H, hkv, D,
             cache.shape[2], cache.shape[1], scale, split_len, splits, _ptr(out), work)
         return out
+
+
+def _is_bf16(dtype: torch.dtype) -> int:
+    """1 for bfloat16, 0 for float32; ValueError for any other dtype."""
+    if dtype == torch.bfloat16:
+        return 1
+    if dtype == torch.float32:
+        return 0
+    raise ValueError(f"the CPU kernels take float32 or bfloat16, got {dtype}")
 
 
 @functools.lru_cache(maxsize=None)

@@ -149,14 +149,18 @@ class FastPath:
             return self._lin(x, ws[0])
         return torch.cat([self._lin(x, w) for w in ws], dim=1)
 
-    def _d(self, x: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:
-        """``x`` [T, in] float32 times the dense weights, in the engine's dtype; [T, out] float32.
+    def _d(self, x: torch.Tensor, *ws: torch.Tensor,
+           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``x`` [T, in] (float32 or the engine's dtype) times the dense weights, in the engine's
+        dtype; [T, out] in ``out_dtype`` (float32, or the engine's dtype as the GEMM gives it).
 
         In a 16-bit dtype the rows are padded to :func:`dense_rows` (zeros; the product's first
         T rows are the result): oneDNN keeps one primitive, ~100 KB, per GEMM shape it has run,
         so every new step token count cost memory (RSS grew ~0.5 MiB per new count, +11 % over a
         5-minute overload soak). Padding is nearly free there: oneDNN's bf16/AMX kernels work in
-        blocks of 16-64 rows anyway."""
+        blocks of 16-64 rows anyway. (Weights prepacked in oneDNN's blocked layout were tried:
+        faster for a fixed row count, slower in serving, where the row count varies per step
+        and a packed weight is reordered again for every other count.)"""
         T = x.shape[0]
         rows = dense_rows(T) if self.dtype != torch.float32 else T
         if rows == T:
@@ -165,8 +169,8 @@ class FastPath:
             xd = x.new_zeros((rows, x.shape[1]), dtype=self.dtype)
             xd[:T] = x
         if len(ws) == 1:
-            return F.linear(xd, ws[0])[:T].float()
-        return torch.cat([F.linear(xd, w)[:T] for w in ws], dim=1).float()
+            return F.linear(xd, ws[0])[:T].to(out_dtype)
+        return torch.cat([F.linear(xd, w)[:T] for w in ws], dim=1).to(out_dtype)
 
     # ------------------------------------------------------------------ the step
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -177,14 +181,17 @@ class FastPath:
         T = input_ids.shape[0]
         H, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         quant = T <= self.quant_max_tokens
+        # a dense bfloat16 step hands its GEMMs bf16 from the norm kernels and keeps their bf16
+        # outputs for SwiGLU and the residual add; only Q/K/V go to float32 (RoPE, attention)
+        act = self.dtype if (not quant and self.dtype == torch.bfloat16) else torch.float32
         if self.embed_q is not None:
             h = k.qembed(input_ids, self.embed_q)    # the residual stream, float32 [T, d]
         else:
             h = self.embed_dense.index_select(0, input_ids).float()
         delta = None
         for L, cache in zip(self.layers, kv_caches):
-            a = k.rms_norm(h, L.ln1, self.eps) if delta is None else \
-                k.add_rms_norm(h, delta, L.ln1, self.eps)
+            a = k.rms_norm(h, L.ln1, self.eps, act) if delta is None else \
+                k.add_rms_norm(h, delta, L.ln1, self.eps, act)
             w = L.dense
             qkv = self._q(a, L.qkv) if quant else self._d(a, w["qkv"])
             if L.qkv_bias is not None:
@@ -195,11 +202,11 @@ class FastPath:
             k.rope(q, kk, positions, self.inv_freq)
             o = attn_backend.forward(q, kk, v, cache, attn_meta, D ** -0.5)
             o = o.reshape(T, H * D).float().contiguous()
-            delta = self._lin(o, L.o) if quant else self._d(o, w["o"])
-            a = k.add_rms_norm(h, delta, L.ln2, self.eps)
-            gu = self._q(a, L.gate_up) if quant else self._d(a, w["gate_up"])
+            delta = self._lin(o, L.o) if quant else self._d(o, w["o"], out_dtype=act)
+            a = k.add_rms_norm(h, delta, L.ln2, self.eps, act)
+            gu = self._q(a, L.gate_up) if quant else self._d(a, w["gate_up"], out_dtype=act)
             f = k.silu_mul(gu)
-            delta = self._lin(f, L.down) if quant else self._d(f, w["down"])
+            delta = self._lin(f, L.down) if quant else self._d(f, w["down"], out_dtype=act)
         h += delta
         x = k.rms_norm(h.index_select(0, logits_indices), self.norm, self.eps)
         if self.lm_q is not None and x.shape[0] <= self.quant_max_tokens:

@@ -199,3 +199,25 @@ def test_threads_survive_many_small_jobs_and_resizing(k):
             assert torch.equal(k.qlinear(x, w), ref)
     k.set_num_threads(torch.get_num_threads())
     assert not math.isnan(float(ref.sum()))
+
+
+def test_norms_and_swiglu_in_bf16_are_the_float32_results_rounded(k):
+    """The bf16 variants compute in float32 and round to nearest even once, like
+    ``.to(torch.bfloat16)`` of the float32 kernel's result; a bf16 delta adds its exact value."""
+    g = torch.Generator().manual_seed(5)
+    T, D, F = 37, 96, 80
+    x = torch.randn(T, D, generator=g) * 3
+    w = torch.randn(D, generator=g)
+    assert torch.equal(k.rms_norm(x, w, 1e-5, torch.bfloat16),
+                       k.rms_norm(x, w, 1e-5).to(torch.bfloat16))
+    delta = torch.randn(T, D, generator=g).bfloat16()
+    h1, h2 = x.clone(), x.clone()
+    o1 = k.add_rms_norm(h1, delta, w, 1e-5, torch.bfloat16)
+    o2 = k.add_rms_norm(h2, delta.float(), w, 1e-5)
+    assert torch.equal(h1, h2) and torch.equal(o1, o2.to(torch.bfloat16))
+    gu = (torch.randn(T, 2 * F, generator=g) * 4).bfloat16()
+    out = k.silu_mul(gu)
+    assert out.dtype == torch.bfloat16 and out.shape == (T, F)
+    assert torch.equal(out, k.silu_mul(gu.float()).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="float32 or bfloat16, got torch.float16"):
+        k.rms_norm(x, w, 1e-5, torch.float16)

@@ -1045,6 +1045,20 @@ inline void decode_item_d64(const float* qh, const char* base, int kv_bf16, cons
 
 inline float silu(float v) { return v / (1.f + fast_exp(std::max(-v, -87.f))); }
 
+inline float bf2f(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f2bf(float f) {  // round to nearest even, as torch's .to(torch.bfloat16)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // NaN stays NaN
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 }  // namespace
 
 extern "C" {
@@ -1141,7 +1155,11 @@ int sl_qembed(const int64_t* ids, int64_t T, const uint8_t* qw, const float* d, 
 }
 
 // out = rmsnorm(x) * w; x, out [T, D] float32 (out may alias x).
-void sl_rms_norm(const float* x, const float* w, int64_t T, int64_t D, float eps, float* out) {
+// rmsnorm, its residual add and SwiGLU read and write float32 or bfloat16 (a 16-bit dense step
+// feeds its GEMMs bf16 and gets bf16 back: converting every GEMM's input and output with torch
+// cost ~25 % of a 512-token bf16 step). Arithmetic is float32; bf16 is rounded to nearest even.
+void sl_rms_norm(const float* x, const float* w, int64_t T, int64_t D, float eps, void* out,
+                 int out_bf16) {
 #ifdef SL_USE_OMP
 #pragma omp parallel for schedule(static) if (T * D >= 32768)
 #endif
@@ -1151,43 +1169,74 @@ void sl_rms_norm(const float* x, const float* w, int64_t T, int64_t D, float eps
 #pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < D; ++i) ss += xr[i] * xr[i];
     const float r = 1.f / std::sqrt(ss / float(D) + eps);
-    float* o = out + t * D;
-    for (int64_t i = 0; i < D; ++i) o[i] = xr[i] * r * w[i];
+    if (out_bf16) {
+      uint16_t* o = static_cast<uint16_t*>(out) + t * D;
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) o[i] = f2bf(xr[i] * r * w[i]);
+    } else {
+      float* o = static_cast<float*>(out) + t * D;
+      for (int64_t i = 0; i < D; ++i) o[i] = xr[i] * r * w[i];
+    }
   }
 }
 
-// h += delta (the residual stream, in place), then out = rmsnorm(h) * w. [T, D] float32.
-void sl_add_rms_norm(float* h, const float* delta, const float* w, int64_t T, int64_t D,
-                     float eps, float* out) {
+// h += delta (the residual stream, float32, in place), then out = rmsnorm(h) * w. [T, D];
+// delta and out float32, or bfloat16 where the flag says so.
+void sl_add_rms_norm(float* h, const void* delta, const float* w, int64_t T, int64_t D,
+                     float eps, void* out, int delta_bf16, int out_bf16) {
 #ifdef SL_USE_OMP
 #pragma omp parallel for schedule(static) if (T * D >= 32768)
 #endif
   for (int64_t t = 0; t < T; ++t) {
     float* hr = h + t * D;
-    const float* dr = delta + t * D;
     float ss = 0.f;
+    if (delta_bf16) {
+      const uint16_t* dr = static_cast<const uint16_t*>(delta) + t * D;
 #pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < D; ++i) {
-      hr[i] += dr[i];
-      ss += hr[i] * hr[i];
+      for (int64_t i = 0; i < D; ++i) {
+        hr[i] += bf2f(dr[i]);
+        ss += hr[i] * hr[i];
+      }
+    } else {
+      const float* dr = static_cast<const float*>(delta) + t * D;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < D; ++i) {
+        hr[i] += dr[i];
+        ss += hr[i] * hr[i];
+      }
     }
     const float r = 1.f / std::sqrt(ss / float(D) + eps);
-    float* o = out + t * D;
-    for (int64_t i = 0; i < D; ++i) o[i] = hr[i] * r * w[i];
+    if (out_bf16) {
+      uint16_t* o = static_cast<uint16_t*>(out) + t * D;
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) o[i] = f2bf(hr[i] * r * w[i]);
+    } else {
+      float* o = static_cast<float*>(out) + t * D;
+      for (int64_t i = 0; i < D; ++i) o[i] = hr[i] * r * w[i];
+    }
   }
 }
 
-// out [T, F] = silu(gu[:, :F]) * gu[:, F:]   (gu [T, 2F]: gate then up, as the fused weight).
-void sl_silu_mul(const float* gu, int64_t T, int64_t F, float* out) {
+// out [T, F] = silu(gu[:, :F]) * gu[:, F:]   (gu [T, 2F]: gate then up, as the fused weight);
+// both float32, or both bfloat16 (bf16 != 0).
+void sl_silu_mul(const void* gu, int64_t T, int64_t F, void* out, int bf16) {
 #ifdef SL_USE_OMP
 #pragma omp parallel for schedule(static) if (T * F * 4 >= 32768)
 #endif
   for (int64_t t = 0; t < T; ++t) {
-    const float* g = gu + t * 2 * F;
-    const float* u = g + F;
-    float* o = out + t * F;
+    if (bf16) {
+      const uint16_t* g = static_cast<const uint16_t*>(gu) + t * 2 * F;
+      const uint16_t* u = g + F;
+      uint16_t* o = static_cast<uint16_t*>(out) + t * F;
 #pragma omp simd
-    for (int64_t i = 0; i < F; ++i) o[i] = silu(g[i]) * u[i];
+      for (int64_t i = 0; i < F; ++i) o[i] = f2bf(silu(bf2f(g[i])) * bf2f(u[i]));
+    } else {
+      const float* g = static_cast<const float*>(gu) + t * 2 * F;
+      const float* u = g + F;
+      float* o = static_cast<float*>(out) + t * F;
+#pragma omp simd
+      for (int64_t i = 0; i < F; ++i) o[i] = silu(g[i]) * u[i];
+    }
   }
 }
 
