@@ -1059,6 +1059,19 @@ inline uint16_t f2bf(float f) {  // round to nearest even, as torch's .to(torch.
   return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+// out[at + i] = x[i] * r * w[i] for i < D, out float32 or (out_bf16) bfloat16: a norm's last step.
+inline void store_scaled(const float* x, float r, const float* w, int64_t D, void* out,
+                         int64_t at, int out_bf16) {
+  if (out_bf16) {
+    uint16_t* o = static_cast<uint16_t*>(out) + at;
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) o[i] = f2bf(x[i] * r * w[i]);
+  } else {
+    float* o = static_cast<float*>(out) + at;
+    for (int64_t i = 0; i < D; ++i) o[i] = x[i] * r * w[i];
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -1168,15 +1181,7 @@ void sl_rms_norm(const float* x, const float* w, int64_t T, int64_t D, float eps
     float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < D; ++i) ss += xr[i] * xr[i];
-    const float r = 1.f / std::sqrt(ss / float(D) + eps);
-    if (out_bf16) {
-      uint16_t* o = static_cast<uint16_t*>(out) + t * D;
-#pragma omp simd
-      for (int64_t i = 0; i < D; ++i) o[i] = f2bf(xr[i] * r * w[i]);
-    } else {
-      float* o = static_cast<float*>(out) + t * D;
-      for (int64_t i = 0; i < D; ++i) o[i] = xr[i] * r * w[i];
-    }
+    store_scaled(xr, 1.f / std::sqrt(ss / float(D) + eps), w, D, out, t * D, out_bf16);
   }
 }
 
@@ -1205,15 +1210,7 @@ void sl_add_rms_norm(float* h, const void* delta, const float* w, int64_t T, int
         ss += hr[i] * hr[i];
       }
     }
-    const float r = 1.f / std::sqrt(ss / float(D) + eps);
-    if (out_bf16) {
-      uint16_t* o = static_cast<uint16_t*>(out) + t * D;
-#pragma omp simd
-      for (int64_t i = 0; i < D; ++i) o[i] = f2bf(hr[i] * r * w[i]);
-    } else {
-      float* o = static_cast<float*>(out) + t * D;
-      for (int64_t i = 0; i < D; ++i) o[i] = hr[i] * r * w[i];
-    }
+    store_scaled(hr, 1.f / std::sqrt(ss / float(D) + eps), w, D, out, t * D, out_bf16);
   }
 }
 
