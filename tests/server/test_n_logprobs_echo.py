@@ -88,15 +88,16 @@ def test_completions_logprobs_3(client, live_server):
         assert max(top.values()) == val    # greedy: the chosen token is the most likely
 
 
-def test_chat_logprobs_top_3(client, live_server):
+@pytest.mark.parametrize("k", [3, 5])
+def test_chat_logprobs_top_k(client, live_server, k):
     r = client.chat.completions.create(
         model=live_server.model, messages=[{"role": "user", "content": "Name a colour."}],
-        max_tokens=5, logprobs=True, top_logprobs=3, temperature=1.0, seed=5)
+        max_tokens=5, logprobs=True, top_logprobs=k, temperature=1.0, seed=5)
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     assert "".join(c.token for c in content) == r.choices[0].message.content
     for c in content:
-        assert len(c.top_logprobs) == 3                        # exactly k
+        assert len(c.top_logprobs) == k                        # exactly k
         vals = [t.logprob for t in c.top_logprobs]
         assert vals == sorted(vals, reverse=True)              # sorted
         assert c.logprob <= vals[0] + 1e-6 and c.bytes == list(c.token.encode())
