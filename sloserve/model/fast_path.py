@@ -149,10 +149,11 @@ class FastPath:
             return self._lin(x, ws[0])
         return torch.cat([self._lin(x, w) for w in ws], dim=1)
 
-    def _d(self, x: torch.Tensor, *ws: torch.Tensor,
+    def _d(self, x: torch.Tensor, w: torch.Tensor,
            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``x`` [T, in] (float32 or the engine's dtype) times the dense weights, in the engine's
-        dtype; [T, out] in ``out_dtype`` (float32, or the engine's dtype as the GEMM gives it).
+        """``x`` [T, in] (float32 or the engine's dtype) times the dense weight ``w`` [out, in],
+        in the engine's dtype; [T, out] in ``out_dtype`` (float32, or the engine's dtype as the
+        GEMM gives it).
 
         In a 16-bit dtype the rows are padded to :func:`dense_rows` (zeros; the product's first
         T rows are the result): oneDNN keeps one primitive, ~100 KB, per GEMM shape it has run,
@@ -168,9 +169,7 @@ class FastPath:
         else:
             xd = x.new_zeros((rows, x.shape[1]), dtype=self.dtype)
             xd[:T] = x
-        if len(ws) == 1:
-            return F.linear(xd, ws[0])[:T].to(out_dtype)
-        return torch.cat([F.linear(xd, w)[:T] for w in ws], dim=1).to(out_dtype)
+        return F.linear(xd, w)[:T].to(out_dtype)
 
     # ------------------------------------------------------------------ the step
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -24,15 +24,12 @@ def test_dense_rows_buckets():
 def test_padded_bf16_product_is_the_rows_product(tokens):
     torch.manual_seed(tokens)
     x = torch.randn(tokens, 64)
-    w1, w2 = torch.randn(48, 64).bfloat16(), torch.randn(16, 64).bfloat16()
+    w1 = torch.randn(48, 64).bfloat16()
     fp = SimpleNamespace(dtype=torch.bfloat16)
     out = FastPath._d(fp, x, w1)
     assert out.shape == (tokens, 48) and out.dtype == torch.float32
     ref = F.linear(x.bfloat16(), w1).float()
     torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)  # bf16 output rounding
-    both = FastPath._d(fp, x, w1, w2)
-    assert both.shape == (tokens, 64)
-    assert torch.equal(both[:, :48], out)
 
 
 def test_float32_is_not_padded():
