@@ -149,13 +149,16 @@ def test_norms_silu_rope(k):
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("split_len", [256, 7])
 @pytest.mark.parametrize("lens", [[1, 7, 70, 33, 16], [70]])
-def test_paged_decode_attention_in_place(k, cache_dtype, split_len, lens):
-    """Random block tables and lengths (1 to 70 tokens), GQA 8/2, against float64 attention
-    over the gathered context; a small split_len exercises the log-sum-exp merge. One request
-    with one split is too few work items for every thread when they hold all KV heads: the
-    kernel then splits by head, which the single-request case covers."""
+@pytest.mark.parametrize("H, Hkv, bs", [(8, 2, 4), (9, 3, 16), (6, 3, 5), (4, 4, 3)])
+def test_paged_decode_attention_in_place(k, cache_dtype, split_len, lens, H, Hkv, bs):
+    """Random block tables and lengths (1 to 70 tokens), GQA groups of 4, 3, 2 and 1, blocks of
+    3 to 16 tokens (the AVX-512 kernel sums scores 4 tokens at a time within a block, the rest
+    one by one), against float64 attention over the gathered context; a small split_len
+    exercises the log-sum-exp merge. One request with one split is too few work items for every
+    thread when they hold all KV heads: the kernel then splits by head, which the
+    single-request case covers."""
     g = torch.Generator().manual_seed(3)
-    B, H, Hkv, D, bs, nb = len(lens), 8, 2, 64, 4, 128
+    B, D, nb = len(lens), 64, 128
     cache = torch.randn(2, nb, bs, Hkv, D, generator=g).to(cache_dtype)
     perm = torch.randperm(nb, generator=g).tolist()
     tables, pos = [], 0

@@ -975,61 +975,150 @@ inline float exp_sub_sum(float* v, int64_t n, float m) {  // v[j] = exp(v[j] - m
   return s;
 }
 
+#ifndef SL_DECODE_PREFETCH
+#define SL_DECODE_PREFETCH 1
+#endif
 #if SL_ISA == 2
-// One work item of the decode kernel for head_dim 64 on AVX-512: the G (<= 4) query heads of a
-// KV head over tokens [t0, t1), q and the value accumulators held in registers.
-inline __m512 load16(const char* p, int bf16) {
-  if (bf16)
-    return _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-  return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+// max of v[0..n), 16 lanes at a time (a scalar std::max loop is one 4-cycle dependency chain:
+// 13 % of the decode kernel's time, measured with perf).
+inline float max16(const float* v, int64_t n) {
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(v + j));
+  if (j < n) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - j)) - 1u);
+    m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, v + j));
+  }
+  return _mm512_reduce_max_ps(m);
 }
 
-inline void decode_item_d64(const float* qh, const char* base, int kv_bf16, const int64_t* bt,
-                            int64_t block_size, int64_t row, int64_t vplane, int64_t hk,
-                            int64_t G, int64_t t0, int64_t t1, float scale, float* st) {
+// [sum(a0), sum(a1), sum(a2), sum(a3)] of four 16-lane vectors: 13 shuffles/adds for the four
+// instead of ~7 each with _mm512_reduce_add_ps (the kernel's hottest instructions, perf).
+inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  // per 128-bit block b: [a0 lanes 0+2, a1 0+2, a0 1+3, a1 1+3]
+  const __m512 x01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 x23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  // per block b: [a0, a1, a2, a3] each summed over the block's 4 lanes
+  const __m512 y = _mm512_add_ps(
+      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x01), _mm512_castps_pd(x23))),
+      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x01), _mm512_castps_pd(x23))));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(y), _mm512_extractf32x8_ps(y, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// One K or V row of 64 cache values at p as four float32 vectors. bf16: two 64-byte loads,
+// each split into its even and odd elements by a shift and a mask (no cross-lane shuffle: the
+// widening load that keeps the order is a shuffle-port uop per 16 values, and that port was the
+// kernel's bottleneck), so the vectors hold the even elements of 0..31, the odd ones of 0..31,
+// then the same of 32..63 (see row64_pos); float32: elements 0..15, 16..31, 32..47, 48..63.
+template <int BF16>
+inline void load_row64(const char* p, __m512& r0, __m512& r1, __m512& r2, __m512& r3) {
+  if constexpr (BF16 != 0) {
+    const __m512i a = _mm512_loadu_si512(p), b = _mm512_loadu_si512(p + 64);
+    const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    r0 = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
+    r1 = _mm512_castsi512_ps(_mm512_and_si512(a, hi));
+    r2 = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+    r3 = _mm512_castsi512_ps(_mm512_and_si512(b, hi));
+  } else {
+    const float* f = reinterpret_cast<const float*>(p);
+    r0 = _mm512_loadu_ps(f);
+    r1 = _mm512_loadu_ps(f + 16);
+    r2 = _mm512_loadu_ps(f + 32);
+    r3 = _mm512_loadu_ps(f + 48);
+  }
+}
+
+// The row position of lane i of vector c as load_row64 lays a row out.
+template <int BF16>
+constexpr int row64_pos(int c, int i) { return BF16 ? (c / 2) * 32 + 2 * i + (c % 2) : 16 * c + i; }
+
+// G and the cache dtype are template parameters, so q (pass 1) and the G x 4 value
+// accumulators (pass 2) stay in zmm registers: with a runtime G the arrays were spilled to the
+// stack and every FMA went through memory (~87 cycles per token and KV head, measured, against
+// ~20 in registers).
+template <int G, int BF16>
+inline void decode_item_d64_t(const float* qh, const char* base, const int64_t* bt,
+                              int64_t block_size, int64_t row, int64_t vplane, int64_t hk,
+                              int64_t t0, int64_t t1, float scale, float* st) {
   constexpr int D = 64;
-  const int64_t esz = kv_bf16 ? 2 : 4;
+  constexpr int64_t esz = BF16 ? 2 : 4;
   const int64_t len = t1 - t0;
   thread_local std::vector<float> scv;
-  scv.resize(4 * len);
+  scv.resize(G * len);
   float* sc = scv.data();
-  __m512 qv[4][4];
-  for (int64_t g = 0; g < G; ++g)
-    for (int c = 0; c < 4; ++c) qv[g][c] = _mm512_loadu_ps(qh + g * D + 16 * c);
+  __m512 qv[G][4];  // q in load_row64's order, so a dot product needs no reordering of K
+  alignas(64) float qp[D];
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < 4; ++c)
+      for (int i = 0; i < 16; ++i) qp[16 * c + i] = qh[g * D + row64_pos<BF16>(c, i)];
+    for (int c = 0; c < 4; ++c) qv[g][c] = _mm512_load_ps(qp + 16 * c);
+  }
   const int64_t stride = row * esz;  // bytes from one token's row to the next in a block
+  const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t t = t0; t < t1;) {  // scores, block by block (no division per token)
     const int64_t off = t % block_size, n = std::min(block_size - off, t1 - t);
     const char* kp = base + ((bt[t / block_size] * block_size + off) * row + hk * D) * esz;
-    for (int64_t j = 0; j < n; ++j, ++t, kp += stride) {
-      const __m512 k0 = load16(kp, kv_bf16), k1 = load16(kp + 16 * esz, kv_bf16),
-                   k2 = load16(kp + 32 * esz, kv_bf16), k3 = load16(kp + 48 * esz, kv_bf16);
-      for (int64_t g = 0; g < G; ++g) {
-        __m512 a = _mm512_mul_ps(qv[g][0], k0);
-        a = _mm512_fmadd_ps(qv[g][1], k1, a);
-        a = _mm512_fmadd_ps(qv[g][2], k2, a);
-        a = _mm512_fmadd_ps(qv[g][3], k3, a);
-        sc[g * len + (t - t0)] = _mm512_reduce_add_ps(a) * scale;
+    // The first KV head's pass asks for the next block's K and V rows of every head (to L2), a
+    // row per token: the block table scatters blocks, which the hardware prefetcher cannot
+    // follow, and the other heads then read what this one brought in.
+    const int64_t nxt = t / block_size + 1;
+    const char* pk = (hk == 0 && nxt * block_size < t1)
+        ? base + (bt[nxt] * block_size + off) * row * esz : nullptr;
+    const int64_t row_bytes = row * esz;
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4, t += 4) {  // 4 tokens: their 4 x G dot products summed jointly
+      if (SL_DECODE_PREFETCH && pk != nullptr) {
+        for (int64_t l = 0; l < 4 * row_bytes; l += 64) {
+          _mm_prefetch(pk + l, _MM_HINT_T1);
+          _mm_prefetch(pk + vplane * esz + l, _MM_HINT_T1);
+        }
+        pk += 4 * row_bytes;
+      }
+      __m512 a[G][4];
+      for (int u = 0; u < 4; ++u, kp += stride) {
+        __m512 k0, k1, k2, k3;
+        load_row64<BF16>(kp, k0, k1, k2, k3);
+        for (int g = 0; g < G; ++g) {
+          __m512 x = _mm512_mul_ps(qv[g][0], k0);
+          x = _mm512_fmadd_ps(qv[g][1], k1, x);
+          x = _mm512_fmadd_ps(qv[g][2], k2, x);
+          a[g][u] = _mm512_fmadd_ps(qv[g][3], k3, x);
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        _mm_storeu_ps(sc + g * len + (t - t0),
+                      _mm_mul_ps(hsum4(a[g][0], a[g][1], a[g][2], a[g][3]),
+                                 _mm512_castps512_ps128(vscale)));
+    }
+    for (; j < n; ++j, ++t, kp += stride) {
+      __m512 k0, k1, k2, k3;
+      load_row64<BF16>(kp, k0, k1, k2, k3);
+      for (int g = 0; g < G; ++g) {
+        __m512 x = _mm512_mul_ps(qv[g][0], k0);
+        x = _mm512_fmadd_ps(qv[g][1], k1, x);
+        x = _mm512_fmadd_ps(qv[g][2], k2, x);
+        x = _mm512_fmadd_ps(qv[g][3], k3, x);
+        sc[g * len + (t - t0)] = _mm512_reduce_add_ps(x) * scale;
       }
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
+  for (int g = 0; g < G; ++g) {
     float* sg = sc + g * len;
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < len; ++j) mx = std::max(mx, sg[j]);
+    const float mx = max16(sg, len);
     st[g] = mx;
     st[G + g] = exp_sub_sum(sg, len, mx);
   }
-  __m512 acc[4][4];
-  for (int g = 0; g < 4; ++g)
+  __m512 acc[G][4];
+  for (int g = 0; g < G; ++g)
     for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t t = t0; t < t1;) {  // weighted values
     const int64_t off = t % block_size, n = std::min(block_size - off, t1 - t);
     const char* vp = base + (vplane + (bt[t / block_size] * block_size + off) * row + hk * D) * esz;
     for (int64_t j = 0; j < n; ++j, ++t, vp += stride) {
-      const __m512 v0 = load16(vp, kv_bf16), v1 = load16(vp + 16 * esz, kv_bf16),
-                   v2 = load16(vp + 32 * esz, kv_bf16), v3 = load16(vp + 48 * esz, kv_bf16);
-      for (int64_t g = 0; g < G; ++g) {
+      __m512 v0, v1, v2, v3;
+      load_row64<BF16>(vp, v0, v1, v2, v3);
+      for (int g = 0; g < G; ++g) {
         const __m512 p = _mm512_set1_ps(sc[g * len + (t - t0)]);
         acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);
         acc[g][1] = _mm512_fmadd_ps(p, v1, acc[g][1]);
@@ -1038,8 +1127,35 @@ inline void decode_item_d64(const float* qh, const char* base, int kv_bf16, cons
       }
     }
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(st + 2 * G + g * D + 16 * c, acc[g][c]);
+  for (int g = 0; g < G; ++g) {  // back to the row's order
+    for (int c = 0; c < 4; ++c) _mm512_store_ps(qp + 16 * c, acc[g][c]);
+    float* o = st + 2 * G + g * D;
+    for (int c = 0; c < 4; ++c)
+      for (int i = 0; i < 16; ++i) o[row64_pos<BF16>(c, i)] = qp[16 * c + i];
+  }
+}
+
+template <int G>
+inline void decode_item_d64_g(const float* qh, const char* base, int kv_bf16, const int64_t* bt,
+                              int64_t block_size, int64_t row, int64_t vplane, int64_t hk,
+                              int64_t t0, int64_t t1, float scale, float* st) {
+  if (kv_bf16)
+    decode_item_d64_t<G, 1>(qh, base, bt, block_size, row, vplane, hk, t0, t1, scale, st);
+  else
+    decode_item_d64_t<G, 0>(qh, base, bt, block_size, row, vplane, hk, t0, t1, scale, st);
+}
+
+// One work item of the decode kernel for head_dim 64 on AVX-512: the G (<= 4) query heads of a
+// KV head over tokens [t0, t1).
+inline void decode_item_d64(const float* qh, const char* base, int kv_bf16, const int64_t* bt,
+                            int64_t block_size, int64_t row, int64_t vplane, int64_t hk,
+                            int64_t G, int64_t t0, int64_t t1, float scale, float* st) {
+  switch (G) {
+    case 1: return decode_item_d64_g<1>(qh, base, kv_bf16, bt, block_size, row, vplane, hk, t0, t1, scale, st);
+    case 2: return decode_item_d64_g<2>(qh, base, kv_bf16, bt, block_size, row, vplane, hk, t0, t1, scale, st);
+    case 3: return decode_item_d64_g<3>(qh, base, kv_bf16, bt, block_size, row, vplane, hk, t0, t1, scale, st);
+    default: return decode_item_d64_g<4>(qh, base, kv_bf16, bt, block_size, row, vplane, hk, t0, t1, scale, st);
+  }
 }
 #endif
 
