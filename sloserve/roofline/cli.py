@@ -64,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode batches, comma-separated (default 1,4,16,64)")
     g.add_argument("--measure-context-len", type=int, default=256,
                    help="decode context length for --measure (tokens, default 256)")
-    g.add_argument("--measure-chunks", type=_int_list, default=[64, 256, 1024],
-                   help="prefill chunk sizes, comma-separated (default 64,256,1024)")
+    g.add_argument("--measure-chunks", type=_int_list, default=None,
+                   help="prefill chunk sizes, comma-separated (default 64,256,512,1024: "
+                        "sloserve.roofline.measure.PREFILL_CHUNKS)")
     g.add_argument("--warmup", type=int, default=2, help="untimed decode steps per point")
     g.add_argument("--repeats", type=int, default=5, help="timed decode steps per point (median)")
     g.add_argument("--prefill-repeats", type=int, default=3, help="timed prefills per chunk (median)")
@@ -127,12 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     m = None
     if a.measure:
         from sloserve.config import EngineConfig
-        from sloserve.roofline.measure import format_measurement, measure
+        from sloserve.roofline.measure import PREFILL_CHUNKS, format_measurement, measure
 
         try:
             m = measure(EngineConfig(model=engine_model, dtype=a.dtype, load_format=a.load_format), spec,
                         hw, decode_batches=a.measure_batches, context_len=a.measure_context_len,
-                        prefill_chunks=a.measure_chunks, warmup=a.warmup, repeats=a.repeats,
+                        prefill_chunks=a.measure_chunks or PREFILL_CHUNKS, warmup=a.warmup, repeats=a.repeats,
                         prefill_repeats=a.prefill_repeats)
         except (ValueError, FileNotFoundError) as e:
             print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)

@@ -51,7 +51,8 @@ from sloserve.roofline.units import fmt_bandwidth, fmt_bytes, fmt_flops, fmt_flo
 
 ENGINE_TO_OPS_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 DECODE_BATCHES = (1, 4, 16, 64)
-PREFILL_CHUNKS = (64, 256, 1024)
+#: prefill points of --measure (tokens; 512 is the default step budget)
+PREFILL_CHUNKS = (64, 256, 512, 1024)
 CONTEXT_LEN = 256
 
 
