@@ -64,6 +64,11 @@ def build_fast_path(model, weights, config: EngineConfig):
                f"ones on dense {dtype} GEMM")
     else:
         how = f"every step on dense {dtype} GEMM"
+    t0 = time.perf_counter()
+    shapes = fp.warm_up(config.max_num_batched_tokens,
+                        min(config.max_num_seqs, config.max_num_batched_tokens))
+    if shapes:
+        how += f" ({shapes} GEMM shapes warmed in {time.perf_counter() - t0:.1f} s)"
     return fp, f"{head}; fused forward on the {k.variant} kernels, {how}"
 
 

@@ -171,6 +171,29 @@ class FastPath:
             xd[:T] = x
         return F.linear(xd, w)[:T].to(out_dtype)
 
+    def warm_up(self, max_tokens: int, max_sampled: int) -> int:
+        """Run each dense GEMM shape a step of up to ``max_tokens`` tokens (``max_sampled``
+        sampled rows for the LM head) can take once, on zeros, so that no request pays for
+        creating it: oneDNN builds (JIT-compiles) a primitive the first time it sees a shape,
+        ~13-17 ms for a layer's four weights at one row count, measured here, which a server
+        otherwise adds to the first step of every new :func:`dense_rows` bucket (vLLM warms its
+        compile sizes at start-up for the same reason). Only for 16-bit dtypes (float32 steps
+        are not padded to buckets). Returns the number of shapes run."""
+        if self.dtype == torch.float32:
+            return 0
+        first = self.quant_max_tokens + 1 if self.quantized else 1
+        weights = {tuple(w.shape): w for w in self.layers[0].dense.values()}
+        runs = 0
+        for rows in sorted({dense_rows(t) for t in range(first, max_tokens + 1)}):
+            for w in weights.values():
+                F.linear(torch.zeros(rows, w.shape[1], dtype=self.dtype), w)
+                runs += 1
+        lm_first = self.quant_max_tokens + 1 if self.lm_q is not None else 1
+        for rows in sorted({dense_rows(t) for t in range(lm_first, max_sampled + 1)}):
+            F.linear(torch.zeros(rows, self.lm_dense.shape[1], dtype=self.dtype), self.lm_dense)
+            runs += 1
+        return runs
+
     # ------------------------------------------------------------------ the step
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_backend, attn_meta: Any,

@@ -82,3 +82,29 @@ def test_bf16_dense_steps_match_the_reference_model(tiny_llama_dir):
                     done[o.request_id] = o.token_ids
         outs.append([done[i] for i in ids])
     assert outs[0] == outs[1] and all(len(t) == 8 for t in outs[0])
+
+
+def test_warm_up_runs_every_dense_shape_a_step_can_take(monkeypatch):
+    """Every (bucketed rows, weight) product a step of up to 100 tokens can run on the dense
+    path (above the quantized steps' 8 tokens), and the LM head's up to 40 sampled rows, once:
+    the buckets of 9..100 tokens are 16, 32, 64, 96, 128; of 9..40 sampled rows 16, 32, 64."""
+    import sloserve.model.fast_path as fpm
+    seen, real = [], F.linear
+
+    def linear(x, w):
+        seen.append((x.shape[0], tuple(w.shape)))
+        return real(x, w)
+    monkeypatch.setattr(fpm.F, "linear", linear)
+    bf = torch.bfloat16
+    dense = {"qkv": torch.zeros(12, 8, dtype=bf), "o": torch.zeros(8, 8, dtype=bf),
+             "gate_up": torch.zeros(32, 8, dtype=bf), "down": torch.zeros(8, 16, dtype=bf)}
+    fp = SimpleNamespace(dtype=bf, quantized=True, quant_max_tokens=8, lm_q=object(),
+                         layers=[SimpleNamespace(dense=dense)] * 2,
+                         lm_dense=torch.zeros(50, 8, dtype=bf))
+    runs = FastPath.warm_up(fp, 100, 40)
+    layer_shapes = {(12, 8), (8, 8), (32, 8), (8, 16)}
+    want = {(r, s) for r in (16, 32, 64, 96, 128) for s in layer_shapes} | \
+        {(r, (50, 8)) for r in (16, 32, 64)}
+    assert sorted(seen) == sorted(want) and runs == len(want) == 23
+    seen.clear()
+    assert FastPath.warm_up(SimpleNamespace(dtype=torch.float32), 100, 40) == 0 and seen == []
