@@ -975,9 +975,6 @@ inline float exp_sub_sum(float* v, int64_t n, float m) {  // v[j] = exp(v[j] - m
   return s;
 }
 
-#ifndef SL_DECODE_PREFETCH
-#define SL_DECODE_PREFETCH 1
-#endif
 #if SL_ISA == 2
 // max of v[0..n), 16 lanes at a time (a scalar std::max loop is one 4-cycle dependency chain:
 // 13 % of the decode kernel's time, measured with perf).
@@ -1033,6 +1030,20 @@ inline void load_row64(const char* p, __m512& r0, __m512& r1, __m512& r2, __m512
 template <int BF16>
 constexpr int row64_pos(int c, int i) { return BF16 ? (c / 2) * 32 + 2 * i + (c % 2) : 16 * c + i; }
 
+// a[g] = the 16 lane products of query head g (qv in load_row64's order) with the K row at kp,
+// summed over the row's four vectors (the lanes still to be added up)
+template <int G, int BF16>
+inline void row_dots(const __m512 (&qv)[G][4], const char* kp, __m512 (&a)[G]) {
+  __m512 k0, k1, k2, k3;
+  load_row64<BF16>(kp, k0, k1, k2, k3);
+  for (int g = 0; g < G; ++g) {
+    __m512 x = _mm512_mul_ps(qv[g][0], k0);
+    x = _mm512_fmadd_ps(qv[g][1], k1, x);
+    x = _mm512_fmadd_ps(qv[g][2], k2, x);
+    a[g] = _mm512_fmadd_ps(qv[g][3], k3, x);
+  }
+}
+
 // G and the cache dtype are template parameters, so q (pass 1) and the G x 4 value
 // accumulators (pass 2) stay in zmm registers: with a runtime G the arrays were spilled to the
 // stack and every FMA went through memory (~87 cycles per token and KV head, measured, against
@@ -1068,39 +1079,24 @@ inline void decode_item_d64_t(const float* qh, const char* base, const int64_t* 
     const int64_t row_bytes = row * esz;
     int64_t j = 0;
     for (; j + 4 <= n; j += 4, t += 4) {  // 4 tokens: their 4 x G dot products summed jointly
-      if (SL_DECODE_PREFETCH && pk != nullptr) {
+      if (pk != nullptr) {
         for (int64_t l = 0; l < 4 * row_bytes; l += 64) {
           _mm_prefetch(pk + l, _MM_HINT_T1);
           _mm_prefetch(pk + vplane * esz + l, _MM_HINT_T1);
         }
         pk += 4 * row_bytes;
       }
-      __m512 a[G][4];
-      for (int u = 0; u < 4; ++u, kp += stride) {
-        __m512 k0, k1, k2, k3;
-        load_row64<BF16>(kp, k0, k1, k2, k3);
-        for (int g = 0; g < G; ++g) {
-          __m512 x = _mm512_mul_ps(qv[g][0], k0);
-          x = _mm512_fmadd_ps(qv[g][1], k1, x);
-          x = _mm512_fmadd_ps(qv[g][2], k2, x);
-          a[g][u] = _mm512_fmadd_ps(qv[g][3], k3, x);
-        }
-      }
+      __m512 a[4][G];
+      for (int u = 0; u < 4; ++u, kp += stride) row_dots<G, BF16>(qv, kp, a[u]);
       for (int g = 0; g < G; ++g)
         _mm_storeu_ps(sc + g * len + (t - t0),
-                      _mm_mul_ps(hsum4(a[g][0], a[g][1], a[g][2], a[g][3]),
+                      _mm_mul_ps(hsum4(a[0][g], a[1][g], a[2][g], a[3][g]),
                                  _mm512_castps512_ps128(vscale)));
     }
     for (; j < n; ++j, ++t, kp += stride) {
-      __m512 k0, k1, k2, k3;
-      load_row64<BF16>(kp, k0, k1, k2, k3);
-      for (int g = 0; g < G; ++g) {
-        __m512 x = _mm512_mul_ps(qv[g][0], k0);
-        x = _mm512_fmadd_ps(qv[g][1], k1, x);
-        x = _mm512_fmadd_ps(qv[g][2], k2, x);
-        x = _mm512_fmadd_ps(qv[g][3], k3, x);
-        sc[g * len + (t - t0)] = _mm512_reduce_add_ps(x) * scale;
-      }
+      __m512 a[G];
+      row_dots<G, BF16>(qv, kp, a);
+      for (int g = 0; g < G; ++g) sc[g * len + (t - t0)] = _mm512_reduce_add_ps(a[g]) * scale;
     }
   }
   for (int g = 0; g < G; ++g) {
