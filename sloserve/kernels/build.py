@@ -10,7 +10,10 @@ decode step took a median 44-52 ms with OpenMP against 62-64 ms with the library
 Libraries go to ``$SLOSERVE_KERNEL_DIR`` or ``~/.cache/sloserve/kernels``, named by the hash of the
 source and the flags, so an edited source is rebuilt and an unchanged one never is.
 
-    python -m sloserve.kernels.build          # what `make` runs after installing the project
+    python -c 'from sloserve.kernels.build import main; main()'   # what `make` runs after installing
+
+(not ``python -m sloserve.kernels.build``: the package imports this module first, and runpy then
+warns that it finds it in ``sys.modules``.)
 """
 from __future__ import annotations
 
