@@ -181,17 +181,17 @@ class FastPath:
         are not padded to buckets). Returns the number of shapes run."""
         if self.dtype == torch.float32:
             return 0
-        first = self.quant_max_tokens + 1 if self.quantized else 1
-        weights = {tuple(w.shape): w for w in self.layers[0].dense.values()}
+        layer_weights = {tuple(w.shape): w for w in self.layers[0].dense.values()}.values()
+        # quant_max_tokens is 0 without quantized weights: every step is dense then
+        plan = ((self.quant_max_tokens + 1, max_tokens, layer_weights),
+                (self.quant_max_tokens + 1 if self.lm_q is not None else 1, max_sampled,
+                 [self.lm_dense]))
         runs = 0
-        for rows in sorted({dense_rows(t) for t in range(first, max_tokens + 1)}):
-            for w in weights.values():
-                F.linear(torch.zeros(rows, w.shape[1], dtype=self.dtype), w)
-                runs += 1
-        lm_first = self.quant_max_tokens + 1 if self.lm_q is not None else 1
-        for rows in sorted({dense_rows(t) for t in range(lm_first, max_sampled + 1)}):
-            F.linear(torch.zeros(rows, self.lm_dense.shape[1], dtype=self.dtype), self.lm_dense)
-            runs += 1
+        for first, last, weights in plan:
+            for rows in sorted({dense_rows(t) for t in range(first, last + 1)}):
+                for w in weights:
+                    F.linear(torch.zeros(rows, w.shape[1], dtype=self.dtype), w)
+                    runs += 1
         return runs
 
     # ------------------------------------------------------------------ the step
