@@ -57,13 +57,17 @@ def build_fast_path(model, weights, config: EngineConfig):
     int8_act = config.dtype != "float32"
     fp = FastPath(model.config, dict(model.named_parameters()), q, k, model.rope.inv_freq,
                   int8_activations=int8_act)
+    dense = f"dense {dtype} GEMM"
+    if fp.amx_max_tokens:
+        dense = (f"the AMX {dtype} GEMM up to {fp.amx_max_tokens} tokens (crossover with "
+                 f"oneDNN measured), dense {dtype} GEMM (oneDNN) above")
     if q:
         how = (f"steps of <= {fp.quant_max_tokens} tokens on the quantized weights "
                f"({fp.weight_bytes / 1e6:.0f} MB per step, "
                f"{'int8' if int8_act else 'float32'} activations; crossover measured), larger "
-               f"ones on dense {dtype} GEMM")
+               f"ones on {dense}")
     else:
-        how = f"every step on dense {dtype} GEMM"
+        how = f"every step on {dense}"
     t0 = time.perf_counter()
     shapes = fp.warm_up(config.max_num_batched_tokens,
                         min(config.max_num_seqs, config.max_num_batched_tokens))

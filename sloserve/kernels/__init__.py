@@ -25,6 +25,7 @@ from sloserve.kernels.build import KernelBuildError, build
 logger = logging.getLogger(__name__)
 
 ISA_ENV = "SLOSERVE_KERNEL_ISA"
+AMX_ENV = "SLOSERVE_AMX"
 VARIANTS = ("avx512", "avx2", "generic")
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGS = {
@@ -41,6 +42,9 @@ _SIGS = {
     "sl_silu_mul": ([_P, _I64, _I64, _P, _I32], None),
     "sl_rope": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64], None),
     "sl_cache_write": ([_P, _I64, _P, _I64, _P, _I32, _P, _I64, _I64, _I64], None),
+    "sl_amx_init": ([], _I32),
+    "sl_amx_pack_bf16": ([_P, _I64, _I64, _P], _I32),
+    "sl_amx_linear": ([_P, _I64, _I64, _P, _I64, _P, _P], _I32),
     "sl_paged_attn_decode": ([_P, _I64, _P, _I32, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64,
                               _I64, _F, _I64, _I64, _P, _P], None),
 }
@@ -71,6 +75,24 @@ class X16Weight:
         return n + (self.mins.numel() * 4 if self.mins is not None else 0)
 
 
+@dataclasses.dataclass(frozen=True)
+class AmxWeight:
+    """A bfloat16 weight [N, K] packed for the AMX GEMM (``amx_linear``): per 32 output rows and
+    32 inputs, two 16 x 16 tiles of input pairs (see the AMX section of the source).
+
+    Attributes:
+        packed: bfloat16 [N * K] in that layout.
+        shape: (N, K).
+    """
+
+    packed: torch.Tensor
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * 2
+
+
 def best_variant(flags) -> str:
     """The library for a CPU with these /proc/cpuinfo flags."""
     f = set(flags)
@@ -96,6 +118,9 @@ class Kernels:
             fn.argtypes, fn.restype = args, res
         self.isa = self.lib.sl_isa()
         self._tls = threading.local()
+        #: the AMX bf16 GEMM is usable: AVX-512 library, a CPU with AMX-BF16, the OS granting
+        #: the tile state, and ``$SLOSERVE_AMX`` not ``0``
+        self.amx = os.environ.get(AMX_ENV, "1") != "0" and bool(self.lib.sl_amx_init())
 
     def set_num_threads(self, n: int) -> None:
         self.lib.sl_set_num_threads(n)
@@ -162,6 +187,32 @@ class Kernels:
         qw, d, mn = w.ptrs
         self.lib.sl_qlinear_x16(x.data_ptr(), M, K, qw, d, mn, w.bits, N, y.data_ptr(),
                                 self._scratch(M * K + 64 + 12 * M * (K // 32)))
+        return y
+
+    def pack_amx(self, w: torch.Tensor) -> AmxWeight | None:
+        """``w`` [N, K] (any float dtype; rounded to bfloat16) packed for :meth:`amx_linear`;
+        None without AMX here or when N % 16 or K % 32 is not 0."""
+        N, K = w.shape
+        if not self.amx or N % 16 or K % 32:
+            return None
+        src = w.detach().to(torch.bfloat16).contiguous()
+        out = torch.empty(N * K, dtype=torch.bfloat16)
+        if self.lib.sl_amx_pack_bf16(_ptr(src), N, K, _ptr(out)):
+            return None
+        return AmxWeight(out, (N, K))
+
+    def amx_linear(self, x: torch.Tensor, w: AmxWeight) -> torch.Tensor:
+        """x [M, K] float32 contiguous (rounded to bfloat16) @ W^T on the AMX tiles, float32
+        accumulation -> [M, N] float32. Raises RuntimeError without AMX."""
+        M, K = x.shape
+        N = w.shape[0]
+        if K != w.shape[1]:
+            raise ValueError(f"amx_linear: x has {K} columns, the weight {w.shape[1]}")
+        y = torch.empty(M, N, dtype=torch.float32)
+        scratch = self._scratch(-(-M // 16) * 16 * K * 2 + 2048 * max(1, self.lib.sl_num_threads()))
+        if self.lib.sl_amx_linear(x.data_ptr(), M, K, w.packed.data_ptr(), N, y.data_ptr(),
+                                  scratch):
+            raise RuntimeError(f"the {self.variant} kernels have no AMX GEMM")
         return y
 
     def qembed(self, ids: torch.Tensor, w) -> torch.Tensor:

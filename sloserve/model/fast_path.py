@@ -14,9 +14,16 @@ The projections of a step run one of two ways:
 * ``dense``: the dequantized weights in the engine's dtype on torch's GEMM (oneDNN/AMX in bf16
   where the CPU has it). Compute-bound steps (prefills, large batches).
 
+* ``amx``: where the CPU has AMX (and the engine runs in bfloat16), the dense bf16 weights
+  prepacked for this project's AMX GEMM (``Kernels.amx_linear``), float32 activations rounded to
+  bf16 in the kernel: no padding of the rows, 1.3-2.5x torch's oneDNN matmul at 16-64 rows on
+  the embedded model's shapes (measured), about even near 256 and slower at 512, so it serves
+  the steps between the quantized ones and ``amx_max_tokens``.
+
 ``quant_max_tokens`` (measured at start-up by :func:`quant_crossover`: the most tokens at which the
-quantized product of a layer's MLP weight still beats the dense one on this CPU) separates them.
-The LM head follows the same rule for the rows that sample.
+quantized product of a layer's MLP weight still beats the dense one on this CPU) separates them,
+and ``amx_max_tokens`` (:func:`amx_crossover`, the same race of the AMX GEMM against oneDNN's)
+the AMX steps from the oneDNN ones. The LM head follows the same rules for the rows that sample.
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from sloserve.model.quant import QuantizedWeight, concat_rows
-from sloserve.kernels import X16Weight
+from sloserve.kernels import AmxWeight, X16Weight
 
 
 @dataclass
@@ -44,6 +51,7 @@ class FastLayer:
     o: QuantizedWeight | X16Weight | None = None
     gate_up: list[QuantizedWeight | X16Weight] | None = None
     down: QuantizedWeight | X16Weight | None = None
+    amx: dict[str, AmxWeight] | None = None      # the dense weights packed for the AMX GEMM
 
 
 class FastPath:
@@ -63,11 +71,14 @@ class FastPath:
             and use integer dot products (VNNI / pmaddubsw: ~1.4x faster, activations rounded to
             ~1/254 of their group's largest value, as llama.cpp does); False: float32 inputs,
             the weights' exact values times exact activations (``--dtype float32``).
+        amx_max_tokens: dense steps with at most this many tokens use the AMX GEMM (None:
+            measure, :func:`amx_crossover`; 0 without AMX or outside bfloat16).
     """
 
     def __init__(self, config, params: dict[str, torch.Tensor],
                  quantized: dict[str, QuantizedWeight], kernels, inv_freq: torch.Tensor,
-                 quant_max_tokens: int | None = None, int8_activations: bool = True):
+                 quant_max_tokens: int | None = None, int8_activations: bool = True,
+                 amx_max_tokens: int | None = None):
         self.config, self.k = config, kernels
         self.int8_activations = int8_activations
         self.inv_freq = inv_freq.float().contiguous()
@@ -114,6 +125,23 @@ class FastPath:
                     L.qkv, L.gate_up = [self._pack(w) for w in L.qkv], [self._pack(w) for w in L.gate_up]
                     L.o, L.down = self._pack(L.o), self._pack(L.down)
             self.layers.append(L)
+        use_amx = kernels.amx and self.dtype == torch.bfloat16 and amx_max_tokens != 0
+        self.lm_amx = kernels.pack_amx(self.lm_dense) if use_amx else None
+        if use_amx:
+            for L in self.layers:
+                packed = {n: kernels.pack_amx(w) for n, w in L.dense.items()}
+                if all(packed.values()):
+                    L.amx = packed
+            use_amx = self.lm_amx is not None and all(L.amx for L in self.layers)
+        # dense weight -> its AMX copy, by identity (what _d is handed is the dense tensor)
+        self._amx = ({id(L.dense[n]): a for L in self.layers for n, a in L.amx.items()}
+                     | {id(self.lm_dense): self.lm_amx}) if use_amx else {}
+        if not use_amx:
+            self.amx_max_tokens = 0
+        elif amx_max_tokens is None:
+            self.amx_max_tokens = amx_crossover(self)
+        else:
+            self.amx_max_tokens = amx_max_tokens
         if not q:
             self.quant_max_tokens = 0
         elif quant_max_tokens is None:
@@ -153,7 +181,15 @@ class FastPath:
            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``x`` [T, in] (float32 or the engine's dtype) times the dense weight ``w`` [out, in],
         in the engine's dtype; [T, out] in ``out_dtype`` (float32, or the engine's dtype as the
-        GEMM gives it).
+        GEMM gives it): on the AMX GEMM up to ``amx_max_tokens`` rows, else :meth:`_onednn`."""
+        if self._amx and x.shape[0] <= self.amx_max_tokens:
+            y = self.k.amx_linear(x.float().contiguous(), self._amx[id(w)])
+            return y if out_dtype == torch.float32 else y.to(out_dtype)
+        return self._onednn(x, w, out_dtype)
+
+    def _onednn(self, x: torch.Tensor, w: torch.Tensor,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """:meth:`_d` on torch's matmul (oneDNN in 16-bit dtypes).
 
         In a 16-bit dtype the rows are padded to :func:`dense_rows` (zeros; the product's first
         T rows are the result): oneDNN keeps one primitive, ~100 KB, per GEMM shape it has run,
@@ -183,8 +219,10 @@ class FastPath:
             return 0
         layer_weights = {tuple(w.shape): w for w in self.layers[0].dense.values()}.values()
         # quant_max_tokens is 0 without quantized weights: every step is dense then
-        plan = ((self.quant_max_tokens + 1, max_tokens, layer_weights),
-                (self.quant_max_tokens + 1 if self.lm_q is not None else 1, max_sampled,
+        # and steps up to amx_max_tokens run the AMX GEMM, which has no per-shape state
+        first = max(self.quant_max_tokens, self.amx_max_tokens) + 1
+        plan = ((first, max_tokens, layer_weights),
+                (first if self.lm_q is not None else self.amx_max_tokens + 1, max_sampled,
                  [self.lm_dense]))
         runs = 0
         for first, last, weights in plan:
@@ -205,7 +243,9 @@ class FastPath:
         quant = T <= self.quant_max_tokens
         # a dense bfloat16 step hands its GEMMs bf16 from the norm kernels and keeps their bf16
         # outputs for SwiGLU and the residual add; only Q/K/V go to float32 (RoPE, attention)
-        act = self.dtype if (not quant and self.dtype == torch.bfloat16) else torch.float32
+        # (the AMX GEMM takes float32 and rounds it itself)
+        act = (self.dtype if (not quant and self.dtype == torch.bfloat16
+                              and T > self.amx_max_tokens) else torch.float32)
         if self.embed_q is not None:
             h = k.qembed(input_ids, self.embed_q)    # the residual stream, float32 [T, d]
         else:
@@ -266,6 +306,32 @@ def quant_crossover(fp: FastPath, sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), repe
         if tq < td:
             best_m = m
         elif m > 4:
+            break
+    return best_m
+
+
+def amx_crossover(fp: FastPath, sizes=(32, 64, 96, 128, 192, 256, 320, 384, 512),
+                  repeats: int = 5) -> int:
+    """The most tokens at which the AMX GEMM of layer 0's gate/up and down weights is still
+    faster than torch's matmul (oneDNN, rows padded as :meth:`FastPath._onednn` pads them) here
+    (best of ``repeats``; ~0.3 s at start-up). Sizes below the first are AMX's when it wins
+    there (it does by 1.3-2.5x at 16-64 rows, measured)."""
+    L = fp.layers[0]
+    best_m = 0
+    for m in sizes:
+        x = torch.randn(m, fp.config.hidden_size)
+        xf = torch.randn(m, fp.config.intermediate_size)
+
+        def amx():
+            fp.k.amx_linear(x, L.amx["gate_up"])
+            fp.k.amx_linear(xf, L.amx["down"])
+
+        def dense():
+            fp._onednn(x, L.dense["gate_up"])
+            fp._onednn(xf, L.dense["down"])
+        if _best(amx, repeats) < _best(dense, repeats):
+            best_m = m
+        elif best_m < m // 2:
             break
     return best_m
 

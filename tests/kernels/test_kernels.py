@@ -224,3 +224,39 @@ def test_norms_and_swiglu_in_bf16_are_the_float32_results_rounded(k):
     assert torch.equal(out, k.silu_mul(gu.float()).to(torch.bfloat16))
     with pytest.raises(ValueError, match="float32 or bfloat16, got torch.float16"):
         k.rms_norm(x, w, 1e-5, torch.float16)
+
+
+def _amx():
+    k = kernels.load("avx512") if "avx512" in RUNNABLE else None
+    if k is None or not k.amx:
+        pytest.skip("no AMX here (CPU without AMX-BF16, OS without the tile state, or SLOSERVE_AMX=0)")
+    return k
+
+
+@pytest.mark.parametrize("m", [1, 15, 16, 17, 31, 32, 33, 100])
+@pytest.mark.parametrize("n,kk", [(48, 64), (96, 576), (80, 32)])
+def test_amx_linear_is_the_bf16_product(m, n, kk):
+    """Every row/column tail of the tile blocking (rows by 32 and 16, columns by 32 and 16):
+    exactly x and W rounded to bf16, multiplied and summed in float32 (float64 reference)."""
+    k = _amx()
+    g = torch.Generator().manual_seed(1000 * m + n)
+    x, w = torch.randn(m, kk, generator=g), torch.randn(n, kk, generator=g)
+    y = k.amx_linear(x, k.pack_amx(w))
+    ref = x.bfloat16().double() @ w.bfloat16().double().t()
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), ref, atol=1e-4 * math.sqrt(kk), rtol=1e-5)
+
+
+def test_amx_pack_refuses_shapes_off_the_tiles():
+    k = _amx()
+    assert k.pack_amx(torch.zeros(40, 64)) is None   # N % 16
+    assert k.pack_amx(torch.zeros(32, 48)) is None   # K % 32
+    with pytest.raises(ValueError, match="columns"):
+        k.amx_linear(torch.zeros(2, 32), k.pack_amx(torch.zeros(16, 64)))
+
+
+def test_amx_is_off_with_its_switch(monkeypatch):
+    _amx()
+    monkeypatch.setenv(kernels.AMX_ENV, "0")
+    lib = kernels.Kernels(kernels.build("avx512"), "avx512")
+    assert not lib.amx and lib.pack_amx(torch.zeros(16, 32)) is None

@@ -1,4 +1,5 @@
-"""The fused path's dense products: 16-bit GEMMs run at a bounded set of row counts."""
+"""The fused path's dense products: 16-bit oneDNN GEMMs run at a bounded set of row counts; the
+AMX GEMM serves the steps up to ``amx_max_tokens`` where the CPU has it."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -26,7 +27,7 @@ def test_padded_bf16_product_is_the_rows_product(tokens):
     x = torch.randn(tokens, 64)
     w1 = torch.randn(48, 64).bfloat16()
     fp = SimpleNamespace(dtype=torch.bfloat16)
-    out = FastPath._d(fp, x, w1)
+    out = FastPath._onednn(fp, x, w1)
     assert out.shape == (tokens, 48) and out.dtype == torch.float32
     ref = F.linear(x.bfloat16(), w1).float()
     torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)  # bf16 output rounding
@@ -34,7 +35,7 @@ def test_padded_bf16_product_is_the_rows_product(tokens):
 
 def test_float32_is_not_padded():
     x, w = torch.randn(33, 64), torch.randn(48, 64)
-    assert torch.equal(FastPath._d(SimpleNamespace(dtype=torch.float32), x, w), F.linear(x, w))
+    assert torch.equal(FastPath._onednn(SimpleNamespace(dtype=torch.float32), x, w), F.linear(x, w))
 
 
 def test_bf16_gemm_sees_bucketed_rows(monkeypatch):
@@ -47,26 +48,51 @@ def test_bf16_gemm_sees_bucketed_rows(monkeypatch):
     monkeypatch.setattr(fpm.F, "linear", linear)
     w = torch.randn(8, 16).bfloat16()
     for t in (5, 6, 7, 40, 50):
-        FastPath._d(SimpleNamespace(dtype=torch.bfloat16), torch.randn(t, 16), w)
+        FastPath._onednn(SimpleNamespace(dtype=torch.bfloat16), torch.randn(t, 16), w)
     assert seen == [8, 8, 8, 64, 64]
 
 
 def test_bf16_output_is_the_float32_output_rounded_back():
     x, w = torch.randn(33, 64), torch.randn(48, 64).bfloat16()
     fp = SimpleNamespace(dtype=torch.bfloat16)
-    out = FastPath._d(fp, x, w, out_dtype=torch.bfloat16)
+    out = FastPath._onednn(fp, x, w, out_dtype=torch.bfloat16)
     assert out.dtype == torch.bfloat16 and out.shape == (33, 48) and out.is_contiguous()
-    assert torch.equal(out.float(), FastPath._d(fp, x, w))
-    assert torch.equal(FastPath._d(fp, x.bfloat16(), w), FastPath._d(fp, x, w))  # bf16 input
+    assert torch.equal(out.float(), FastPath._onednn(fp, x, w))
+    assert torch.equal(FastPath._onednn(fp, x.bfloat16(), w), FastPath._onednn(fp, x, w))
 
 
-def test_bf16_dense_steps_match_the_reference_model(tiny_llama_dir):
-    """A bfloat16 engine's dense steps (GEMM inputs and outputs kept in bf16 between the norm,
-    SwiGLU and residual kernels) give the greedy tokens of the plain torch model
-    (--enforce-eager) in the same dtype, over 40-token prompts and 8 decode steps."""
+def test_dense_product_goes_to_amx_up_to_its_crossover(monkeypatch):
+    """``_d``: rows <= amx_max_tokens on the AMX GEMM with the weight's packed twin, float32 (or
+    rounded to the requested dtype); more rows on oneDNN."""
+    calls = []
+    w = torch.randn(48, 64).bfloat16()
+    twin = object()
+    k = SimpleNamespace(amx_linear=lambda x, a: (calls.append((x.shape[0], x.dtype, a)),
+                                                 torch.ones(x.shape[0], 48))[1])
+    fp = SimpleNamespace(dtype=torch.bfloat16, amx_max_tokens=32, k=k, _amx={id(w): twin})
+    fp._onednn = lambda x, ww, out_dtype=torch.float32: FastPath._onednn(fp, x, ww, out_dtype)
+    y = FastPath._d(fp, torch.randn(32, 64).bfloat16(), w, out_dtype=torch.bfloat16)
+    assert calls == [(32, torch.float32, twin)] and y.dtype == torch.bfloat16
+    assert torch.equal(y.float(), torch.ones(32, 48))
+    y = FastPath._d(fp, torch.randn(33, 64), w)
+    assert len(calls) == 1 and y.shape == (33, 48)  # oneDNN
+
+
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "onednn"])
+def test_bf16_dense_steps_match_the_reference_model(tiny_llama_dir, amx, monkeypatch):
+    """A bfloat16 engine's dense steps (on the AMX GEMM where the CPU has it, float32 between
+    kernels; on oneDNN with GEMM inputs and outputs kept in bf16 between the norm, SwiGLU and
+    residual kernels) give the greedy tokens of the plain torch model (--enforce-eager) in the
+    same dtype, over 40-token prompts and 8 decode steps."""
+    from sloserve import kernels
     from sloserve.config import EngineConfig
     from sloserve.engine.llm_engine import LLMEngine
     from sloserve.sampling_params import SamplingParams
+    k = kernels.load()
+    if amx and not (k is not None and k.amx):
+        pytest.skip("no AMX on this CPU (or SLOSERVE_AMX=0)")
+    if k is not None and not amx:
+        monkeypatch.setattr(k, "amx", False)
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = [[(7 * i + j) % 200 + 3 for j in range(40)] for i in range(3)]
     outs = []
@@ -74,6 +100,8 @@ def test_bf16_dense_steps_match_the_reference_model(tiny_llama_dir):
         eng = LLMEngine(EngineConfig(model=tiny_llama_dir, dtype="bfloat16", num_kv_blocks=32,
                                      enable_prefix_caching=False, enforce_eager=eager))
         assert (eng.runner.fast_path is None) == eager
+        if not eager:
+            assert (eng.runner.fast_path.amx_max_tokens > 0) == amx
         ids = [eng.add_request(p, sp) for p in prompts]
         done = {}
         while eng.has_unfinished_requests():
@@ -99,6 +127,7 @@ def test_warm_up_runs_every_dense_shape_a_step_can_take(monkeypatch):
     dense = {"qkv": torch.zeros(12, 8, dtype=bf), "o": torch.zeros(8, 8, dtype=bf),
              "gate_up": torch.zeros(32, 8, dtype=bf), "down": torch.zeros(8, 16, dtype=bf)}
     fp = SimpleNamespace(dtype=bf, quantized=True, quant_max_tokens=8, lm_q=object(),
+                         amx_max_tokens=0,
                          layers=[SimpleNamespace(dense=dense)] * 2,
                          lm_dense=torch.zeros(50, 8, dtype=bf))
     runs = FastPath.warm_up(fp, 100, 40)
@@ -108,3 +137,24 @@ def test_warm_up_runs_every_dense_shape_a_step_can_take(monkeypatch):
     assert sorted(seen) == sorted(want) and runs == len(want) == 23
     seen.clear()
     assert FastPath.warm_up(SimpleNamespace(dtype=torch.float32), 100, 40) == 0 and seen == []
+
+
+def test_warm_up_skips_the_steps_the_amx_gemm_serves(monkeypatch):
+    """With AMX up to 40 tokens, only 41..100-token steps (buckets 64, 96, 128) and 41..60
+    sampled rows (64) reach oneDNN; without quantized weights the LM head starts there too."""
+    import sloserve.model.fast_path as fpm
+    seen, real = [], F.linear
+
+    def linear(x, w):
+        seen.append((x.shape[0], tuple(w.shape)))
+        return real(x, w)
+    monkeypatch.setattr(fpm.F, "linear", linear)
+    bf = torch.bfloat16
+    dense = {"o": torch.zeros(8, 8, dtype=bf)}
+    for lm_q in (object(), None):
+        seen.clear()
+        fp = SimpleNamespace(dtype=bf, quantized=lm_q is not None,
+                             quant_max_tokens=8 if lm_q else 0, lm_q=lm_q, amx_max_tokens=40,
+                             layers=[SimpleNamespace(dense=dense)], lm_dense=torch.zeros(50, 8, dtype=bf))
+        assert FastPath.warm_up(fp, 100, 60) == 4
+        assert sorted(seen) == [(64, (8, 8)), (64, (50, 8)), (96, (8, 8)), (128, (8, 8))]
