@@ -45,6 +45,9 @@ _SIGS = {
     "sl_amx_init": ([], _I32),
     "sl_amx_pack_bf16": ([_P, _I64, _I64, _P], _I32),
     "sl_amx_linear": ([_P, _I64, _I64, _P, _I64, _P, _P], _I32),
+    "sl_amx_prefill_attn_scratch": ([_I64, _I64, _I64, _I64], _I64),
+    "sl_amx_prefill_attn": ([_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F, _P,
+                             _P], _I32),
     "sl_paged_attn_decode": ([_P, _I64, _P, _I32, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64,
                               _I64, _F, _I64, _I64, _P, _P], None),
 }
@@ -281,6 +284,33 @@ class Kernels:
             _ptr(q), q.stride(0), _ptr(cache), int(cache.dtype == torch.bfloat16),
             _ptr(block_table), block_table.shape[1], _ptr(seq_lens), B, H, hkv, D,
             cache.shape[2], cache.shape[1], scale, split_len, splits, _ptr(out), work)
+        return out
+
+
+    def amx_prefill_attn(self, q: torch.Tensor, cache: torch.Tensor, blocks: torch.Tensor,
+                         num_computed: int, scale: float) -> torch.Tensor:
+        """Causal attention of one request's ``n`` new query tokens q [n, H, D] (float32, heads
+        contiguous) over its whole context in one layer's bf16 cache [2, blocks, bs, Hkv, D]
+        (positions 0 .. num_computed + n - 1, the chunk's K/V already written), through its
+        block table ``blocks`` (int64, at least ceil(context / bs) entries) -> [n, H, D] float32.
+        AMX tiles (see the source); ValueError for D % 32 != 0, a non-bf16 cache or too few
+        blocks."""
+        n, H, D = q.shape
+        _, nb, bs, hkv, dd = cache.shape
+        ctx = num_computed + n
+        if cache.dtype != torch.bfloat16 or D % 32 or dd != D or H % hkv:
+            raise ValueError(f"amx_prefill_attn: needs a bf16 cache and head_dim % 32 == 0 "
+                             f"(cache {cache.dtype}, D {D}, H {H}, Hkv {hkv})")
+        if blocks.numel() * bs < ctx or q.stride(2) != 1 or q.stride(1) != D:
+            raise ValueError(f"amx_prefill_attn: {blocks.numel()} blocks of {bs} for a context "
+                             f"of {ctx}, or q not heads-contiguous")
+        out = torch.empty(n, H, D, dtype=torch.float32)
+        threads = self.lib.sl_num_threads()
+        scratch = self._scratch(self.lib.sl_amx_prefill_attn_scratch(ctx, hkv, D, threads))
+        if self.lib.sl_amx_prefill_attn(q.data_ptr(), q.stride(0), n, num_computed,
+                                        cache.data_ptr(), blocks.data_ptr(), bs, nb, H, hkv, D,
+                                        scale, out.data_ptr(), scratch):
+            raise RuntimeError(f"the {self.variant} kernels have no AMX attention")
         return out
 
 

@@ -286,61 +286,61 @@ def dense_rows(tokens: int) -> int:
     return -(-tokens // step) * step
 
 
-def quant_crossover(fp: FastPath, sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), repeats: int = 5) -> int:
+def quant_crossover(fp: FastPath, sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), repeats: int = 7) -> int:
     """The most tokens at which the quantized product of layer 0's gate/up and down weights is
-    still faster than the dense one here (best of ``repeats``; ~50 ms at start-up)."""
+    still faster than the dense one here (~50 ms at start-up)."""
     L = fp.layers[0]
-    best_m = 0
-    for m in sizes:
-        x = torch.randn(m, fp.config.hidden_size)
-        xf = torch.randn(m, fp.config.intermediate_size)
 
-        def quant():
-            fp._q(x, L.gate_up)
-            fp._lin(xf, L.down)
+    def quant(x, xf):
+        fp._q(x, L.gate_up)
+        fp._lin(xf, L.down)
 
-        def dense():
-            fp._d(x, L.dense["gate_up"])
-            fp._d(xf, L.dense["down"])
-        tq, td = _best(quant, repeats), _best(dense, repeats)
-        if tq < td:
-            best_m = m
-        elif m > 4:
-            break
-    return best_m
+    def dense(x, xf):
+        fp._d(x, L.dense["gate_up"])
+        fp._d(xf, L.dense["down"])
+    return _crossover(fp, sizes, quant, dense, repeats)
 
 
 def amx_crossover(fp: FastPath, sizes=(32, 64, 96, 128, 192, 256, 320, 384, 512),
-                  repeats: int = 5) -> int:
+                  repeats: int = 7) -> int:
     """The most tokens at which the AMX GEMM of layer 0's gate/up and down weights is still
     faster than torch's matmul (oneDNN, rows padded as :meth:`FastPath._onednn` pads them) here
-    (best of ``repeats``; ~0.3 s at start-up). Sizes below the first are AMX's when it wins
-    there (it does by 1.3-2.5x at 16-64 rows, measured)."""
+    (~0.5 s at start-up). Sizes below the first are AMX's when it wins there (it does by
+    1.3-2.5x at 16-64 rows, measured)."""
     L = fp.layers[0]
-    best_m = 0
+
+    def amx(x, xf):
+        fp.k.amx_linear(x, L.amx["gate_up"])
+        fp.k.amx_linear(xf, L.amx["down"])
+
+    def dense(x, xf):
+        fp._onednn(x, L.dense["gate_up"])
+        fp._onednn(xf, L.dense["down"])
+    return _crossover(fp, sizes, amx, dense, repeats)
+
+
+def _crossover(fp: FastPath, sizes, first, second, repeats: int) -> int:
+    """The largest of ``sizes`` (rows) at which ``first(x, xf)`` (x [rows, hidden], xf [rows,
+    intermediate]) runs faster than ``second``, their runs alternated (best of ``repeats``
+    each, so that a burst of load on these shared machines hits both); 0 if none. Stops after
+    two sizes in a row that ``first`` loses."""
+    best_m, losses = 0, 0
     for m in sizes:
         x = torch.randn(m, fp.config.hidden_size)
         xf = torch.randn(m, fp.config.intermediate_size)
-
-        def amx():
-            fp.k.amx_linear(x, L.amx["gate_up"])
-            fp.k.amx_linear(xf, L.amx["down"])
-
-        def dense():
-            fp._onednn(x, L.dense["gate_up"])
-            fp._onednn(xf, L.dense["down"])
-        if _best(amx, repeats) < _best(dense, repeats):
-            best_m = m
-        elif best_m < m // 2:
-            break
+        first(x, xf)
+        second(x, xf)
+        ta = tb = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            first(x, xf)
+            t1 = time.perf_counter()
+            second(x, xf)
+            ta, tb = min(ta, t1 - t0), min(tb, time.perf_counter() - t1)
+        if ta < tb:
+            best_m, losses = m, 0
+        else:
+            losses += 1
+            if losses == 2:
+                break
     return best_m
-
-
-def _best(fn, repeats: int) -> float:
-    fn()
-    t = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        t = min(t, time.perf_counter() - t0)
-    return t

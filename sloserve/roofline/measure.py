@@ -23,7 +23,9 @@ those of the format the step is actually served in (:func:`served_format`):
   product of layer 0's gate/up weight (cache-resident, so not bandwidth-limited) at the largest
   token count the path serves (2 M N K FLOP counted, as for a float GEMM);
 - any other step reads the dense weights in the engine's dtype and its peak is the hardware's for
-  that dtype (``local``: torch's matmul; where it has none, the fp32 peak and a note).
+  that dtype (``local``: torch's matmul; where it has none, the fp32 peak and a note), also when
+  the fused path runs it on the kernels' AMX GEMM (at most ``amx_max_tokens`` tokens: "AMX GEMM"
+  in the table; the roof stays torch's matmul peak, the higher bar on the machines measured).
 
 Bound time = ``max(FLOP / peak, bytes / bandwidth)``. Achieved FLOP/s = FLOP / measured, achieved
 bytes/s = bytes / measured, efficiency = bound / measured (1 = on the roof).
@@ -126,9 +128,11 @@ def theory(spec: ModelSpec, wl: Workload, hw: Hardware, peak_dtype: str, measure
     flops = sum(o.flops for o in ops)
     nbytes = sum(o.bytes for o in ops)
     peak, fmt = hw.peak(peak_dtype), f"dense {wl.weight_dtype}"
-    if served is not None and served.weight_bytes is not None:
-        nbytes += served.weight_bytes - sum(o.weight_bytes for o in ops)
-        peak, fmt = served.peak, served.name
+    if served is not None:
+        fmt = served.name
+        if served.weight_bytes is not None:
+            nbytes += served.weight_bytes - sum(o.weight_bytes for o in ops)
+            peak = served.peak
     bw = hw.mem_bandwidth
     bound_s = max(flops / peak, nbytes / bw)
     intensity = flops / nbytes if nbytes else float("inf")
@@ -166,8 +170,11 @@ def kernel_peak(fast_path, tokens: int, repeats: int = 20) -> float:
 
 def served_format(eng: LLMEngine, tokens: int, peaks: dict) -> ServedFormat | None:
     """What a step of ``tokens`` query tokens reads and computes with (None: dense weights in the
-    engine's dtype). ``peaks`` caches :func:`kernel_peak` per token count."""
+    engine's dtype on torch's GEMM; weight_bytes None: dense weights on the AMX GEMM, the
+    hardware's peak). ``peaks`` caches :func:`kernel_peak` per token count."""
     fp = getattr(eng.runner, "fast_path", None)
+    if fp is not None and fp.quant_max_tokens < tokens <= getattr(fp, "amx_max_tokens", 0):
+        return ServedFormat(f"dense {str(fp.dtype).removeprefix('torch.')}, AMX", None, 0.0)
     if fp is None or not fp.quantized or tokens > fp.quant_max_tokens or not fp.layers[0].gate_up:
         return None
     m = max(1, fp.quant_max_tokens)
@@ -237,7 +244,7 @@ def measure(config: EngineConfig, spec: ModelSpec, hw: Hardware, *,
     for n in prefill_chunks:
         t = [x.forward_s for x in time_prefill_steps(eng, n, prefill_warmup, prefill_repeats)]
         points.append(theory(spec, Workload("prefill", 1, n, dt, dt, kv_dt), hw, peak_dtype,
-                             statistics.median(t), t, served_format(eng, n, peaks)))
+                             statistics.median(t), t, served=served_format(eng, n, peaks)))
     for m_tok, pk in peaks.items():
         notes.append(f"quantized steps: weights {fmt_bytes(eng.runner.fast_path.weight_bytes)} per step "
                      f"as stored; int8-dot peak {fmt_flops_rate(pk)} measured on the engine's own "

@@ -260,3 +260,49 @@ def test_amx_is_off_with_its_switch(monkeypatch):
     monkeypatch.setenv(kernels.AMX_ENV, "0")
     lib = kernels.Kernels(kernels.build("avx512"), "avx512")
     assert not lib.amx and lib.pack_amx(torch.zeros(16, 32)) is None
+
+
+def _dense_attention(q, k_all, v_all, start):
+    """float64 causal attention of n queries at positions start.. over keys 0..start+n-1."""
+    n, h, d = q.shape
+    g = h // k_all.shape[1]
+    kk = k_all.double().repeat_interleave(g, 1).transpose(0, 1)
+    vv = v_all.double().repeat_interleave(g, 1).transpose(0, 1)
+    s = q.double().transpose(0, 1) @ kk.transpose(1, 2) * d ** -0.5
+    mask = torch.arange(k_all.shape[0])[None, :] <= torch.arange(start, start + n)[:, None]
+    return (torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ vv).transpose(0, 1)
+
+
+@pytest.mark.parametrize("n,past", [(2, 0), (16, 0), (17, 5), (64, 0), (65, 63), (100, 300),
+                                    (3, 700)])
+@pytest.mark.parametrize("h,hkv,d,bs", [(9, 3, 64, 16), (4, 1, 32, 5), (4, 4, 128, 16)])
+def test_amx_prefill_attention_is_causal_attention_over_the_paged_context(n, past, h, hkv, d, bs):
+    """Chunks at any offset (tiles of 16 queries, context blocks of 64 and their tails, block
+    tables scattered, blocks of 5 tokens that straddle the 64-token blocks): float64 attention
+    over the bf16 cache, queries rounded to bf16 as the kernel rounds them."""
+    k = _amx()
+    g = torch.Generator().manual_seed(n * 1000 + past + d)
+    ctx = past + n
+    nb = -(-ctx // bs) + 8
+    cache = torch.randn(2, nb, bs, hkv, d, generator=g).bfloat16()
+    blocks = torch.randperm(nb, generator=g)[:-(-ctx // bs)].contiguous()
+    qkv = torch.randn(n, h + 2 * hkv, d, generator=g)   # q a strided view, as in the engine
+    q = qkv[:, :h]
+    out = k.amx_prefill_attn(q, cache, blocks, past, d ** -0.5)
+    kv = cache[:, blocks].reshape(2, -1, hkv, d)[:, :ctx]
+    ref = _dense_attention(q.bfloat16(), kv[0], kv[1], past)
+    assert out.shape == (n, h, d) and torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=0)
+
+
+def test_amx_prefill_attention_refuses_what_it_cannot_read():
+    k = _amx()
+    cache = torch.zeros(2, 4, 16, 1, 64).bfloat16()
+    q = torch.zeros(3, 2, 64)
+    with pytest.raises(ValueError, match="blocks"):
+        k.amx_prefill_attn(q, cache, torch.arange(1), 20, 0.125)  # 23 positions, 16 cached
+    with pytest.raises(ValueError, match="bf16"):
+        k.amx_prefill_attn(q, cache.float(), torch.arange(4), 0, 0.125)
+    with pytest.raises(ValueError, match="bf16"):
+        k.amx_prefill_attn(torch.zeros(3, 2, 48), torch.zeros(2, 4, 16, 1, 48).bfloat16(),
+                           torch.arange(4), 0, 0.125)

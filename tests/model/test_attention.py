@@ -50,10 +50,10 @@ def _random_step(rng: random.Random, n_reqs: int, num_blocks: int):
     return [reqs[i] for i in order]
 
 
-def _check(backend_name, seed, h, n_kv, cache_dtype, act_dtype, atol):
+def _check(backend_name, seed, h, n_kv, cache_dtype, act_dtype, atol, d=16):
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
-    d, num_blocks = 16, 128
+    num_blocks = 128
     backend = get_attention_backend(backend_name)
     cache = torch.zeros(backend.kv_cache_shape(num_blocks, BS, n_kv, d), dtype=cache_dtype)
     reqs = _random_step(rng, rng.randint(1, 6), num_blocks)
@@ -106,6 +106,24 @@ def test_bf16_cache_and_activations(seed):
     reads the same rounded cache."""
     _check("torch-ref", seed, 8, 2, torch.bfloat16, torch.float32, 2e-2)
     _check("torch-ref", seed, 8, 2, torch.bfloat16, torch.bfloat16, 3e-2)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cpu_paged_amx_prefill_in_random_mixes(seed, monkeypatch):
+    """Where the CPU has AMX, cpu-paged runs every multi-token query of a bf16 cache with
+    head_dim 64 on the kernels' AMX flash attention (and the decodes on its decode kernel):
+    within bf16 rounding (q and P in bf16) of float64 attention over the same rounded cache."""
+    from sloserve import kernels
+    k = kernels.load()
+    if k is None or not k.amx:
+        pytest.skip("no AMX here")
+    calls = []
+    real = k.amx_prefill_attn
+    monkeypatch.setattr(k, "amx_prefill_attn", lambda *a: calls.append(1) or real(*a))
+    _check("cpu-paged", seed, 8, 2, torch.bfloat16, torch.float32, 3e-2, d=64)
+    rng = random.Random(seed)
+    kinds = [r for r in _random_step(rng, rng.randint(1, 6), 128) if r.num_new_tokens > 1]
+    assert len(calls) == len(kinds)
 
 
 def test_registry():

@@ -135,3 +135,24 @@ def test_quantized_steps_count_the_served_bytes_and_kernel_peak(tiny_dir, local_
     assert p.bound_s == max(p.flops / 7e11, p.bytes / local_hw.mem_bandwidth)
     dense = mm.theory(spec, wl, local_hw, "fp32", 1e-3, [1e-3])
     assert dense.bytes == sum(o.bytes for o in ops) and dense.format == "dense fp32"
+
+
+def test_amx_steps_are_dense_at_the_hardware_peak_and_say_so(tiny_dir, local_hw):
+    """Steps between the quantized crossover and amx_max_tokens read the dense weights at the
+    hardware's peak, labelled as served on the AMX GEMM; above amx_max_tokens: plain dense."""
+    import types
+
+    import torch
+    from sloserve.roofline import measure as mm
+    spec = get_model(tiny_dir)
+    fp = types.SimpleNamespace(quantized=False, quant_max_tokens=0, amx_max_tokens=64,
+                               dtype=torch.bfloat16, layers=[types.SimpleNamespace(gate_up=None)])
+    eng = types.SimpleNamespace(runner=types.SimpleNamespace(fast_path=fp))
+    a = mm.served_format(eng, 64, {})
+    assert a.name == "dense bfloat16, AMX" and a.weight_bytes is None
+    assert mm.served_format(eng, 65, {}) is None
+    wl = Workload("prefill", 1, 64, "fp32", "fp32", "fp32")
+    p = mm.theory(spec, wl, local_hw, "fp32", 1e-3, [1e-3], None, a)
+    dense = mm.theory(spec, wl, local_hw, "fp32", 1e-3, [1e-3])
+    assert p.format == "dense bfloat16, AMX" and (p.bytes, p.peak, p.bound_s) == \
+        (dense.bytes, dense.peak, dense.bound_s)
