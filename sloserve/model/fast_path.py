@@ -136,18 +136,10 @@ class FastPath:
         # dense weight -> its AMX copy, by identity (what _d is handed is the dense tensor)
         self._amx = ({id(L.dense[n]): a for L in self.layers for n, a in L.amx.items()}
                      | {id(self.lm_dense): self.lm_amx}) if use_amx else {}
-        if not use_amx:
-            self.amx_max_tokens = 0
-        elif amx_max_tokens is None:
-            self.amx_max_tokens = amx_crossover(self)
-        else:
-            self.amx_max_tokens = amx_max_tokens
-        if not q:
-            self.quant_max_tokens = 0
-        elif quant_max_tokens is None:
-            self.quant_max_tokens = quant_crossover(self)
-        else:
-            self.quant_max_tokens = quant_max_tokens
+        # each crossover: 0 without its path, else as given, else measured (AMX's first: the
+        # quantized one races the dense path that will serve those steps)
+        self.amx_max_tokens = _given_or(amx_max_tokens, use_amx, lambda: amx_crossover(self))
+        self.quant_max_tokens = _given_or(quant_max_tokens, bool(q), lambda: quant_crossover(self))
 
     @property
     def weight_bytes(self) -> int:
@@ -274,6 +266,10 @@ class FastPath:
         if self.lm_q is not None and x.shape[0] <= self.quant_max_tokens:
             return self._lin(x, self.lm_q)
         return self._d(x, self.lm_dense)
+
+
+def _given_or(given: int | None, available: bool, measure) -> int:
+    return 0 if not available else measure() if given is None else given
 
 
 def dense_rows(tokens: int) -> int:

@@ -112,10 +112,8 @@ def test_bf16_dense_steps_match_the_reference_model(tiny_llama_dir, amx, monkeyp
     assert outs[0] == outs[1] and all(len(t) == 8 for t in outs[0])
 
 
-def test_warm_up_runs_every_dense_shape_a_step_can_take(monkeypatch):
-    """Every (bucketed rows, weight) product a step of up to 100 tokens can run on the dense
-    path (above the quantized steps' 8 tokens), and the LM head's up to 40 sampled rows, once:
-    the buckets of 9..100 tokens are 16, 32, 64, 96, 128; of 9..40 sampled rows 16, 32, 64."""
+def _record_linear(monkeypatch) -> list:
+    """The (rows, weight shape) of every F.linear the fast path runs, in order."""
     import sloserve.model.fast_path as fpm
     seen, real = [], F.linear
 
@@ -123,6 +121,14 @@ def test_warm_up_runs_every_dense_shape_a_step_can_take(monkeypatch):
         seen.append((x.shape[0], tuple(w.shape)))
         return real(x, w)
     monkeypatch.setattr(fpm.F, "linear", linear)
+    return seen
+
+
+def test_warm_up_runs_every_dense_shape_a_step_can_take(monkeypatch):
+    """Every (bucketed rows, weight) product a step of up to 100 tokens can run on the dense
+    path (above the quantized steps' 8 tokens), and the LM head's up to 40 sampled rows, once:
+    the buckets of 9..100 tokens are 16, 32, 64, 96, 128; of 9..40 sampled rows 16, 32, 64."""
+    seen = _record_linear(monkeypatch)
     bf = torch.bfloat16
     dense = {"qkv": torch.zeros(12, 8, dtype=bf), "o": torch.zeros(8, 8, dtype=bf),
              "gate_up": torch.zeros(32, 8, dtype=bf), "down": torch.zeros(8, 16, dtype=bf)}
@@ -142,13 +148,7 @@ def test_warm_up_runs_every_dense_shape_a_step_can_take(monkeypatch):
 def test_warm_up_skips_the_steps_the_amx_gemm_serves(monkeypatch):
     """With AMX up to 40 tokens, only 41..100-token steps (buckets 64, 96, 128) and 41..60
     sampled rows (64) reach oneDNN; without quantized weights the LM head starts there too."""
-    import sloserve.model.fast_path as fpm
-    seen, real = [], F.linear
-
-    def linear(x, w):
-        seen.append((x.shape[0], tuple(w.shape)))
-        return real(x, w)
-    monkeypatch.setattr(fpm.F, "linear", linear)
+    seen = _record_linear(monkeypatch)
     bf = torch.bfloat16
     dense = {"o": torch.zeros(8, 8, dtype=bf)}
     for lm_q in (object(), None):

@@ -1522,32 +1522,20 @@ void amx_prefill_attn(const PrefillAttnArgs& a, uint8_t* scratch) {
           const int64_t ne = std::min<int64_t>(4, DE - e0);
           const uint16_t* v0 = vt + ((2 * j) * DE + e0) * 512;
           const uint16_t* v1 = vt + ((2 * j + 1) * DE + e0) * 512;
-          _tile_zero(0);
-          _tile_loadd(6, v0, 64);
-          _tile_dpbf16ps(0, 6, 4);
-          _tile_loadd(7, v1, 64);
-          _tile_dpbf16ps(0, 7, 5);
-          if (ne > 1) {
-            _tile_zero(1);
-            _tile_loadd(6, v0 + 512, 64);
-            _tile_dpbf16ps(1, 6, 4);
-            _tile_loadd(7, v1 + 512, 64);
-            _tile_dpbf16ps(1, 7, 5);
-          }
-          if (ne > 2) {
-            _tile_zero(2);
-            _tile_loadd(6, v0 + 1024, 64);
-            _tile_dpbf16ps(2, 6, 4);
-            _tile_loadd(7, v1 + 1024, 64);
-            _tile_dpbf16ps(2, 7, 5);
-          }
-          if (ne > 3) {
-            _tile_zero(3);
-            _tile_loadd(6, v0 + 1536, 64);
-            _tile_dpbf16ps(3, 6, 4);
-            _tile_loadd(7, v1 + 1536, 64);
-            _tile_dpbf16ps(3, 7, 5);
-          }
+          // accumulator T: d-chunk e0 + T over both 32-token halves (tile numbers are immediates)
+#define SL_PV(T)                                   \
+  if (ne > T) {                                    \
+    _tile_zero(T);                                 \
+    _tile_loadd(6, v0 + 512 * (T), 64);            \
+    _tile_dpbf16ps(T, 6, 4);                       \
+    _tile_loadd(7, v1 + 512 * (T), 64);            \
+    _tile_dpbf16ps(T, 7, 5);                       \
+  }
+          SL_PV(0)
+          SL_PV(1)
+          SL_PV(2)
+          SL_PV(3)
+#undef SL_PV
           float* dst = pv + e0 * 256;
           _tile_stored(0, dst, 64);
           if (ne > 1) _tile_stored(1, dst + 256, 64);
