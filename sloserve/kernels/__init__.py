@@ -211,6 +211,9 @@ class Kernels:
         N = w.shape[0]
         if K != w.shape[1]:
             raise ValueError(f"amx_linear: x has {K} columns, the weight {w.shape[1]}")
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            raise ValueError(f"amx_linear: x must be float32 and contiguous, got {x.dtype}"
+                             f"{'' if x.is_contiguous() else ' (strided)'}")
         y = torch.empty(M, N, dtype=torch.float32)
         scratch = self._scratch(-(-M // 16) * 16 * K * 2 + 2048 * max(1, self.lib.sl_num_threads()))
         if self.lib.sl_amx_linear(x.data_ptr(), M, K, w.packed.data_ptr(), N, y.data_ptr(),
@@ -301,9 +304,16 @@ class Kernels:
         if cache.dtype != torch.bfloat16 or D % 32 or dd != D or H % hkv:
             raise ValueError(f"amx_prefill_attn: needs a bf16 cache and head_dim % 32 == 0 "
                              f"(cache {cache.dtype}, D {D}, H {H}, Hkv {hkv})")
-        if blocks.numel() * bs < ctx or q.stride(2) != 1 or q.stride(1) != D:
+        if blocks.numel() * bs < ctx or q.stride(2) != 1 or q.stride(1) != D or num_computed < 0:
             raise ValueError(f"amx_prefill_attn: {blocks.numel()} blocks of {bs} for a context "
-                             f"of {ctx}, or q not heads-contiguous")
+                             f"of {ctx} ({num_computed} cached), or q not heads-contiguous")
+        if q.dtype != torch.float32 or blocks.dtype != torch.int64 or not blocks.is_contiguous():
+            raise ValueError(f"amx_prefill_attn: q must be float32 ({q.dtype}) and the block "
+                             f"table contiguous int64 ({blocks.dtype})")
+        used = blocks[:-(-ctx // bs)]
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= nb):
+            raise ValueError(f"amx_prefill_attn: block ids {int(used.min())}..{int(used.max())} "
+                             f"outside the cache's 0..{nb - 1}")
         out = torch.empty(n, H, D, dtype=torch.float32)
         threads = self.lib.sl_num_threads()
         scratch = self._scratch(self.lib.sl_amx_prefill_attn_scratch(ctx, hkv, D, threads))

@@ -5,7 +5,7 @@ Per layer: [add residual +] RMSNorm (one call), the Q, K and V projections, RoPE
 place, the attention backend, the output projection, add residual + RMSNorm, gate and up,
 SiLU(gate) * up, the down projection. No Python work per layer grows with the batch.
 
-The projections of a step run one of two ways:
+The projections of a step run one of three ways:
 
 * ``quant``: the weights as they are stored (4-bit / int8 with per-group scales; the embedded
   SmolLM2: ~100 MB for its Q4_1 layers and the Q8_0 embedding that is also the LM head, against
@@ -17,8 +17,9 @@ The projections of a step run one of two ways:
 * ``amx``: where the CPU has AMX (and the engine runs in bfloat16), the dense bf16 weights
   prepacked for this project's AMX GEMM (``Kernels.amx_linear``), float32 activations rounded to
   bf16 in the kernel: no padding of the rows, 1.3-2.5x torch's oneDNN matmul at 16-64 rows on
-  the embedded model's shapes (measured), about even near 256 and slower at 512, so it serves
-  the steps between the quantized ones and ``amx_max_tokens``.
+  the embedded model's shapes (measured), 0.7-1.0x of it alone at 256-512, where oneDNN in a
+  step also pays its row padding and copies; it serves the steps between the quantized ones
+  and ``amx_max_tokens`` (384-512 tokens on the AMX host measured). 270 MB more weights.
 
 ``quant_max_tokens`` (measured at start-up by :func:`quant_crossover`: the most tokens at which the
 quantized product of a layer's MLP weight still beats the dense one on this CPU) separates them,

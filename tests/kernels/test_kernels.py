@@ -253,6 +253,10 @@ def test_amx_pack_refuses_shapes_off_the_tiles():
     assert k.pack_amx(torch.zeros(32, 48)) is None   # K % 32
     with pytest.raises(ValueError, match="columns"):
         k.amx_linear(torch.zeros(2, 32), k.pack_amx(torch.zeros(16, 64)))
+    w = k.pack_amx(torch.zeros(16, 64))
+    for bad in (torch.zeros(4, 64).bfloat16(), torch.zeros(8, 64)[::2], torch.zeros(64, 4).t()):
+        with pytest.raises(ValueError, match="float32 and contiguous"):
+            k.amx_linear(bad, w)
 
 
 def test_amx_is_off_with_its_switch(monkeypatch):
@@ -296,9 +300,20 @@ def test_amx_prefill_attention_is_causal_attention_over_the_paged_context(n, pas
 
 
 def test_amx_prefill_attention_refuses_what_it_cannot_read():
+    """Each of these crashed the process or read outside the cache before the wrapper checked
+    it (a helper's report): int32 / strided / out-of-range block tables, bf16 q, negative
+    cached counts."""
     k = _amx()
     cache = torch.zeros(2, 4, 16, 1, 64).bfloat16()
     q = torch.zeros(3, 2, 64)
+    for bad in (torch.arange(4, dtype=torch.int32), torch.arange(8)[::2],
+                torch.tensor([0, 4]), torch.tensor([-1, 0])):
+        with pytest.raises(ValueError):
+            k.amx_prefill_attn(q, cache, bad, 20, 0.125)
+    with pytest.raises(ValueError, match="float32"):
+        k.amx_prefill_attn(q.bfloat16(), cache, torch.arange(4), 0, 0.125)
+    with pytest.raises(ValueError, match="cached"):
+        k.amx_prefill_attn(q, cache, torch.arange(4), -2, 0.125)
     with pytest.raises(ValueError, match="blocks"):
         k.amx_prefill_attn(q, cache, torch.arange(1), 20, 0.125)  # 23 positions, 16 cached
     with pytest.raises(ValueError, match="bf16"):
