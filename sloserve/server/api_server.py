@@ -35,8 +35,12 @@ from sloserve.server.app import DEFAULT_MAX_BODY_BYTES, create_engine_and_app
 logger = logging.getLogger(__name__)
 
 
-class StartupInterrupted(Exception):
-    """SIGTERM / SIGINT arrived while the model was loading."""
+class StartupInterrupted(BaseException):
+    """SIGTERM / SIGINT arrived while the model was loading.
+
+    A BaseException (like KeyboardInterrupt) so that the loaders' ``except Exception`` clauses,
+    which turn a library's error into "cannot build the tokenizer of ...", let it through: a
+    signal that lands inside one must stop the server (exit 0), not report a broken model."""
 
 
 class DrainingServer(uvicorn.Server):

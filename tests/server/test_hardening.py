@@ -156,6 +156,24 @@ def test_a_refused_setting_is_one_line_and_the_core_exits_at_once():
     assert _core_pids() <= before
 
 
+@pytest.mark.parametrize("model", ["gguf", "folder"])
+def test_a_signal_inside_the_tokenizer_load_is_not_reported_as_a_broken_model(
+        model, monkeypatch, tiny_llama_dir):
+    """CI caught SIGTERM landing inside Tokenizer.from_gguf: the loader's ``except Exception``
+    turned it into "cannot build the tokenizer of ...", exit 2. The interruption must come out
+    of the loader as itself (the server then exits 0)."""
+    from sloserve.model.loader import default_model_path, load_model_tokenizer
+    from sloserve.server.api_server import StartupInterrupted
+    from sloserve.tokenizer import Tokenizer
+
+    def interrupted(*args, **kwargs):
+        raise StartupInterrupted("SIGTERM")
+    monkeypatch.setattr(Tokenizer, "from_gguf", interrupted)
+    monkeypatch.setattr(Tokenizer, "from_pretrained", interrupted)
+    with pytest.raises(StartupInterrupted):
+        load_model_tokenizer(default_model_path() if model == "gguf" else tiny_llama_dir)
+
+
 def test_sigterm_while_loading_stops_the_core_and_exits_0():
     before = _core_pids()
     p = _start(_free_port())
