@@ -120,33 +120,39 @@ class MatmulProbe:
         return self.gemv_bf16_s / self.gemv_fp32_s
 
 
-def probe_matmul(repeats: int = 10) -> MatmulProbe:
+def probe_matmul(repeats: int = 20) -> MatmulProbe:
     """Time torch's linear in float32 and bfloat16 for a GEMM and a GEMV shape: best of
-    ``repeats``, on one thread (the ratio is the kernels' ISA, and one thread is not stalled by
-    an OpenMP barrier when another process holds a core); a few ms where bf16 is native, up to
-    ~0.3 s where it is emulated. torch's thread count is restored afterwards."""
+    ``repeats`` each, the two dtypes' calls alternated, on one thread (the ratio is the kernels'
+    ISA, and one thread is not stalled by an OpenMP barrier when another process holds a core);
+    a few ms where bf16 is native, up to ~0.5 s where it is emulated. torch's thread count is
+    restored afterwards.
+
+    Alternated because the machines are shared: one dtype's runs back to back last well under a
+    millisecond, so a neighbour's burst could cover all of them (a start-up measured the bf16
+    GEMV at 6.2x float32's time, against 1.3-1.6x in every quiet run, and served float32)."""
     import torch
 
-    def best(m: int, k: int, n: int, dtype) -> float:
+    def best_pair(m: int, k: int, n: int) -> tuple[float, float]:
         g = torch.Generator().manual_seed(0)
-        x = torch.randn(m, k, generator=g).to(dtype)
-        w = torch.randn(n, k, generator=g).to(dtype)
-        torch.nn.functional.linear(x, w)  # first call: oneDNN primitive creation
-        ts = []
+        args = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(m, k, generator=g).to(dtype)
+            w = torch.randn(n, k, generator=g).to(dtype)
+            torch.nn.functional.linear(x, w)  # first call: oneDNN primitive creation
+            args[dtype] = (x, w)
+        ts: dict = {torch.float32: [], torch.bfloat16: []}
         for _ in range(repeats):
-            t0 = time.perf_counter()
-            torch.nn.functional.linear(x, w)
-            ts.append(time.perf_counter() - t0)
-        return max(min(ts), 1e-9)
+            for dtype, (x, w) in args.items():
+                t0 = time.perf_counter()
+                torch.nn.functional.linear(x, w)
+                ts[dtype].append(time.perf_counter() - t0)
+        return max(min(ts[torch.float32]), 1e-9), max(min(ts[torch.bfloat16]), 1e-9)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with torch.inference_mode():
-            return MatmulProbe(best(32, 512, 512, torch.float32),
-                               best(32, 512, 512, torch.bfloat16),
-                               best(1, 1024, 1024, torch.float32),
-                               best(1, 1024, 1024, torch.bfloat16))
+            return MatmulProbe(*best_pair(32, 512, 512), *best_pair(1, 1024, 1024))
     finally:
         torch.set_num_threads(threads)
 
