@@ -157,3 +157,43 @@ def test_non_finite_or_out_of_range_params_rejected(kw):
     with pytest.raises(ParamError) as e:
         SamplingParams(**kw)
     assert e.value.param == next(iter(kw))
+
+
+def test_draw_matches_the_float64_inverse_cdf_across_blocks():
+    """draw's two-level search picks the token a whole-row float64 prefix sum picks (V = 1,000:
+    four blocks of 256, the last one padded), for 2,000 uniforms, in one call."""
+    from sloserve.model.sampler import draw
+    g = torch.Generator().manual_seed(5)
+    probs = torch.softmax(torch.randn(2000, 1000, generator=g) * 2, -1)
+    u = torch.rand(2000, generator=g, dtype=torch.float64)
+    ref = torch.searchsorted(probs.double().cumsum(-1),
+                             (u * probs.double().sum(-1))[:, None], right=True)[:, 0]
+    assert torch.equal(draw(probs, u), ref)
+    p = torch.tensor([[0.25, 0.25, 0.5]] * 5)
+    assert draw(p, torch.tensor([0.0, 0.2, 0.25, 0.3, 0.6], dtype=torch.float64)).tolist() == \
+        [0, 0, 1, 1, 2]
+
+
+def test_draw_never_picks_a_token_of_probability_zero():
+    """Masked tokens (top-k / top-p / a grammar) sit at the ends of rows and blocks; a uniform
+    just below 1 (whose target rounds to the row's total) must still land on an allowed one."""
+    from sloserve.model.sampler import DRAW_BLOCK, draw
+    V = 3 * DRAW_BLOCK + 10
+    probs = torch.zeros(4, V)
+    probs[0, 5] = 1.0                            # one allowed token, then zeros to the end
+    probs[1, [DRAW_BLOCK - 1, DRAW_BLOCK]] = 0.5  # either side of a block boundary
+    probs[2, :] = 1e-3                           # all allowed, unnormalised
+    probs[3, DRAW_BLOCK + 7] = 3.0
+    for u in (0.0, 0.5, 1 - 2 ** -53):
+        got = draw(probs, torch.full((4,), u, dtype=torch.float64)).tolist()
+        assert all(probs[r, t] > 0 for r, t in enumerate(got)), (u, got)
+    assert draw(probs, torch.full((4,), 1 - 2 ** -53, dtype=torch.float64)).tolist() == \
+        [5, DRAW_BLOCK, V - 1, DRAW_BLOCK + 7]
+
+
+def test_draw_refuses_a_row_with_nothing_to_sample():
+    from sloserve.model.sampler import draw
+    ok = [0.5, 0.5]
+    for bad, total in (([float("nan"), 1.0], "nan"), ([0.0, 0.0], "0.0")):
+        with pytest.raises(ValueError, match=f"cannot sample row 1: .* sum to {total}"):
+            draw(torch.tensor([ok, bad]), torch.zeros(2, dtype=torch.float64))
