@@ -255,14 +255,25 @@ class Kernels:
         self.lib.sl_silu_mul(_ptr(gu), T, F2 // 2, _ptr(out), _is_bf16(gu.dtype))
         return out
 
-    def rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-             inv_freq: torch.Tensor) -> None:
-        """In place on q [T, Hq, D] and k [T, Hk, D] (float32 views; heads contiguous)."""
+    @staticmethod
+    def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor,
+                                                                              torch.Tensor]:
+        """cos and sin [T, D / 2] float32 of the angles positions[t] * inv_freq[i] (float32, as
+        transformers computes them): once per step, for every layer's :meth:`rope`."""
+        ang = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]
+        return ang.cos().contiguous(), ang.sin().contiguous()
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> None:
+        """In place on q [T, Hq, D] and k [T, Hk, D] (float32 views; heads contiguous), with
+        :meth:`rope_tables`' cos / sin [T, D / 2]."""
         T, hq, d = q.shape
-        if d > 1024:
-            raise ValueError(f"rope: head_dim {d} over the kernel's 1024")
-        self.lib.sl_rope(_ptr(q), q.stride(0), _ptr(k), k.stride(0), _ptr(positions),
-                         _ptr(inv_freq), T, hq, k.shape[1], d)
+        if cos.shape != (T, d // 2) or sin.shape != cos.shape or cos.dtype != torch.float32 \
+                or not (cos.is_contiguous() and sin.is_contiguous()):
+            raise ValueError(f"rope: cos / sin must be contiguous float32 [{T}, {d // 2}], got "
+                             f"{tuple(cos.shape)} {cos.dtype} / {tuple(sin.shape)}")
+        self.lib.sl_rope(_ptr(q), q.stride(0), _ptr(k), k.stride(0), _ptr(cos), _ptr(sin),
+                         T, hq, k.shape[1], d)
 
     # ------------------------------------------------------------------ attention
     def cache_write(self, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,

@@ -244,6 +244,7 @@ class FastPath:
         else:
             h = self.embed_dense.index_select(0, input_ids).float()
         delta = None
+        cos, sin = k.rope_tables(positions, self.inv_freq)  # once for all layers
         for L, cache in zip(self.layers, kv_caches):
             a = k.rms_norm(h, L.ln1, self.eps, act) if delta is None else \
                 k.add_rms_norm(h, delta, L.ln1, self.eps, act)
@@ -254,7 +255,7 @@ class FastPath:
             q = qkv[:, :H * D].view(T, H, D)
             kk = qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D)
             v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
-            k.rope(q, kk, positions, self.inv_freq)
+            k.rope(q, kk, cos, sin)
             o = attn_backend.forward(q, kk, v, cache, attn_meta, D ** -0.5)
             o = o.reshape(T, H * D).float().contiguous()
             delta = self._lin(o, L.o) if quant else self._d(o, w["o"], out_dtype=act)

@@ -140,7 +140,10 @@ def test_norms_silu_rope(k):
     def rot(t):
         return t * cos + torch.cat([-t[..., D // 2:], t[..., :D // 2]], -1) * sin
     rq, rk, v_before = rot(q.clone()), rot(kk.clone()), qkv[:, (H + Hk) * D:].clone()
-    k.rope(q, kk, pos, inv)
+    k.rope(q, kk, *k.rope_tables(pos, inv))
+    c, s_ = k.rope_tables(pos, inv)
+    with pytest.raises(ValueError, match="rope: cos / sin must be contiguous float32"):
+        k.rope(q, kk, c[:2], s_[:2])  # tables of another step
     torch.testing.assert_close(q, rq, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kk, rk, atol=1e-5, rtol=1e-5)
     assert torch.equal(qkv[:, (H + Hk) * D:], v_before)  # V untouched

@@ -1729,24 +1729,21 @@ void sl_silu_mul(const void* gu, int64_t T, int64_t F, void* out, int bf16) {
 }
 
 // RoPE in place (Hugging Face rotate_half layout): q [T, Hq, D], k [T, Hk, D] float32 with
-// row strides q_stride / k_stride (floats between tokens); angle = pos[t] * inv_freq[i] in
-// float32, as transformers computes it.
-void sl_rope(float* q, int64_t q_stride, float* k, int64_t k_stride, const int64_t* pos,
-             const float* inv_freq, int64_t T, int64_t Hq, int64_t Hk, int64_t D) {
+// row strides q_stride / k_stride (floats between tokens); cos / sin [T, D / 2] float32, the
+// step's angles pos[t] * inv_freq[i] computed once for all layers (by the caller, as
+// transformers computes them).
+void sl_rope(float* q, int64_t q_stride, float* k, int64_t k_stride, const float* cos_t,
+             const float* sin_t, int64_t T, int64_t Hq, int64_t Hk, int64_t D) {
   const int64_t half = D / 2;
 #ifdef SL_USE_OMP
 #pragma omp parallel for schedule(static) if (T * (Hq + Hk) * D * 4 >= 32768)
 #endif
   for (int64_t t = 0; t < T; ++t) {
-    float c[512], s[512];  // half <= 512 (checked by the caller)
-    const float p = float(pos[t]);
-    for (int64_t i = 0; i < half; ++i) {
-      const float a = p * inv_freq[i];
-      c[i] = std::cos(a);
-      s[i] = std::sin(a);
-    }
+    const float* c = cos_t + t * half;
+    const float* s = sin_t + t * half;
     for (int64_t h = 0; h < Hq + Hk; ++h) {
       float* v = h < Hq ? q + t * q_stride + h * D : k + t * k_stride + (h - Hq) * D;
+#pragma omp simd
       for (int64_t i = 0; i < half; ++i) {
         const float x0 = v[i], x1 = v[i + half];
         v[i] = x0 * c[i] - x1 * s[i];
