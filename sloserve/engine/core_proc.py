@@ -8,7 +8,8 @@ msgpack through msgspec (``sloserve.engine.messages``).
 The step loop never waits on the front end: an input thread receives and decodes messages into
 a queue, and the loop drains it between steps (blocking on it only when nothing is left to run).
 SIGINT is ignored (a Ctrl-C in a terminal reaches the whole process group; the API process
-decides how to stop); SIGTERM, or the parent process going away, ends the loop.
+decides how to stop); SIGTERM, or the parent process going away, ends the loop, and SIGTERM
+while the model loads ends the process at once (exit 0).
 """
 from __future__ import annotations
 
@@ -38,7 +39,13 @@ def run_engine_core(config: EngineConfig, step_trace: str | None, input_addr: st
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    loading = [True]
+
+    def on_term(*_) -> None:  # while loading: stop now (the API process is waiting for us)
+        stop.set()
+        if loading[0]:
+            raise SystemExit(0)
+    signal.signal(signal.SIGTERM, on_term)
     _watch_parent(parent_pid, input_addr)
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
@@ -56,6 +63,9 @@ def run_engine_core(config: EngineConfig, step_trace: str | None, input_addr: st
     from sloserve.engine.core import EngineCore
     try:
         core = EngineCore(config, step_trace)
+    except SystemExit:  # SIGTERM while loading
+        _close(ctx, in_sock, out_sock)
+        raise
     except (FileNotFoundError, ValueError, OSError) as e:
         send(EngineCoreReady(error=str(e), error_type=type(e).__name__))
         _close(ctx, in_sock, out_sock)
@@ -65,6 +75,7 @@ def run_engine_core(config: EngineConfig, step_trace: str | None, input_addr: st
         send(EngineCoreReady(error=f"{type(e).__name__}: {e}", error_type="RuntimeError"))
         _close(ctx, in_sock, out_sock)
         sys.exit(EXIT_CRASH)
+    loading[0] = False  # from here SIGTERM ends the loop (a swallowed SystemExit too: stop is set)
     send(EngineCoreReady(info=core.info))
 
     inbox: queue.Queue = queue.Queue()

@@ -46,8 +46,10 @@ def _grammar(spec: StructuredOutputsParams):
     try:
         if spec.json is not None:
             return xgr.Grammar.from_json_schema(spec.json, any_whitespace=False)
-        if spec.json_object:
-            return xgr.Grammar.builtin_json_grammar()
+        if spec.json_object:  # an object, as OpenAI's json_object and vLLM mean it (xgrammar's
+            # builtin JSON grammar also takes a top-level array: a seeded sample produced one)
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=True,
+                                                strict_mode=False)
         if spec.regex is not None:
             return xgr.Grammar.from_regex(spec.regex)
         if spec.choice is not None:

@@ -149,7 +149,13 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
     torch.set_num_threads(1)  # this process does no math; the cores are the engine core's
     sock = _listen(host, port)
 
+    # every signal is remembered first: the exception can be swallowed where it lands (raised
+    # inside a __del__ it is only printed, "Exception ignored in ..."), and then the server,
+    # once loaded, starts and stops at once instead of serving on
+    pending: list[int] = []
+
     def interrupted(sig, frame):
+        pending.append(sig)
         raise StartupInterrupted(signal.Signals(sig).name)
     old = {s: signal.signal(s, interrupted) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -163,9 +169,13 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
     finally:
         # until uvicorn installs its own handlers, a signal is remembered (the server then
         # starts and stops at once), never the default death
-        pending: list[int] = []
         for s in old:
             signal.signal(s, lambda sig, frame: pending.append(sig))
+    if pending:  # it arrived during the load, but its exception was swallowed where it landed
+        logger.info("%s while the model was loading: stopped", signal.Signals(pending[0]).name)
+        engine.shutdown()
+        sock.close()
+        return
     logger.info("serving %s on http://%s:%d (max_model_len %d)", engine.model_name, host, port,
                 engine.max_model_len)
     server = DrainingServer(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2),

@@ -66,3 +66,17 @@ def test_validate_refuses_with_a_clear_message():
                                          r'\(xgrammar\) do not enforce'):
         validate(spec)
     validate(StructuredOutputsParams(json=json.dumps({"type": "array", "maxItems": 2})))
+
+
+def test_json_object_means_an_object():
+    """``response_format: json_object`` took xgrammar's builtin JSON grammar, which also accepts
+    a top-level array (a seeded sample at temperature 0.8 produced one in CI)."""
+    pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from sloserve.engine.structured_output import _grammar
+    from sloserve.sampling_params import StructuredOutputsParams
+    g = _grammar(StructuredOutputsParams(json_object=True))
+    assert [_is_grammar_accept_string(g, s) for s in
+            ['{"a": 1}', '{}', '{"a": {"b": [1, 2]}}', '{\n  "x": "y"\n}', '[1]', '"s"', '1']] == \
+        [True, True, True, True, False, False, False]

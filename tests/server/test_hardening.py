@@ -174,6 +174,47 @@ def test_a_signal_inside_the_tokenizer_load_is_not_reported_as_a_broken_model(
         load_model_tokenizer(default_model_path() if model == "gguf" else tiny_llama_dir)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the __del__
+def test_a_signal_whose_exception_is_swallowed_during_the_load_still_stops_the_server(
+        monkeypatch):
+    """CI: SIGTERM landed inside a __del__ (regex's SetBase), where Python only prints the
+    handler's exception; the load went on and the server served on, deaf to the signal. The
+    handler records the signal first, and a loaded server that got one stops before serving."""
+    import torch
+    from sloserve.config import EngineConfig
+    from sloserve.server import api_server
+
+    class Swallows:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(10_000):  # the handler runs here, inside __del__
+                pass
+
+    stopped, served = [], []
+
+    class Engine:
+        model_name, max_model_len = "m", 1
+
+        def shutdown(self):
+            stopped.append(True)
+
+    def create(*args, **kwargs):
+        x = Swallows()
+        del x                        # "Exception ignored in ... __del__": StartupInterrupted
+        return Engine(), object()
+    monkeypatch.setattr(api_server, "create_engine_and_app", create)
+    monkeypatch.setattr(api_server.DrainingServer, "run", lambda self, sockets=None: served.append(1))
+    threads = torch.get_num_threads()
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        api_server.run_server(EngineConfig(), port=_free_port(), log_level="warning")
+    finally:
+        torch.set_num_threads(threads)
+        for s, h in before.items():
+            signal.signal(s, h)
+    assert stopped == [True] and served == []
+
+
 def test_sigterm_while_loading_stops_the_core_and_exits_0():
     before = _core_pids()
     p = _start(_free_port())
