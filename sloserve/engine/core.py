@@ -105,7 +105,7 @@ class EngineCore:
         logger.info("%s", self.dtype_choice.describe())
         self.dtype = parse_dtype(self.dtype_choice.dtype)
         self.kv_cache_dtype = parse_dtype(self.dtype_choice.kv_cache_dtype)
-        attn = get_attention_backend(config.attention_backend)
+        attn = get_attention_backend(config.attention_backend, self.kv_cache_dtype)
         self.model, weights = load_model(config.model, self.dtype, config.load_format,
                                          with_tokenizer=False,
                                          quantization=config.quantization)

@@ -53,8 +53,9 @@ class Sampler:
                 out[i] = t
         if rows:
             sub = logits if len(rows) == len(params) else logits[rows]
-            temps = torch.tensor([params[i].temperature for i in rows], dtype=logits.dtype)
-            scaled = sub / temps[:, None]
+            # float32 whatever the logits' dtype (fp16 logits / 1e-4 overflowed to inf - inf)
+            temps = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32)
+            scaled = sub.float() / temps[:, None]
             for j, i in enumerate(rows):  # top-k / top-p rows: one at a time
                 if 0 < params[i].top_k < logits.shape[-1] or params[i].top_p < 1.0:
                     scaled[j] = self.processed_logits(sub[j], params[i])

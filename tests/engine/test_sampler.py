@@ -197,3 +197,11 @@ def test_draw_refuses_a_row_with_nothing_to_sample():
     for bad, total in (([float("nan"), 1.0], "nan"), ([0.0, 0.0], "0.0")):
         with pytest.raises(ValueError, match=f"cannot sample row 1: .* sum to {total}"):
             draw(torch.tensor([ok, bad]), torch.zeros(2, dtype=torch.float64))
+
+
+def test_half_precision_logits_at_a_tiny_temperature_sample_the_argmax():
+    """fp16 logits / 1e-4 overflowed in fp16 (inf - inf = NaN, "cannot sample"); the sampler
+    scales in float32 whatever the logits' dtype (a helper's finding)."""
+    logits = (random_logits(3, vocab=1000, seed=9) * 7).half()
+    out = Sampler(0)(logits, list("abc"), [SamplingParams(temperature=1e-4, seed=1)] * 3)
+    assert out == logits.float().argmax(-1).tolist()

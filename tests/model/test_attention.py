@@ -135,6 +135,24 @@ def test_registry():
         get_attention_backend("flash")
 
 
+def test_a_kv_cache_dtype_the_paged_kernels_cannot_read_gets_another_backend(tiny_llama_dir):
+    """A float16 KV cache read by the cpu-paged kernels as float32 ran off the cache and
+    segfaulted the engine core (a helper's ``--dtype float16``): ``auto`` now skips a backend
+    that cannot read the dtype, and naming it is refused with the choices."""
+    if "cpu-paged" not in available_backends():
+        pytest.skip("the kernels do not load here")
+    assert get_attention_backend("auto", torch.float16).name == "torch-ref"
+    assert get_attention_backend("auto", torch.bfloat16).name == "cpu-paged"
+    assert get_attention_backend("cpu-paged", torch.float32).name == "cpu-paged"
+    with pytest.raises(ValueError, match="'cpu-paged' reads a float32, bfloat16 KV cache, not "
+                                         "float16; use --kv-cache-dtype float32"):
+        get_attention_backend("cpu-paged", torch.float16)
+    from sloserve.engine.llm import LLM
+    llm = LLM(model=tiny_llama_dir, dtype="float16", num_kv_blocks=64, max_model_len=128)
+    out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=4))
+    assert len(out[0].token_ids) == 4 and llm.engine.core.runner.attn_backend.name == "torch-ref"
+
+
 def test_export_import_blocks_roundtrip():
     be = get_attention_backend("torch-ref")
     cache = torch.randn(be.kv_cache_shape(10, BS, 2, 8))

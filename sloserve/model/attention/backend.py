@@ -75,6 +75,14 @@ class AttentionBackend(abc.ABC):
 
     name: ClassVar[str] = "abstract"
     priority: ClassVar[int] = 0
+    #: the KV cache dtypes it reads (None: any)
+    kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
+
+    @classmethod
+    def supports(cls, kv_cache_dtype: torch.dtype | None) -> bool:
+        """Whether it reads a KV cache of this dtype (None: any dtype will do)."""
+        return kv_cache_dtype is None or cls.kv_cache_dtypes is None or \
+            kv_cache_dtype in cls.kv_cache_dtypes
 
     @classmethod
     def is_available(cls) -> bool:
@@ -140,15 +148,18 @@ def available_backends() -> list[str]:
     return [c.name for c in sorted(ok, key=lambda c: -c.priority)]
 
 
-def get_attention_backend(name: str = "auto") -> AttentionBackend:
-    """A backend instance by name; ``auto``: the best available.
+def get_attention_backend(name: str = "auto",
+                          kv_cache_dtype: torch.dtype | None = None) -> AttentionBackend:
+    """A backend instance by name; ``auto``: the best available that reads a KV cache of
+    ``kv_cache_dtype`` (None: any).
 
     Raises:
-        ValueError: an unknown name, or a backend that cannot run here (message lists the choices).
+        ValueError: an unknown name, a backend that cannot run here, or one that cannot read a
+            KV cache of that dtype (each message lists the choices).
     """
     if name == "auto":
-        names = available_backends()
-        if not names:  # pragma: no cover - the reference backend always is
+        names = [n for n in available_backends() if _BACKENDS[n].supports(kv_cache_dtype)]
+        if not names:  # pragma: no cover - the reference backend reads every dtype
             raise ValueError("no attention backend can run here")
         return _BACKENDS[names[0]]()
     if name not in _BACKENDS:
@@ -158,4 +169,9 @@ def get_attention_backend(name: str = "auto") -> AttentionBackend:
     if not cls.is_available():
         raise ValueError(f"attention backend {name!r} cannot run here; available: "
                          f"{', '.join(['auto', *available_backends()])}")
+    if not cls.supports(kv_cache_dtype):
+        dtypes = ", ".join(str(d).removeprefix("torch.") for d in cls.kv_cache_dtypes)
+        raise ValueError(f"attention backend {name!r} reads a {dtypes} KV cache, not "
+                         f"{str(kv_cache_dtype).removeprefix('torch.')}; use --kv-cache-dtype "
+                         f"{dtypes.split(', ')[0]} or another --attention-backend (auto picks one)")
     return cls()

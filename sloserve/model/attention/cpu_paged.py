@@ -58,6 +58,8 @@ class CpuPagedBackend(AttentionBackend):
 
     name = "cpu-paged"
     priority = 10
+    # the kernels read bf16 or float32 rows (a float16 cache read as float32 ran off its end)
+    kv_cache_dtypes = (torch.float32, torch.bfloat16)
 
     def __init__(self):
         from sloserve import kernels
