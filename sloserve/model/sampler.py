@@ -120,24 +120,30 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     if nb * DRAW_BLOCK != V:
         probs = torch.nn.functional.pad(probs, (0, nb * DRAW_BLOCK - V))
     blocks = probs.view(S, nb, DRAW_BLOCK)
-    cum = blocks.sum(-1).double().cumsum(-1)                      # [S, nb]
+    sums = blocks.sum(-1)                                         # [S, nb]
+    cum = sums.double().cumsum(-1)
     total = cum[:, -1]
     bad = ~(total > 0) | ~torch.isfinite(total)
     if bool(bad.any()):
         raise ValueError(f"cannot sample row {int(bad.nonzero()[0, 0])}: its probabilities sum "
                          f"to {float(total[bad][0])}")
     x = u.double() * total
-    pos = torch.arange(nb)
-    last_block = torch.where(cum > torch.cat([cum.new_zeros(S, 1), cum[:, :-1]], 1), pos, 0)
-    b = torch.minimum(torch.searchsorted(cum, x[:, None], right=True)[:, 0],
-                      last_block.max(-1).values)
+    b = torch.minimum(_first_above(cum, x), _last_positive(sums))
     rows = torch.arange(S)
     x = x - torch.where(b > 0, cum[rows, (b - 1).clamp(min=0)], 0.0)
     chosen = blocks[rows, b]                                      # [S, DRAW_BLOCK]
-    inner = chosen.double().cumsum(-1)
-    last = torch.where(chosen > 0, torch.arange(DRAW_BLOCK), 0).max(-1).values
-    j = torch.minimum(torch.searchsorted(inner, x[:, None], right=True)[:, 0], last)
+    j = torch.minimum(_first_above(chosen.double().cumsum(-1), x), _last_positive(chosen))
     return b * DRAW_BLOCK + j
+
+
+def _first_above(cum: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose prefix sum ``cum`` [S, n] exceeds ``x`` [S]."""
+    return torch.searchsorted(cum, x[:, None], right=True)[:, 0]
+
+
+def _last_positive(t: torch.Tensor) -> torch.Tensor:
+    """Per row of ``t`` [S, n], the last index holding a value > 0 (0 if none)."""
+    return torch.where(t > 0, torch.arange(t.shape[-1]), 0).max(-1).values
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int], masks: list[bytes]) -> None:

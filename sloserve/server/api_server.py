@@ -158,22 +158,22 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
         pending.append(sig)
         raise StartupInterrupted(signal.Signals(sig).name)
     old = {s: signal.signal(s, interrupted) for s in (signal.SIGTERM, signal.SIGINT)}
+    engine = None
     try:
         engine, app = create_engine_and_app(config, manage_engine=True, step_trace=step_trace,
                                             log_level=log_level,
                                             max_request_body_bytes=max_request_body_bytes)
-    except StartupInterrupted as e:
-        logger.info("%s while the model was loading: stopped", e)
-        sock.close()
-        return
+    except StartupInterrupted:
+        pass  # in pending; the load cleaned up after itself
     finally:
         # until uvicorn installs its own handlers, a signal is remembered (the server then
         # starts and stops at once), never the default death
         for s in old:
             signal.signal(s, lambda sig, frame: pending.append(sig))
-    if pending:  # it arrived during the load, but its exception was swallowed where it landed
+    if pending:  # raised out of the load, or swallowed where it landed and the load went on
         logger.info("%s while the model was loading: stopped", signal.Signals(pending[0]).name)
-        engine.shutdown()
+        if engine is not None:
+            engine.shutdown()
         sock.close()
         return
     logger.info("serving %s on http://%s:%d (max_model_len %d)", engine.model_name, host, port,

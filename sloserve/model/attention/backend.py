@@ -170,8 +170,8 @@ def get_attention_backend(name: str = "auto",
         raise ValueError(f"attention backend {name!r} cannot run here; available: "
                          f"{', '.join(['auto', *available_backends()])}")
     if not cls.supports(kv_cache_dtype):
-        dtypes = ", ".join(str(d).removeprefix("torch.") for d in cls.kv_cache_dtypes)
-        raise ValueError(f"attention backend {name!r} reads a {dtypes} KV cache, not "
-                         f"{str(kv_cache_dtype).removeprefix('torch.')}; use --kv-cache-dtype "
-                         f"{dtypes.split(', ')[0]} or another --attention-backend (auto picks one)")
+        names = [str(d).removeprefix("torch.") for d in (*cls.kv_cache_dtypes, kv_cache_dtype)]
+        raise ValueError(f"attention backend {name!r} reads a {', '.join(names[:-1])} KV cache, "
+                         f"not {names[-1]}; use --kv-cache-dtype {names[0]} or another "
+                         f"--attention-backend (auto picks one)")
     return cls()
