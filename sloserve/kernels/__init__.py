@@ -45,6 +45,7 @@ _SIGS = {
     "sl_amx_init": ([], _I32),
     "sl_amx_pack_bf16": ([_P, _I64, _I64, _P], _I32),
     "sl_amx_linear": ([_P, _I64, _I64, _P, _I64, _P, _P], _I32),
+    "sl_amx_swiglu": ([_P, _I64, _I64, _P, _I64, _P, _P], _I32),
     "sl_amx_prefill_attn_scratch": ([_I64, _I64, _I64, _I64], _I64),
     "sl_amx_prefill_attn": ([_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F, _P,
                              _P], _I32),
@@ -219,6 +220,37 @@ class Kernels:
         if self.lib.sl_amx_linear(x.data_ptr(), M, K, w.packed.data_ptr(), N, y.data_ptr(),
                                   scratch):
             raise RuntimeError(f"the {self.variant} kernels have no AMX GEMM")
+        return y
+
+    def pack_amx_swiglu(self, gate_up: torch.Tensor) -> AmxWeight | None:
+        """The fused gate/up weight ``gate_up`` [2F, K] (gate rows, then up rows) packed for
+        :meth:`amx_swiglu`: rows interleaved by 16 (gate 0-15, up 0-15, gate 16-31, ...) so
+        that each 32-column block of the product is one block of 16 features' gate and up.
+        None where :meth:`pack_amx` gives None or F % 16 != 0."""
+        N, K = gate_up.shape
+        if N % 32:
+            return None
+        F = N // 2
+        il = gate_up.detach().reshape(2, F // 16, 16, K).transpose(0, 1).reshape(N, K)
+        return self.pack_amx(il)
+
+    def amx_swiglu(self, x: torch.Tensor, w: AmxWeight) -> torch.Tensor:
+        """SwiGLU in the gate/up product's epilogue: x [M, K] float32 contiguous (rounded to
+        bfloat16), ``w`` from :meth:`pack_amx_swiglu` of [2F, K] -> silu(x W_gate^T) * (x
+        W_up^T) [M, F] float32 (products accumulated in float32 on the AMX tiles; SiLU as
+        :meth:`silu_mul`'s). Raises ValueError on shapes, RuntimeError without AMX."""
+        M, K = x.shape
+        N = w.shape[0]
+        if K != w.shape[1]:
+            raise ValueError(f"amx_swiglu: x has {K} columns, the weight {w.shape[1]}")
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            raise ValueError(f"amx_swiglu: x must be float32 and contiguous, got {x.dtype}"
+                             f"{'' if x.is_contiguous() else ' (strided)'}")
+        y = torch.empty(M, N // 2, dtype=torch.float32)
+        scratch = self._scratch(-(-M // 16) * 16 * K * 2 + 4096 * max(1, self.lib.sl_num_threads()))
+        if self.lib.sl_amx_swiglu(x.data_ptr(), M, K, w.packed.data_ptr(), N, y.data_ptr(),
+                                  scratch):
+            raise RuntimeError(f"the {self.variant} kernels have no AMX GEMM (or N % 32 != 0)")
         return y
 
     def qembed(self, ids: torch.Tensor, w) -> torch.Tensor:

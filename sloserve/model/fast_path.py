@@ -3,7 +3,7 @@ linear-layer kernel that is fast for its number of tokens.
 
 Per layer: [add residual +] RMSNorm (one call), the Q, K and V projections, RoPE on Q and K in
 place, the attention backend, the output projection, add residual + RMSNorm, gate and up,
-SiLU(gate) * up, the down projection. No Python work per layer grows with the batch.
+SiLU(gate) * up (in the AMX GEMM's epilogue on AMX steps), the down projection. No Python work per layer grows with the batch.
 
 The projections of a step run one of three ways:
 
@@ -130,13 +130,15 @@ class FastPath:
         self.lm_amx = kernels.pack_amx(self.lm_dense) if use_amx else None
         if use_amx:
             for L in self.layers:
-                packed = {n: kernels.pack_amx(w) for n, w in L.dense.items()}
+                packed = {n: (kernels.pack_amx_swiglu(w) if n == "gate_up" else kernels.pack_amx(w))
+                          for n, w in L.dense.items()}
                 if all(packed.values()):
                     L.amx = packed
             use_amx = self.lm_amx is not None and all(L.amx for L in self.layers)
-        # dense weight -> its AMX copy, by identity (what _d is handed is the dense tensor)
-        self._amx = ({id(L.dense[n]): a for L in self.layers for n, a in L.amx.items()}
-                     | {id(self.lm_dense): self.lm_amx}) if use_amx else {}
+        # dense weight -> its AMX copy, by identity (what _d is handed is the dense tensor);
+        # gate_up's copy is interleaved for the fused SwiGLU (_swiglu), never a plain product
+        self._amx = ({id(L.dense[n]): a for L in self.layers for n, a in L.amx.items()
+                      if n != "gate_up"} | {id(self.lm_dense): self.lm_amx}) if use_amx else {}
         # each crossover: 0 without its path, else as given, else measured (AMX's first: the
         # quantized one races the dense path that will serve those steps)
         self.amx_max_tokens = _given_or(amx_max_tokens, use_amx, lambda: amx_crossover(self))
@@ -179,6 +181,14 @@ class FastPath:
             y = self.k.amx_linear(x.float().contiguous(), self._amx[id(w)])
             return y if out_dtype == torch.float32 else y.to(out_dtype)
         return self._onednn(x, w, out_dtype)
+
+    def _swiglu(self, x: torch.Tensor, L: FastLayer, act: torch.dtype) -> torch.Tensor:
+        """silu(x W_gate^T) * (x W_up^T) of a dense step, x [T, hidden] -> [T, intermediate] in
+        ``act``: fused into the AMX GEMM's epilogue up to ``amx_max_tokens`` rows (float32),
+        else oneDNN's product then :meth:`Kernels.silu_mul`."""
+        if self._amx and x.shape[0] <= self.amx_max_tokens:
+            return self.k.amx_swiglu(x.float().contiguous(), L.amx["gate_up"])
+        return self.k.silu_mul(self._onednn(x, L.dense["gate_up"], out_dtype=act))
 
     def _onednn(self, x: torch.Tensor, w: torch.Tensor,
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -260,8 +270,7 @@ class FastPath:
             o = o.reshape(T, H * D).float().contiguous()
             delta = self._lin(o, L.o) if quant else self._d(o, w["o"], out_dtype=act)
             a = k.add_rms_norm(h, delta, L.ln2, self.eps, act)
-            gu = self._q(a, L.gate_up) if quant else self._d(a, w["gate_up"], out_dtype=act)
-            f = k.silu_mul(gu)
+            f = k.silu_mul(self._q(a, L.gate_up)) if quant else self._swiglu(a, L, act)
             delta = self._lin(f, L.down) if quant else self._d(f, w["down"], out_dtype=act)
         h += delta
         x = k.rms_norm(h.index_select(0, logits_indices), self.norm, self.eps)
@@ -290,11 +299,11 @@ def quant_crossover(fp: FastPath, sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), repe
     L = fp.layers[0]
 
     def quant(x, xf):
-        fp._q(x, L.gate_up)
+        fp.k.silu_mul(fp._q(x, L.gate_up))
         fp._lin(xf, L.down)
 
     def dense(x, xf):
-        fp._d(x, L.dense["gate_up"])
+        fp._swiglu(x, L, torch.float32)
         fp._d(xf, L.dense["down"])
     return _crossover(fp, sizes, quant, dense, repeats)
 
@@ -308,11 +317,11 @@ def amx_crossover(fp: FastPath, sizes=(32, 64, 96, 128, 192, 256, 320, 384, 512)
     L = fp.layers[0]
 
     def amx(x, xf):
-        fp.k.amx_linear(x, L.amx["gate_up"])
+        fp.k.amx_swiglu(x, L.amx["gate_up"])
         fp.k.amx_linear(xf, L.amx["down"])
 
     def dense(x, xf):
-        fp._onednn(x, L.dense["gate_up"])
+        fp.k.silu_mul(fp._onednn(x, L.dense["gate_up"], out_dtype=fp.dtype))
         fp._onednn(xf, L.dense["down"])
     return _crossover(fp, sizes, amx, dense, repeats)
 

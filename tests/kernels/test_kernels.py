@@ -250,6 +250,26 @@ def test_amx_linear_is_the_bf16_product(m, n, kk):
     torch.testing.assert_close(y.double(), ref, atol=1e-4 * math.sqrt(kk), rtol=1e-5)
 
 
+@pytest.mark.parametrize("m", [1, 15, 16, 17, 33, 100])
+@pytest.mark.parametrize("f,kk", [(48, 64), (96, 576)])
+def test_amx_swiglu_is_silu_mul_of_the_product(m, f, kk):
+    """The fused epilogue gives exactly silu_mul of the plain AMX product of [gate; up] (same
+    tiles, same SiLU), for every row tail; gate and up are not swapped or shifted by the
+    interleaving (checked against torch's SiLU on a float64 product too)."""
+    k = _amx()
+    g = torch.Generator().manual_seed(100 * m + f)
+    x, w = torch.randn(m, kk, generator=g), torch.randn(2 * f, kk, generator=g) * 0.2
+    y = k.amx_swiglu(x, k.pack_amx_swiglu(w))
+    assert y.shape == (m, f) and y.dtype == torch.float32
+    assert torch.equal(y, k.silu_mul(k.amx_linear(x, k.pack_amx(w))))
+    p = x.bfloat16().double() @ w.bfloat16().double().t()
+    ref = torch.nn.functional.silu(p[:, :f]) * p[:, f:]
+    torch.testing.assert_close(y.double(), ref, atol=1e-4 * math.sqrt(kk), rtol=1e-4)
+    assert k.pack_amx_swiglu(torch.zeros(48, 64)) is None  # 2F % 32: F not a whole tile
+    with pytest.raises(ValueError, match="float32 and contiguous"):
+        k.amx_swiglu(x.bfloat16(), k.pack_amx_swiglu(w))
+
+
 def test_amx_pack_refuses_shapes_off_the_tiles():
     k = _amx()
     assert k.pack_amx(torch.zeros(40, 64)) is None   # N % 16

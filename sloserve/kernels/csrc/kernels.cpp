@@ -1195,20 +1195,22 @@ inline void store16(char* p, int64_t i, __mmask16 m, __m512 v, int bf16) {
   _mm256_mask_storeu_epi16(reinterpret_cast<uint16_t*>(p) + i, m, _mm512_cvtepi32_epi16(r));
 }
 
+// silu(g) * u for 16 floats: g / (1 + exp(-g)) as g * 1 / d, 1 / d by vrcp14ps and one Newton
+// step (~1 ulp; vdivps cost more than the rest of the loop).
+inline __m512 silu_mul16(__m512 g, __m512 u) {
+  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+  __m512 y = _mm512_rcp14_ps(d);
+  y = _mm512_mul_ps(y, _mm512_fnmadd_ps(d, y, _mm512_set1_ps(2.f)));
+  return _mm512_mul_ps(_mm512_mul_ps(g, y), u);
+}
+
 // One row of sl_silu_mul: gate [F] then up [F] at gu, float32 or bf16; out [F] likewise.
 // Rounds as the scalar path's silu(g) * u up to the exp polynomial's evaluation order.
 inline void silu_mul_row16(const char* gu, int64_t F, char* out, int bf16) {
   const char* up = gu + F * (bf16 ? 2 : 4);
   for (int64_t i = 0; i < F; i += 16) {
     const __mmask16 m = F - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (F - i)) - 1);
-    const __m512 g = load16(gu, i, m, bf16), u = load16(up, i, m, bf16);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-    // g / (1 + e) as g * 1 / d, 1 / d by vrcp14ps and one Newton step (~1 ulp; vdivps alone
-    // took ~2 / 3 of the loop's time here)
-    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), e);
-    __m512 y = _mm512_rcp14_ps(d);
-    y = _mm512_mul_ps(y, _mm512_fnmadd_ps(d, y, _mm512_set1_ps(2.f)));
-    store16(out, i, m, _mm512_mul_ps(_mm512_mul_ps(g, y), u), bf16);
+    store16(out, i, m, silu_mul16(load16(gu, i, m, bf16), load16(up, i, m, bf16)), bf16);
   }
 }
 #endif
@@ -1343,6 +1345,36 @@ void amx_gemm(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* wp, int6
                 std::memcpy(y + (r + i) * N + n0, tail + i * 32, (two ? 32 : 16) * 4);
           }
         }
+      }
+    }
+    _tile_release();
+  }
+}
+
+// SwiGLU fused into the gate/up product: out [M, N / 2] float32 = silu(g) * u, where W (N rows,
+// N % 32 == 0) was packed from the gate and up weights interleaved by 16 rows (block nb: gate
+// rows 16 nb.. then up rows 16 nb..; Kernels.pack_amx_swiglu), so that every 32-column block of
+// the product holds one feature block's gate and up: the epilogue turns the block into 16 output
+// columns while it is in L1, instead of storing [M, N] and reading it back in a second pass
+// (silu_mul ran ~3x slower in a step than alone, its rows in the other core's cache).
+// scratch: 32 x 32 floats per thread.
+void amx_gemm_swiglu(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* wp, int64_t N,
+                     float* out, float* scratch) {
+  const int64_t NBLK = N / 32, Mp = (M + 15) / 16 * 16, F = N / 2;
+#pragma omp parallel
+  {
+    amx_config();
+    float* s = scratch + 1024 * omp_get_thread_num();
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t nb = 0; nb < NBLK; ++nb) {
+      const uint16_t* wb = wp + nb * 32 * K;
+      for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+        if (m0 + 32 <= Mp) amx_block<2, 2>(xb + m0 * K, K, wb, s, 32);
+        else amx_block<1, 2>(xb + m0 * K, K, wb, s, 32);
+        const int64_t rows = std::min<int64_t>(32, M - m0);
+        for (int64_t i = 0; i < rows; ++i)
+          _mm512_storeu_ps(out + (m0 + i) * F + nb * 16,
+                           silu_mul16(_mm512_loadu_ps(s + i * 32), _mm512_loadu_ps(s + i * 32 + 16)));
       }
     }
     _tile_release();
@@ -1994,6 +2026,23 @@ int sl_amx_linear(const float* x, int64_t M, int64_t K, const uint16_t* wp, int6
   float* tails = reinterpret_cast<float*>(xb + Mp * K);
   amx_x_to_bf16(x, M, K, xb);
   amx_gemm(xb, M, K, wp, N, y, tails);
+  return 0;
+#else
+  return -1;
+#endif
+}
+
+// out [M, N / 2] float32 = silu(x W_gate^T) * (x W_up^T), W packed from the interleaved gate/up
+// weight (see amx_gemm_swiglu; N % 32 == 0). scratch: at least ((M + 15) / 16 * 16 * K * 2 +
+// 4096 * threads) bytes, 64-byte aligned. Returns -1 when the library has no AMX GEMM or N % 32.
+int sl_amx_swiglu(const float* x, int64_t M, int64_t K, const uint16_t* wp, int64_t N,
+                  float* out, void* scratch) {
+#if SL_AMX
+  if (N % 32) return -1;
+  uint16_t* xb = static_cast<uint16_t*>(scratch);
+  const int64_t Mp = (M + 15) / 16 * 16;
+  amx_x_to_bf16(x, M, K, xb);
+  amx_gemm_swiglu(xb, M, K, wp, N, out, reinterpret_cast<float*>(xb + Mp * K));
   return 0;
 #else
   return -1;
