@@ -308,12 +308,14 @@ def quant_crossover(fp: FastPath, sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), repe
     return _crossover(fp, sizes, quant, dense, repeats)
 
 
-def amx_crossover(fp: FastPath, sizes=(32, 64, 96, 128, 192, 256, 320, 384, 512),
-                  repeats: int = 7) -> int:
+def amx_crossover(fp: FastPath, sizes=(32, 64, 96, 128, 192, 256, 320, 384, 512, 768, 1024,
+                                      1536, 2048), repeats: int = 7) -> int:
     """The most tokens at which the AMX GEMM of layer 0's gate/up and down weights is still
     faster than torch's matmul (oneDNN, rows padded as :meth:`FastPath._onednn` pads them) here
-    (~0.5 s at start-up). Sizes below the first are AMX's when it wins there (it does by
-    1.3-2.5x at 16-64 rows, measured)."""
+    (~0.5-1 s at start-up). Sizes below the first are AMX's when it wins there (it does by
+    1.3-2.5x at 16-64 rows, measured). The sizes go past the default 512-token step: with the
+    race stopping at 512, a step of 1 decode + a 512-token chunk ran on oneDNN in 179-181 ms
+    against 154-157 ms on the AMX GEMM (measured, alternated)."""
     L = fp.layers[0]
 
     def amx(x, xf):
