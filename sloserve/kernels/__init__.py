@@ -207,20 +207,8 @@ class Kernels:
 
     def amx_linear(self, x: torch.Tensor, w: AmxWeight) -> torch.Tensor:
         """x [M, K] float32 contiguous (rounded to bfloat16) @ W^T on the AMX tiles, float32
-        accumulation -> [M, N] float32. Raises RuntimeError without AMX."""
-        M, K = x.shape
-        N = w.shape[0]
-        if K != w.shape[1]:
-            raise ValueError(f"amx_linear: x has {K} columns, the weight {w.shape[1]}")
-        if x.dtype != torch.float32 or not x.is_contiguous():
-            raise ValueError(f"amx_linear: x must be float32 and contiguous, got {x.dtype}"
-                             f"{'' if x.is_contiguous() else ' (strided)'}")
-        y = torch.empty(M, N, dtype=torch.float32)
-        scratch = self._scratch(-(-M // 16) * 16 * K * 2 + 2048 * max(1, self.lib.sl_num_threads()))
-        if self.lib.sl_amx_linear(x.data_ptr(), M, K, w.packed.data_ptr(), N, y.data_ptr(),
-                                  scratch):
-            raise RuntimeError(f"the {self.variant} kernels have no AMX GEMM")
-        return y
+        accumulation -> [M, N] float32. Raises ValueError on shapes, RuntimeError without AMX."""
+        return self._amx_call("amx_linear", self.lib.sl_amx_linear, x, w, w.shape[0], 2048)
 
     def pack_amx_swiglu(self, gate_up: torch.Tensor) -> AmxWeight | None:
         """The fused gate/up weight ``gate_up`` [2F, K] (gate rows, then up rows) packed for
@@ -239,18 +227,24 @@ class Kernels:
         bfloat16), ``w`` from :meth:`pack_amx_swiglu` of [2F, K] -> silu(x W_gate^T) * (x
         W_up^T) [M, F] float32 (products accumulated in float32 on the AMX tiles; SiLU as
         :meth:`silu_mul`'s). Raises ValueError on shapes, RuntimeError without AMX."""
+        return self._amx_call("amx_swiglu", self.lib.sl_amx_swiglu, x, w, w.shape[0] // 2, 4096)
+
+    def _amx_call(self, name: str, fn, x: torch.Tensor, w: AmxWeight, out_cols: int,
+                  thread_bytes: int) -> torch.Tensor:
+        """``fn(x, M, K, packed W, N, y, scratch)`` -> y [M, out_cols] float32; the scratch holds
+        x in bf16 (rows rounded up to 16) and ``thread_bytes`` per thread."""
         M, K = x.shape
-        N = w.shape[0]
         if K != w.shape[1]:
-            raise ValueError(f"amx_swiglu: x has {K} columns, the weight {w.shape[1]}")
+            raise ValueError(f"{name}: x has {K} columns, the weight {w.shape[1]}")
         if x.dtype != torch.float32 or not x.is_contiguous():
-            raise ValueError(f"amx_swiglu: x must be float32 and contiguous, got {x.dtype}"
+            raise ValueError(f"{name}: x must be float32 and contiguous, got {x.dtype}"
                              f"{'' if x.is_contiguous() else ' (strided)'}")
-        y = torch.empty(M, N // 2, dtype=torch.float32)
-        scratch = self._scratch(-(-M // 16) * 16 * K * 2 + 4096 * max(1, self.lib.sl_num_threads()))
-        if self.lib.sl_amx_swiglu(x.data_ptr(), M, K, w.packed.data_ptr(), N, y.data_ptr(),
-                                  scratch):
-            raise RuntimeError(f"the {self.variant} kernels have no AMX GEMM (or N % 32 != 0)")
+        y = torch.empty(M, out_cols, dtype=torch.float32)
+        scratch = self._scratch(-(-M // 16) * 16 * K * 2
+                                + thread_bytes * max(1, self.lib.sl_num_threads()))
+        if fn(x.data_ptr(), M, K, w.packed.data_ptr(), w.shape[0], y.data_ptr(), scratch):
+            raise RuntimeError(f"the {self.variant} kernels have no AMX GEMM"
+                               + (" (or N % 32 != 0)" if name == "amx_swiglu" else ""))
         return y
 
     def qembed(self, ids: torch.Tensor, w) -> torch.Tensor:
