@@ -44,7 +44,10 @@ def run_engine_core(config: EngineConfig, step_trace: str | None, input_addr: st
     def on_term(*_) -> None:  # while loading: stop now (the API process is waiting for us)
         stop.set()
         if loading[0]:
-            raise SystemExit(0)
+            # not SystemExit: raised inside a __del__ (a zmq socket closing on the refused-
+            # settings path) Python only prints it, as a traceback on the server's stderr, and
+            # goes on; nothing of a half-loaded core needs cleaning up
+            os._exit(0)
     signal.signal(signal.SIGTERM, on_term)
     _watch_parent(parent_pid, input_addr)
     logging.basicConfig(level=log_level.upper(),
@@ -63,9 +66,6 @@ def run_engine_core(config: EngineConfig, step_trace: str | None, input_addr: st
     from sloserve.engine.core import EngineCore
     try:
         core = EngineCore(config, step_trace)
-    except SystemExit:  # SIGTERM while loading
-        _close(ctx, in_sock, out_sock)
-        raise
     except (FileNotFoundError, ValueError, OSError) as e:
         send(EngineCoreReady(error=str(e), error_type=type(e).__name__))
         _close(ctx, in_sock, out_sock)
