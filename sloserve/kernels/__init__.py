@@ -243,8 +243,7 @@ class Kernels:
         scratch = self._scratch(-(-M // 16) * 16 * K * 2
                                 + thread_bytes * max(1, self.lib.sl_num_threads()))
         if fn(x.data_ptr(), M, K, w.packed.data_ptr(), w.shape[0], y.data_ptr(), scratch):
-            raise RuntimeError(f"the {self.variant} kernels have no AMX GEMM"
-                               + (" (or N % 32 != 0)" if name == "amx_swiglu" else ""))
+            raise RuntimeError(f"{name}: the {self.variant} kernels have no AMX GEMM")
         return y
 
     def qembed(self, ids: torch.Tensor, w) -> torch.Tensor:

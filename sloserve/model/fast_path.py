@@ -3,7 +3,8 @@ linear-layer kernel that is fast for its number of tokens.
 
 Per layer: [add residual +] RMSNorm (one call), the Q, K and V projections, RoPE on Q and K in
 place, the attention backend, the output projection, add residual + RMSNorm, gate and up,
-SiLU(gate) * up (in the AMX GEMM's epilogue on AMX steps), the down projection. No Python work per layer grows with the batch.
+SiLU(gate) * up (in the AMX GEMM's epilogue on AMX steps), the down projection. No Python
+work per layer grows with the batch.
 
 The projections of a step run one of three ways:
 
@@ -188,6 +189,10 @@ class FastPath:
         else oneDNN's product then :meth:`Kernels.silu_mul`."""
         if self._amx and x.shape[0] <= self.amx_max_tokens:
             return self.k.amx_swiglu(x.float().contiguous(), L.amx["gate_up"])
+        return self._onednn_swiglu(x, L, act)
+
+    def _onednn_swiglu(self, x: torch.Tensor, L: FastLayer, act: torch.dtype) -> torch.Tensor:
+        """:meth:`_swiglu` on oneDNN: the gate/up product, then :meth:`Kernels.silu_mul`."""
         return self.k.silu_mul(self._onednn(x, L.dense["gate_up"], out_dtype=act))
 
     def _onednn(self, x: torch.Tensor, w: torch.Tensor,
@@ -323,7 +328,7 @@ def amx_crossover(fp: FastPath, sizes=(32, 64, 96, 128, 192, 256, 320, 384, 512,
         fp.k.amx_linear(xf, L.amx["down"])
 
     def dense(x, xf):
-        fp.k.silu_mul(fp._onednn(x, L.dense["gate_up"], out_dtype=fp.dtype))
+        fp._onednn_swiglu(x, L, fp.dtype)
         fp._onednn(xf, L.dense["down"])
     return _crossover(fp, sizes, amx, dense, repeats)
 

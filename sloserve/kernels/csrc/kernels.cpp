@@ -1802,8 +1802,7 @@ void sl_silu_mul(const void* gu, int64_t T, int64_t F, void* out, int bf16) {
 #if SL_ISA == 2
     silu_mul_row16(static_cast<const char*>(gu) + t * 2 * F * (bf16 ? 2 : 4), F,
                    static_cast<char*>(out) + t * F * (bf16 ? 2 : 4), bf16);
-    continue;
-#endif
+#else
     if (bf16) {
       const uint16_t* g = static_cast<const uint16_t*>(gu) + t * 2 * F;
       const uint16_t* u = g + F;
@@ -1817,6 +1816,7 @@ void sl_silu_mul(const void* gu, int64_t T, int64_t F, void* out, int bf16) {
 #pragma omp simd
       for (int64_t i = 0; i < F; ++i) o[i] = silu(g[i]) * u[i];
     }
+#endif
   }
 }
 
