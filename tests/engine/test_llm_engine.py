@@ -94,14 +94,28 @@ def test_prompt_plus_max_tokens_over_max_model_len(llm, engine):
     assert not engine.has_unfinished_requests()
 
 
+def test_a_prompt_over_max_model_len_is_the_param_named(llm, engine):
+    """With max_tokens given, a prompt that alone fills the context names ``prompt`` (the field
+    to change), not ``max_tokens``."""
+    limit = engine.max_model_len
+    with pytest.raises(ParamError, match="maximum context length") as ei:
+        llm.generate([[5] * limit], greedy(4))
+    assert ei.value.param == "prompt"
+    assert not engine.has_unfinished_requests()
+
+
 def test_request_larger_than_kv_cache_is_rejected(engine):
     """max_model_len (8192 for SmolLM2) exceeds what 256 blocks x 16 tokens hold (4096). A request
     that fits max_model_len but not the KV cache can never finish: prompt + max_tokens must be
     validated against the KV capacity too (or max_model_len capped to it), else generate() hangs.
     Either fix makes this a ParamError."""
     capacity = engine.num_kv_blocks * engine.config.block_size
-    with pytest.raises(ParamError):
+    with pytest.raises(ParamError) as ei:
         engine.make_request([5] * (capacity - 10), greedy(100))
+    assert ei.value.param == "max_tokens"
+    with pytest.raises(ParamError) as ei:
+        engine.make_request([5] * capacity, greedy(1))
+    assert ei.value.param == "prompt"
 
 
 def test_generate_rejects_kv_oversized_prompt_without_queueing_others(llm, engine):
