@@ -33,6 +33,14 @@ def pos_int(v: str) -> int:
     return n
 
 
+def nonneg_int(v: str) -> int:
+    """An integer >= 0."""
+    n = _convert(v, int, "an integer")
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {n}")
+    return n
+
+
 def pos_float(v: str) -> float:
     """A finite number > 0."""
     x = _convert(v, float, "a number")

@@ -1,7 +1,8 @@
 """Benchmark workloads: what each request sends. All seeded and reproducible.
 
 * ``random``: input / output lengths drawn uniformly from [len * (1 - r), len * (1 + r)]
-  (r = ``range_ratio``, as in ``vllm bench serve --random-range-ratio``).
+  (r = ``range_ratio``, as in ``vllm bench serve --random-range-ratio``), optionally after one
+  shared prefix (``--random-prefix-len``, as vLLM's).
 * ``mixed``: mostly short prompts and a fraction of long ones, the mix in which an unchunked
   prefill stalls the running decodes (default: 80 % of 128/256/512 tokens, 20 % of 2048/4096,
   outputs 30-80 tokens; ``scale`` multiplies every prompt length).
@@ -126,22 +127,31 @@ def _uniform_lengths(rng: np.random.Generator, mean: int, ratio: float, n: int) 
 
 
 def random_workload(factory: PromptFactory, num_prompts: int, input_len: int, output_len: int,
-                    range_ratio: float = 0.0, seed: int = 0) -> list[SampleRequest]:
-    """``num_prompts`` random prompts; lengths uniform in [len*(1-r), len*(1+r)] tokens.
+                    range_ratio: float = 0.0, seed: int = 0,
+                    prefix_len: int = 0) -> list[SampleRequest]:
+    """``num_prompts`` random prompts; lengths uniform in [len*(1-r), len*(1+r)] tokens, after
+    one random prefix of ``prefix_len`` tokens that every prompt starts with (``vllm bench
+    serve --random-prefix-len``: a prompt is ``prefix_len`` + its drawn length tokens).
 
     Raises:
-        ValueError: range_ratio outside [0, 1), lengths < 1.
+        ValueError: range_ratio outside [0, 1), lengths < 1, prefix_len < 0.
     """
     if not 0 <= range_ratio < 1:
         raise ValueError(f"range ratio must be in [0, 1), got {range_ratio}")
     if input_len < 1 or output_len < 1:
         raise ValueError(f"input and output lengths must be >= 1, got {input_len}, {output_len}")
+    if prefix_len < 0:
+        raise ValueError(f"prefix length must be >= 0 tokens, got {prefix_len}")
     rng = np.random.default_rng(seed)
     ins = _uniform_lengths(rng, input_len, range_ratio, num_prompts)
     outs = _uniform_lengths(rng, output_len, range_ratio, num_prompts)
+    prefix = factory.make(prefix_len)[0] if prefix_len else ""
     reqs = []
     for i, o in zip(ins, outs):
         text, n = factory.make(i)
+        if prefix:  # word tokens start with a space: the two parts keep their own tokens
+            text = prefix + text
+            n = factory.count(text)
         reqs.append(SampleRequest(text, n, o))
     return reqs
 

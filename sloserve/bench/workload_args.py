@@ -6,7 +6,7 @@ import os
 
 from sloserve.argtypes import int_list as _ints
 from sloserve.argtypes import pos_float as _pos_float
-from sloserve.argtypes import pos_int as _pos_int
+from sloserve.argtypes import nonneg_int as _nonneg_int, pos_int as _pos_int
 from sloserve.argtypes import rate as _rate
 from sloserve.bench.datasets import (WORKLOADS, PromptFactory, SampleRequest, mixed_workload,
                                      random_workload, shared_prefix_workload, sharegpt_workload,
@@ -23,6 +23,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--random-input-len", type=_pos_int, default=1024)
     g.add_argument("--random-output-len", type=_pos_int, default=128)
     g.add_argument("--random-range-ratio", type=float, default=0.0)
+    g.add_argument("--random-prefix-len", type=_nonneg_int, default=0,
+                   help="tokens of one random prefix that every random prompt starts with")
     g.add_argument("--mixed-short-lens", type=_ints, default=[128, 256, 512])
     g.add_argument("--mixed-long-lens", type=_ints, default=[2048, 4096])
     g.add_argument("--mixed-long-fraction", type=float, default=0.2)
@@ -75,7 +77,7 @@ def build_workload(a: argparse.Namespace, factory: PromptFactory) -> list[Sample
     name, n, seed = a.dataset_name, a.num_prompts, a.seed
     if name == "random":
         return random_workload(factory, n, a.random_input_len, a.random_output_len,
-                               a.random_range_ratio, seed)
+                               a.random_range_ratio, seed, a.random_prefix_len)
     if name == "mixed":
         lo_hi = a.mixed_output_len_range
         if len(lo_hi) != 2:

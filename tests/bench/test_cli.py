@@ -140,6 +140,7 @@ def _one_line(err: str) -> str:
     ("--num-prompts", "0", "expected an integer >= 1"),
     ("--burstiness", "0", "expected a finite number > 0"),
     ("--max-concurrency", "-1", "expected an integer >= 1"),
+    ("--random-prefix-len", "-1", "expected an integer >= 0"),
     ("--mixed-short-lens", "1,x", "comma-separated integers"),
 ])
 def test_bad_flag_values_exit_2(mock_server, gguf_path, capsys, flag, value, match):

@@ -76,6 +76,18 @@ def test_random_workload_without_range_is_exact(factory):
     assert [(r.prompt_len, r.expected_output_len) for r in reqs] == [(33, 7)] * 5
 
 
+def test_random_prefix_is_shared_and_counted(factory, bench_tokenizer):
+    """--random-prefix-len: every prompt starts with the same prefix_len tokens, and its length
+    is prefix + drawn length (exactly, here: word tokens keep their boundaries)."""
+    reqs = random_workload(factory, 6, 20, 5, range_ratio=0.5, seed=3, prefix_len=48)
+    ids = [bench_tokenizer.encode(r.prompt, add_special_tokens=False) for r in reqs]
+    assert len({tuple(i[:48]) for i in ids}) == 1
+    assert len({tuple(i[48:]) for i in ids}) == 6  # the rest differs
+    assert all(len(i) == r.prompt_len and 58 <= r.prompt_len <= 78 for i, r in zip(ids, reqs))
+    with pytest.raises(ValueError, match="prefix length"):
+        random_workload(factory, 1, 20, 5, prefix_len=-1)
+
+
 def test_random_workload_reproducible(make_factory):
     def build(factory_seed, seed):
         return random_workload(make_factory(factory_seed), 8, 40, 10,
