@@ -25,20 +25,21 @@ def int_list(v: str) -> list[int]:
     return out
 
 
+def _int_at_least(v: str, lo: int) -> int:
+    n = _convert(v, int, "an integer")
+    if n < lo:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {n}")
+    return n
+
+
 def pos_int(v: str) -> int:
     """An integer >= 1."""
-    n = _convert(v, int, "an integer")
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {n}")
-    return n
+    return _int_at_least(v, 1)
 
 
 def nonneg_int(v: str) -> int:
     """An integer >= 0."""
-    n = _convert(v, int, "an integer")
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {n}")
-    return n
+    return _int_at_least(v, 0)
 
 
 def pos_float(v: str) -> float:

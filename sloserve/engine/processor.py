@@ -69,6 +69,10 @@ class Processor:
             raise ParamError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
         if any(t >= vocab for t in params.stop_token_ids):
             raise ParamError(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+
+        def over(limit: int) -> str:  # the field to change: the prompt once it alone fills limit
+            return "prompt" if n >= limit else "max_tokens"
+
         mt = params.max_tokens
         if mt is None:
             if n >= info.max_model_len:
@@ -77,18 +81,17 @@ class Processor:
                     f"However, your prompt has {n} tokens, leaving no room for output.", "prompt")
             params = replace(params, max_tokens=info.max_model_len - n)
         elif n + mt > info.max_model_len:
-            # the prompt is the parameter to change when it leaves no room for even one token
             raise ParamError(
                 f"This model's maximum context length is {info.max_model_len} tokens. However, "
                 f"you requested {n + mt} tokens ({n} in the prompt, {mt} in the completion "
                 f"(max_tokens)). Please reduce the prompt or max_tokens.",
-                "prompt" if n >= info.max_model_len else "max_tokens")
+                over(info.max_model_len))
         capacity = info.num_kv_blocks * info.block_size
         if n + params.max_tokens > capacity:  # it could never run: it would preempt itself
             raise ParamError(f"request needs up to {n + params.max_tokens} tokens of KV cache "
                              f"(prompt {n} + max_tokens {params.max_tokens}), over the cache "
                              f"capacity of {capacity} tokens",
-                             "prompt" if n >= capacity else "max_tokens")
+                             over(capacity))
         if request_id is None:
             self._counter += 1
             request_id = f"req-{self._counter}"
