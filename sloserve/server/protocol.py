@@ -343,9 +343,12 @@ class ChatMessage(BaseModel):
         if isinstance(content, list):
             texts = []
             for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                if part.get("type") != "text":
                     raise ParamError(f"only text content parts are supported, got "
                                      f"{part.get('type')!r}", "messages")
+                if not isinstance(part.get("text"), str):
+                    raise ParamError("a text content part needs a string 'text' field, got "
+                                     f"{part.get('text')!r}", "messages")
                 texts.append(part["text"])
             content = "\n".join(texts)
         d: dict[str, Any] = {"role": self.role, "content": content or ""}
