@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from sloserve.sampling_params import MAX_STOP_STRINGS, MAX_TOP_K
-from sloserve.server.protocol import MAX_N
+from sloserve.server.protocol import MAX_N, OFF_VALUES
 
 _INT64 = 2 ** 63
 
@@ -51,9 +51,10 @@ def constraints(engine) -> dict[str, dict[str, dict[str, Any]]]:
                                  if info.scheduling_policy == "priority"
                                  else {"minimum": 0, "maximum": 0})},
         "cache_salt": {"string": {"minLength": 1}},
-        "presence_penalty": {"number": {"minimum": 0, "maximum": 0}},
-        "frequency_penalty": {"number": {"minimum": 0, "maximum": 0}},
-        "logit_bias": {"object": {"maxProperties": 0}},
+        **{name: ({"object": {"maxProperties": 0}} if isinstance(off, dict) else
+                  {"number": {"minimum": off, "maximum": off},
+                   "integer": {"minimum": off, "maximum": off}})
+           for name, off in OFF_VALUES.items()},
         "max_tokens": {"integer": {"minimum": 1, "maximum": max_len - 1}},
     }
     return {

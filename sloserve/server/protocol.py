@@ -116,6 +116,11 @@ class StructuredOutputsField(BaseModel):
     json_object: bool | None = None
 
 
+#: sampling fields accepted only at the value that turns them off (None is off too)
+OFF_VALUES: dict[str, Any] = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {},
+                               "repetition_penalty": 1, "min_p": 0, "min_tokens": 0}
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by both endpoints (OpenAI names; vLLM extensions marked)."""
 
@@ -142,6 +147,9 @@ class _SamplingFields(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None   # extension (vLLM's); off at 1
+    min_p: float | None = None                # extension (vLLM's); off at 0
+    min_tokens: Int | None = None             # extension (vLLM's); off at 0
 
     def _common_unsupported(self) -> None:
         if self.priority is None:
@@ -161,12 +169,11 @@ class _SamplingFields(BaseModel):
             self.n = 1
         if isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
             raise ParamError(f"n must be an integer in [1, {MAX_N}], got {self.n}", "n")
-        if self.presence_penalty:
-            raise ParamError("presence_penalty is not supported", "presence_penalty")
-        if self.frequency_penalty:
-            raise ParamError("frequency_penalty is not supported", "frequency_penalty")
-        if self.logit_bias:
-            raise ParamError("logit_bias is not supported", "logit_bias")
+        for name, off in OFF_VALUES.items():  # a client must not think these took effect
+            value = getattr(self, name)
+            if value is not None and value != off:
+                raise ParamError(f"{name} is not supported (only its off value {off!r}), "
+                                 f"got {value!r}", name)
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None = None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
@@ -369,6 +376,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: Int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto"] | None = None  # no tools, so nothing else
     add_generation_prompt: bool = True  # extension
 
     @property

@@ -24,3 +24,32 @@ def test_bad_part_names_the_problem(part, message):
     with pytest.raises(ParamError) as e:
         ChatMessage(role="user", content=[part]).to_template_dict()
     assert str(e.value) == message and e.value.param == "messages"
+
+
+from sloserve.server.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
+
+
+@pytest.mark.parametrize("field, off, on, message", [
+    ("presence_penalty", 0, 0.5, "(only its off value 0), got 0.5"),
+    ("frequency_penalty", 0.0, -1.0, "(only its off value 0), got -1.0"),
+    ("logit_bias", {}, {"5": 1.0}, "(only its off value {}), got {'5': 1.0}"),
+    ("repetition_penalty", 1.0, 0.5, "(only its off value 1), got 0.5"),
+    ("min_p", 0, 2.0, "(only its off value 0), got 2.0"),
+    ("min_tokens", 0, 10, "(only its off value 0), got 10"),
+])
+def test_unimplemented_sampling_fields_pass_only_when_off(field, off, on, message):
+    CompletionRequest(prompt="x", **{field: off}).unsupported()   # None and off: accepted
+    CompletionRequest(prompt="x", **{field: None}).unsupported()
+    with pytest.raises(ParamError) as e:
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
+                              **{field: on}).unsupported()
+    assert e.value.param == field
+    assert str(e.value) == f"{field} is not supported {message}"
+
+
+def test_tool_choice_only_none_or_auto():
+    for ok in (None, "none", "auto"):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tool_choice=ok)
+    for bad in (5, "required", {"type": "function"}):
+        with pytest.raises(ValueError):
+            ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tool_choice=bad)
