@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from dataclasses import dataclass, fields
 
 #: batching modes (the scheduler's SchedulingPolicy): chunked prefill (default), no chunking
@@ -161,13 +162,21 @@ class EngineConfig:
         """max_model_len for a model of context ``model_max_len`` over a cache of ``kv_tokens``.
 
         Unset: the model's context capped at the cache (a request that can never fit would
-        preempt itself for ever). Set: checked against the cache.
+        preempt itself for ever). Set: checked against the model's context (as vLLM does:
+        positions past it give garbage; ``SLOSERVE_ALLOW_LONG_MAX_MODEL_LEN=1`` allows it,
+        like vLLM's ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``) and against the cache.
 
         Raises:
-            ValueError: a set max_model_len the cache cannot hold.
+            ValueError: a set max_model_len over the model's context or the cache.
         """
         if self.max_model_len is None:
             return min(model_max_len, kv_tokens)
+        if (self.max_model_len > model_max_len
+                and os.environ.get("SLOSERVE_ALLOW_LONG_MAX_MODEL_LEN", "0") != "1"):
+            raise ValueError(
+                f"max_model_len={self.max_model_len} tokens is over the model's context of "
+                f"{model_max_len} tokens; lower --max-model-len (or set "
+                f"SLOSERVE_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it)")
         if self.max_model_len > kv_tokens:
             raise ValueError(
                 f"max_model_len={self.max_model_len} tokens does not fit the KV cache of "

@@ -34,8 +34,13 @@ class Processor:
             if self.tokenizer is None:
                 raise ParamError("this model has no tokenizer; pass token ids", "prompt")
             try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:  # the tokenizer's own error names its internals
+                raise ParamError(f"the prompt is not valid Unicode: {e.reason} at character "
+                                 f"{e.start}", "prompt") from None
+            try:
                 return self.tokenizer.encode(prompt)
-            except (TypeError, ValueError) as e:  # e.g. lone surrogates
+            except (TypeError, ValueError) as e:
                 raise ParamError(f"cannot tokenize the prompt: {e}", "prompt") from e
         return list(prompt)
 

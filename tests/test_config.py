@@ -1,0 +1,28 @@
+"""EngineConfig.resolve_max_model_len: the model's context and the KV cache bound max_model_len."""
+from __future__ import annotations
+
+import pytest
+
+from sloserve.config import EngineConfig
+
+ENV = "SLOSERVE_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+def test_unset_is_the_context_capped_at_the_cache():
+    assert EngineConfig().resolve_max_model_len(8192, 4096) == 4096
+    assert EngineConfig().resolve_max_model_len(2048, 4096) == 2048
+
+
+def test_over_the_models_context_is_refused_unless_allowed(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    cfg = EngineConfig(max_model_len=9000)
+    with pytest.raises(ValueError) as e:
+        cfg.resolve_max_model_len(8192, 16384)
+    assert str(e.value) == ("max_model_len=9000 tokens is over the model's context of 8192 "
+                            "tokens; lower --max-model-len (or set "
+                            "SLOSERVE_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it)")
+    assert EngineConfig(max_model_len=8192).resolve_max_model_len(8192, 16384) == 8192
+    monkeypatch.setenv(ENV, "1")
+    assert cfg.resolve_max_model_len(8192, 16384) == 9000
+    with pytest.raises(ValueError, match="does not fit the KV cache of 1024 blocks x 16"):
+        EngineConfig(max_model_len=20000).resolve_max_model_len(8192, 16384)
