@@ -99,9 +99,15 @@ SERVE = [sys.executable, "-m", "sloserve.cli", "serve", "--dtype", "float32", "-
          "128", "--max-model-len", "512", "--log-level", "warning"]
 
 
+#: marks the servers this test module starts (their engine cores inherit it), so that
+#: servers other runs start on the same machine are not counted as theirs
+TAG = f"SLOSERVE_TEST_TAG=hardening-{os.getpid()}"
+ENV = {**os.environ, "SLOSERVE_TEST_TAG": TAG.split("=", 1)[1]}
+
+
 def _start(port: int, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([*SERVE, "--port", str(port), *extra], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=ENV)
 
 
 def _wait_healthy(proc, port: int, timeout: float = 120.0) -> None:
@@ -118,9 +124,25 @@ def _wait_healthy(proc, port: int, timeout: float = 120.0) -> None:
 
 
 def _core_pids() -> set[int]:
-    out = subprocess.run(["pgrep", "-f", "sloserve.engine.core_proc"], capture_output=True,
-                         text=True).stdout
-    return {int(p) for p in out.split()}
+    """The live engine-core processes of the servers this module started."""
+    pids = set()
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                if b"sloserve.engine.core_proc" not in f.read():
+                    continue
+            with open(f"/proc/{d}/environ", "rb") as f:
+                if TAG.encode() not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{d}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":  # exited, not yet reaped
+                    continue
+        except OSError:  # gone, or not ours to read
+            continue
+        pids.add(int(d))
+    return pids
 
 
 def _error_lines(stderr: str) -> list[str]:
@@ -148,7 +170,8 @@ def test_a_refused_setting_is_one_line_and_the_core_exits_at_once():
     before = _core_pids()
     t0 = time.monotonic()
     p = subprocess.run([*SERVE[:6], "--num-kv-blocks", "256", "--max-model-len", "5000",
-                        "--port", str(_free_port())], capture_output=True, text=True, timeout=120)
+                        "--port", str(_free_port())], capture_output=True, text=True, timeout=120,
+                       env=ENV)
     assert p.returncode == 2
     lines = _error_lines(p.stderr)
     assert len(lines) == 1 and "max_model_len=5000 tokens does not fit the KV cache" in lines[0]
@@ -266,11 +289,13 @@ def test_the_core_follows_a_killed_api_process_within_2s():
     before = _core_pids()
     port = _free_port()
     p = _start(port)
-    _wait_healthy(p, port)
-    core = _core_pids() - before
-    assert len(core) == 1
-    p.kill()
-    p.wait()
+    try:
+        _wait_healthy(p, port)
+        core = _core_pids() - before
+        assert len(core) == 1
+    finally:
+        p.kill()
+        p.wait()
     deadline = time.monotonic() + 2.0
     while _core_pids() & core and time.monotonic() < deadline:
         time.sleep(0.05)
