@@ -241,9 +241,14 @@ def test_a_signal_whose_exception_is_swallowed_during_the_load_still_stops_the_s
 def test_sigterm_while_loading_stops_the_core_and_exits_0():
     before = _core_pids()
     p = _start(_free_port())
-    time.sleep(2.0)  # the core is loading the model
-    p.send_signal(signal.SIGTERM)
-    assert p.wait(timeout=30) == 0, p.stderr.read()
+    try:
+        time.sleep(2.0)  # the core is loading the model
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == 0, p.stderr.read()
+    finally:  # a lost signal must not leave a server behind
+        if p.poll() is None:
+            p.kill()
+            p.wait()
     time.sleep(1.0)
     assert _core_pids() <= before
 
