@@ -28,6 +28,16 @@ class ParamError(ValueError):
         self.param = param
 
 
+def require_unicode(text: str, what: str, param: str) -> None:
+    """Raise ParamError if ``text`` has a lone surrogate (valid in JSON escapes, not in UTF-8:
+    it could neither cross the process boundary (msgspec) nor reach the tokenizer)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ParamError(f"{what} is not valid Unicode: {e.reason} at character {e.start}",
+                         param) from None
+
+
 #: longest structured-output spec (characters of a schema, regex or grammar)
 MAX_STRUCTURED_SPEC = 65536
 
@@ -62,11 +72,7 @@ class StructuredOutputsParams:
             raise ParamError("structured_outputs.choice must be a non-empty list of non-empty "
                              "strings", "structured_outputs")
         key = self.key
-        try:  # it crosses the process boundary as UTF-8 (msgspec)
-            key.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ParamError("structured_outputs must be valid Unicode (no lone surrogates)",
-                             "structured_outputs") from None
+        require_unicode(key, "structured_outputs", "structured_outputs")
         size = len(key)
         if size > MAX_STRUCTURED_SPEC:
             raise ParamError(f"structured_outputs spec has {size} characters, over the limit "
@@ -153,12 +159,8 @@ class SamplingParams:
         if self.top_k < -1 or self.top_k > MAX_TOP_K:
             raise ParamError(f"top_k must be -1 (disabled) or in [1, {MAX_TOP_K}], got "
                              f"{self.top_k}", "top_k")
-        for s in self.stop:  # must cross the process boundary as UTF-8 (no lone surrogates)
-            try:
-                s.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ParamError("stop strings must be valid Unicode (no lone surrogates)",
-                                 "stop") from None
+        for s in self.stop:
+            require_unicode(s, "a stop string", "stop")
         if self.seed is not None and not _SEED_MIN <= self.seed <= _SEED_MAX:
             raise ParamError(f"seed must be in [-2**63, 2**64 - 1], got {self.seed}", "seed")
         for name in ("logprobs", "prompt_logprobs"):

@@ -10,7 +10,7 @@ import time
 from dataclasses import replace
 
 from sloserve.engine.messages import EngineCoreRequest, EngineInfo
-from sloserve.sampling_params import ParamError, SamplingParams
+from sloserve.sampling_params import ParamError, SamplingParams, require_unicode
 
 
 class Processor:
@@ -33,11 +33,8 @@ class Processor:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ParamError("this model has no tokenizer; pass token ids", "prompt")
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:  # the tokenizer's own error names its internals
-                raise ParamError(f"the prompt is not valid Unicode: {e.reason} at character "
-                                 f"{e.start}", "prompt") from None
+            # checked first: the tokenizer's own error would name its internals
+            require_unicode(prompt, "the prompt", "prompt")
             try:
                 return self.tokenizer.encode(prompt)
             except (TypeError, ValueError) as e:

@@ -16,7 +16,8 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, field_validator,
                       model_serializer)
 
-from sloserve.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
+from sloserve.sampling_params import (ParamError, SamplingParams, StructuredOutputsParams,
+                                      require_unicode)
 
 #: most choices (``n``) per request, and most choices over all prompts of a request
 MAX_N = 128
@@ -160,11 +161,7 @@ class _SamplingFields(BaseModel):
         if self.cache_salt is not None and not self.cache_salt:
             raise ParamError("cache_salt must be a non-empty string", "cache_salt")
         if self.cache_salt is not None:
-            try:  # it crosses the process boundary as UTF-8
-                self.cache_salt.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ParamError("cache_salt must be valid Unicode (no lone surrogates)",
-                                 "cache_salt") from None
+            require_unicode(self.cache_salt, "cache_salt", "cache_salt")
         if self.n is None:
             self.n = 1
         if isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:

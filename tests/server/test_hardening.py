@@ -101,8 +101,8 @@ SERVE = [sys.executable, "-m", "sloserve.cli", "serve", "--dtype", "float32", "-
 
 #: marks the servers this test module starts (their engine cores inherit it), so that
 #: servers other runs start on the same machine are not counted as theirs
-TAG = f"SLOSERVE_TEST_TAG=hardening-{os.getpid()}"
-ENV = {**os.environ, "SLOSERVE_TEST_TAG": TAG.split("=", 1)[1]}
+ENV = {**os.environ, "SLOSERVE_TEST_TAG": f"hardening-{os.getpid()}"}
+TAG = f"SLOSERVE_TEST_TAG={ENV['SLOSERVE_TEST_TAG']}".encode()  # as /proc/PID/environ has it
 
 
 def _start(port: int, *extra: str) -> subprocess.Popen:
@@ -134,7 +134,7 @@ def _core_pids() -> set[int]:
                 if b"sloserve.engine.core_proc" not in f.read():
                     continue
             with open(f"/proc/{d}/environ", "rb") as f:
-                if TAG.encode() not in f.read().split(b"\0"):
+                if TAG not in f.read().split(b"\0"):
                     continue
             with open(f"/proc/{d}/stat", "rb") as f:
                 if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":  # exited, not yet reaped

@@ -1,10 +1,10 @@
-"""Chat content parts: text parts are joined; anything else is a ParamError naming what is wrong."""
+"""Request models: chat content parts, the sampling fields accepted only when off, tool_choice."""
 from __future__ import annotations
 
 import pytest
 
 from sloserve.sampling_params import ParamError
-from sloserve.server.protocol import ChatMessage
+from sloserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 
 def test_text_parts_joined_with_newlines():
@@ -24,9 +24,6 @@ def test_bad_part_names_the_problem(part, message):
     with pytest.raises(ParamError) as e:
         ChatMessage(role="user", content=[part]).to_template_dict()
     assert str(e.value) == message and e.value.param == "messages"
-
-
-from sloserve.server.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
 
 
 @pytest.mark.parametrize("field, off, on, message", [
