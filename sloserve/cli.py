@@ -17,8 +17,17 @@ from sloserve.config import EngineConfig, add_engine_args, engine_config_from_ar
 MAX_BODY_BYTES = 10 * 2 ** 20
 
 
+#: signals that arrived while the server's modules imported (see _stop_before_start)
+_signals_before_start: list[int] = []
+
+
 def _stop_before_start(sig, frame):
-    """SIGTERM / SIGINT while the server's modules import: nothing runs yet, exit 0."""
+    """SIGTERM / SIGINT while the server's modules import: nothing runs yet, exit 0.
+
+    The signal is remembered before the exit is raised: raised inside a C extension's module
+    init (torch._C imports numpy there and swallows a failed import), the SystemExit is lost
+    and the import goes on; _serve then stops once the import returns."""
+    _signals_before_start.append(sig)
     raise SystemExit(0)
 
 
@@ -27,6 +36,8 @@ def _serve(a: argparse.Namespace) -> int:
     for s in (signal.SIGTERM, signal.SIGINT):  # run_server installs its own before the load
         signal.signal(s, _stop_before_start)
     from sloserve.server.api_server import run_server
+    if _signals_before_start:  # swallowed where it landed: stop now, before any model loads
+        return 0
     run_server(engine_config_from_args(a), host=a.host, port=a.port, log_level=a.log_level,
                drain_timeout_s=a.shutdown_timeout, step_trace=a.step_trace,
                max_request_body_bytes=a.max_request_body_bytes)
