@@ -25,6 +25,7 @@ BATCHING_FLAGS = {"chunked": [], "naive": ["--no-enable-chunked-prefill"],
                   "static": ["--static-batching"]}
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
+KV_CACHE_DTYPE_CHOICES = (*DTYPE_CHOICES, "int8")
 LOAD_FORMAT_CHOICES = ("auto", "gguf", "safetensors", "hf", "dummy")
 #: ``--logprobs-mode`` (vLLM's): what the ``logprobs`` API returns
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -39,7 +40,8 @@ class EngineConfig:
         served_model_name: name in the API (default: the model's own name).
         dtype: "auto" (default: bfloat16 where this CPU's bf16 matmul is native, float32 where it
             is emulated; see sloserve.platform), "bfloat16", "float32" or "float16".
-        kv_cache_dtype: "auto" (= the chosen dtype) or a dtype for the paged KV cache.
+        kv_cache_dtype: "auto" (= the chosen dtype), a dtype for the paged KV cache, or "int8"
+            (8-bit codes and a float32 scale per head and token: sloserve.model.attention.kv_int8).
         load_format: "auto", "gguf", "safetensors", or "dummy" (random weights from config.json).
         block_size: tokens per KV block.
         kv_cache_memory: GiB for the KV cache (used when num_kv_blocks is None).
@@ -153,7 +155,8 @@ class EngineConfig:
                               ("slo_admission", SLO_ADMISSION),
                               ("prefix_caching_hash_algo", HASH_ALGOS),
                               ("logprobs_mode", LOGPROBS_MODES),
-                              ("dtype", DTYPE_CHOICES), ("kv_cache_dtype", DTYPE_CHOICES)):
+                              ("dtype", DTYPE_CHOICES),
+                              ("kv_cache_dtype", KV_CACHE_DTYPE_CHOICES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got "
                                  f"{getattr(self, name)!r}")
@@ -243,8 +246,9 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
     p.add_argument("--dtype", default=_D.dtype, choices=DTYPE_CHOICES,
                    help="auto: bfloat16 where this CPU's bf16 matmul is native, else float32 "
                         "(the choice is logged at start)")
-    p.add_argument("--kv-cache-dtype", default=_D.kv_cache_dtype, choices=DTYPE_CHOICES,
-                   help="dtype of the paged KV cache (auto: the model's dtype)")
+    p.add_argument("--kv-cache-dtype", default=_D.kv_cache_dtype, choices=KV_CACHE_DTYPE_CHOICES,
+                   help="dtype of the paged KV cache (auto: the model's dtype; int8: 8-bit codes "
+                        "and a scale per head and token, half bf16's bytes)")
     p.add_argument("--load-format", default=_D.load_format, choices=LOAD_FORMAT_CHOICES)
     p.add_argument("--quantization", default=_D.quantization, choices=QUANTIZATION_CHOICES,
                    help="auto: a GGUF's weights as stored (Q4_1, Q8_0, K-quants ...), dense for "

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
              "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
 DTYPES = ("auto", "bfloat16", "float32", "float16")
+#: ``--kv-cache-dtype`` values: the dtypes, or int8 (codes + a scale per head and token)
+KV_CACHE_DTYPES = (*DTYPES, "int8")
 #: ``auto`` picks bfloat16 when its GEMM takes at most this multiple of float32's time (native
 #: bf16: ~0.5x; emulated: 9x under the AVX2 caps on an AMX machine, ~200x on an AVX2-only host) ...
 BF16_MAX_GEMM_RATIO = 1.0
@@ -226,8 +228,9 @@ def choose_dtype(requested: str = "auto", kv_cache_dtype: str = "auto") -> Dtype
     Raises:
         ValueError: an unknown dtype.
     """
-    if kv_cache_dtype not in DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(DTYPES)}, got {kv_cache_dtype!r}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                         f"{kv_cache_dtype!r}")
     cpu = detect_cpu()
     probe = None if requested == "float32" else _cached_probe()
     dtype, reason = decide_dtype(requested, probe)

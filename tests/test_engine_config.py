@@ -26,3 +26,23 @@ def test_over_the_models_context_is_refused_unless_allowed(monkeypatch):
     assert cfg.resolve_max_model_len(8192, 16384) == 9000
     with pytest.raises(ValueError, match="does not fit the KV cache of 1024 blocks x 16"):
         EngineConfig(max_model_len=20000).resolve_max_model_len(8192, 16384)
+
+
+def test_kv_cache_dtype_int8_is_a_choice_and_others_are_refused():
+    """``--kv-cache-dtype int8`` parses (the CLI and EngineConfig agree); a value outside the
+    choices is refused naming them, as argparse refuses it at the command line (exit 2)."""
+    import argparse
+
+    import pytest
+
+    from sloserve.config import EngineConfig, add_engine_args, engine_config_from_args
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config_from_args(p.parse_args(["--kv-cache-dtype", "int8"])).kv_cache_dtype == "int8"
+    EngineConfig(kv_cache_dtype="int8").validate()
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, float32, "
+                                         "float16, int8, got 'int4'"):
+        EngineConfig(kv_cache_dtype="int4").validate()
+    with pytest.raises(SystemExit) as e:
+        p.parse_args(["--kv-cache-dtype", "fp8"])
+    assert e.value.code == 2

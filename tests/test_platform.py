@@ -52,6 +52,8 @@ def test_float32_needs_no_probe_and_kv_follows_or_overrides():
     c = choose_dtype("float32")
     assert (c.dtype, c.kv_cache_dtype, c.probe) == ("float32", "float32", None)
     assert choose_dtype("float32", "bfloat16").kv_cache_dtype == "bfloat16"
+    assert choose_dtype("float32", "int8").kv_cache_dtype == "int8"
+    assert "KV cache int8" in choose_dtype("float32", "int8").describe()
     line = c.describe()
     assert line.startswith("cpu: ") and "-> dtype float32, KV cache float32" in line
     assert "torch threads" in line

@@ -90,7 +90,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, step_trace: str | None = None):
         from sloserve.embedded import default_model_path
         from sloserve.model.attention import get_attention_backend
-        from sloserve.model.loader import load_model, parse_dtype
+        from sloserve.model.loader import load_model, parse_dtype, parse_kv_cache_dtype
         from sloserve.model.runner import ModelRunner, kv_bytes_per_block
         from sloserve.model.sampler import Sampler
         from sloserve.platform import choose_dtype
@@ -104,8 +104,9 @@ class EngineCore:
         self.dtype_choice = choose_dtype(config.dtype, config.kv_cache_dtype)
         logger.info("%s", self.dtype_choice.describe())
         self.dtype = parse_dtype(self.dtype_choice.dtype)
-        self.kv_cache_dtype = parse_dtype(self.dtype_choice.kv_cache_dtype)
+        self.kv_cache_dtype = parse_kv_cache_dtype(self.dtype_choice.kv_cache_dtype)
         attn = get_attention_backend(config.attention_backend, self.kv_cache_dtype)
+        attn.compute_dtype = self.dtype
         self.model, weights = load_model(config.model, self.dtype, config.load_format,
                                          with_tokenizer=False,
                                          quantization=config.quantization)

@@ -41,7 +41,7 @@ _SIGS = {
     "sl_add_rms_norm": ([_P, _P, _P, _I64, _I64, _F, _P, _I32, _I32], None),
     "sl_silu_mul": ([_P, _I64, _I64, _P, _I32], None),
     "sl_rope": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64], None),
-    "sl_cache_write": ([_P, _I64, _P, _I64, _P, _I32, _P, _I64, _I64, _I64], None),
+    "sl_cache_write": ([_P, _I64, _P, _I64, _P, _I32, _P, _I64, _I64, _I64, _I64], None),
     "sl_amx_init": ([], _I32),
     "sl_amx_pack_bf16": ([_P, _I64, _I64, _P], _I32),
     "sl_amx_linear": ([_P, _I64, _I64, _P, _I64, _P, _P], _I32),
@@ -303,24 +303,26 @@ class Kernels:
     # ------------------------------------------------------------------ attention
     def cache_write(self, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                     slots: torch.Tensor) -> None:
-        """k, v [T, Hkv, D] float32 views -> one layer's cache [2, blocks, bs, Hkv, D] at slots."""
+        """k, v [T, Hkv, D] float32 views -> one layer's cache [2, blocks, bs, Hkv, entry] at
+        slots (float32 or bf16 entries of D values; int8: quantized, see ``kv_int8``)."""
         T, hk, d = k.shape
         nslots = cache.shape[1] * cache.shape[2]
         self.lib.sl_cache_write(_ptr(k), k.stride(0), _ptr(v), v.stride(0), _ptr(cache),
-                                int(cache.dtype == torch.bfloat16), _ptr(slots), T, nslots, hk * d)
+                                _kv_kind(cache.dtype), _ptr(slots), T, nslots, hk, d)
 
     def paged_attn_decode(self, q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                           seq_lens: torch.Tensor, max_seq_len: int, scale: float,
                           split_len: int) -> torch.Tensor:
         """One query token per request: q [B, H, D] float32 (heads contiguous) over one
-        layer's cache at block_table [B, N] / seq_lens [B] (int64) -> [B, H, D] float32."""
+        layer's cache (float32, bf16 or int8 entries) at block_table [B, N] / seq_lens [B]
+        (int64) -> [B, H, D] float32."""
         B, H, D = q.shape
         hkv = cache.shape[3]
         splits = max(1, -(-max_seq_len // split_len))
         out = torch.empty(B, H, D, dtype=torch.float32)
         work = self._scratch(4 * B * hkv * splits * (H // hkv) * (D + 2))
         self.lib.sl_paged_attn_decode(
-            _ptr(q), q.stride(0), _ptr(cache), int(cache.dtype == torch.bfloat16),
+            _ptr(q), q.stride(0), _ptr(cache), _kv_kind(cache.dtype),
             _ptr(block_table), block_table.shape[1], _ptr(seq_lens), B, H, hkv, D,
             cache.shape[2], cache.shape[1], scale, split_len, splits, _ptr(out), work)
         return out
@@ -358,6 +360,18 @@ class Kernels:
                                         scale, out.data_ptr(), scratch):
             raise RuntimeError(f"the {self.variant} kernels have no AMX attention")
         return out
+
+
+#: KV cache dtype -> the kernels' ``kv_kind`` (an int8 cache holds codes + a scale per entry)
+_KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+
+
+def _kv_kind(dtype: torch.dtype) -> int:
+    """The kernels' code for a KV cache dtype; ValueError for one they cannot read."""
+    if dtype not in _KV_KINDS:
+        raise ValueError(f"the CPU attention kernels read a float32, bfloat16 or int8 KV cache, "
+                         f"got {dtype}")
+    return _KV_KINDS[dtype]
 
 
 def _is_bf16(dtype: torch.dtype) -> int:

@@ -77,6 +77,18 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
                      "(or torch.float32 / torch.bfloat16 / torch.float16)")
 
 
+def parse_kv_cache_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A KV cache dtype: :func:`parse_dtype`'s, or ``"int8"`` / ``torch.int8`` (codes and a scale
+    per head and token, ``sloserve.model.attention.kv_int8``).
+
+    Raises:
+        ValueError: anything else.
+    """
+    if dtype == torch.int8 or (isinstance(dtype, str) and dtype.strip().lower() == "int8"):
+        return torch.int8
+    return parse_dtype(dtype)
+
+
 def expected_state_dict_keys(config: ModelConfig) -> list[str]:
     """The exact parameter names of ``LlamaForCausalLM(config)`` (Hugging Face naming), in a fixed order."""
     keys = ["model.embed_tokens.weight"]

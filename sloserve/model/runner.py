@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from sloserve.model.attention import AttentionBackend, StepInputs
+from sloserve.model.attention import AttentionBackend, StepInputs, kv_int8
 from sloserve.model.config import ModelConfig
 from sloserve.model import logprobs as lp
 from sloserve.model.sampler import Sampler, apply_token_bitmask
@@ -24,9 +24,11 @@ from sloserve.step_io import ModelRunnerOutput, SchedulerOutput
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes of K and V for one token over all layers: 2 * layers * H_kv * head_dim * dtype bytes
-    (vLLM/PagedAttention; ``sloserve.roofline.kv``'s formula)."""
+    (vLLM/PagedAttention; ``sloserve.roofline.kv``'s formula); an int8 cache's entries hold
+    head_dim + 4 bytes (codes and a scale, ``kv_int8``)."""
     return int(gqa_kv_bytes_per_token(config.num_hidden_layers, config.num_key_value_heads,
-                                      config.head_dim, torch.tensor([], dtype=dtype).element_size()))
+                                      kv_int8.entry_width(config.head_dim, dtype),
+                                      torch.tensor([], dtype=dtype).element_size()))
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -120,7 +122,7 @@ class ModelRunner:
         self.fast_path = fast_path
         self.logprobs_mode = logprobs_mode
         shape = attn_backend.kv_cache_shape(num_blocks, block_size, config.num_key_value_heads,
-                                            config.head_dim)
+                                            kv_int8.entry_width(config.head_dim, kv_cache_dtype))
         self.kv_caches = [torch.zeros(shape, dtype=kv_cache_dtype)
                           for _ in range(config.num_hidden_layers)]
         #: bytes of K and V of one token over all layers, in the cache's dtype

@@ -233,7 +233,9 @@ def measure(config: EngineConfig, spec: ModelSpec, hw: Hardware, *,
     if hw.name != "local":
         notes.append(f"timed on this machine's CPU, bound taken on {hw.name}")
     eng = LLMEngine(engine_config_for(config, decode_batches, context_len, prefill_chunks, warmup, repeats))
-    kv_dt = ENGINE_TO_OPS_DTYPE.get(str(eng.runner.kv_caches[0].dtype).removeprefix("torch."), dt)
+    # an int8 cache counts 1 byte per value (its per-entry scales, 4 bytes per 64, are not)
+    kv_dt = (ENGINE_TO_OPS_DTYPE | {"int8": "int8"}).get(
+        str(eng.runner.kv_caches[0].dtype).removeprefix("torch."), dt)
     peaks: dict = {}
     points: list[MeasuredPoint] = []
     for b in decode_batches:

@@ -176,9 +176,11 @@ def run_model_loop(tiny: TinyLlama, prompts: dict[str, list[int]],
                    budget: int = 512, num_blocks: int = 256, block_size: int = 4,
                    max_num_seqs: int = 64, max_model_len: int = 512,
                    arrivals: dict[str, int] | None = None, seed: int = 0,
-                   max_steps: int = 2000) -> LoopResult:
+                   max_steps: int = 2000, kv_cache_dtype=None,
+                   backend: str = "torch-ref") -> LoopResult:
     """Drive Scheduler + KVCacheManager + ModelRunner + Sampler (float32) to completion, as
-    LLMEngine.step does. `arrivals[rid]` = step before which the request is added (default 0)."""
+    LLMEngine.step does. `arrivals[rid]` = step before which the request is added (default 0);
+    `kv_cache_dtype`: the cache's (default float32)."""
     import torch
 
     from sloserve.model.attention import get_attention_backend
@@ -189,8 +191,8 @@ def run_model_loop(tiny: TinyLlama, prompts: dict[str, list[int]],
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                       max_model_len=max_model_len, policy=policy), kv)
     sampler = Sampler(seed)
-    runner = ModelRunner(tiny.model, tiny.config, num_blocks, block_size, torch.float32, sampler,
-                         get_attention_backend("torch-ref"))
+    runner = ModelRunner(tiny.model, tiny.config, num_blocks, block_size,
+                         kv_cache_dtype or torch.float32, sampler, get_attention_backend(backend))
     arrivals = arrivals or {}
     pending = sorted(prompts, key=lambda r: arrivals.get(r, 0))
     reqs: dict[str, Request] = {}

@@ -298,3 +298,25 @@ def test_a_failing_stat_logger_is_dropped_and_costs_no_output(tiny_llama_dir, ca
     out = llm.generate([1, 2, 3, 4, 5], SamplingParams(max_tokens=6, ignore_eos=True))[0]
     assert out.num_output_tokens == 6 and out.error is None
     assert Broken.calls == 1 and "stat logger Broken failed" in caplog.text
+
+
+def test_an_int8_kv_cache_holds_twice_the_tokens_and_serves_the_embedded_model(llm):
+    """``kv_cache_dtype="int8"``: 68 bytes per head and token (64 codes + a float32 scale), so a
+    given memory holds 256/68 (float32) or 128/68 (bf16) times the tokens; the embedded model
+    still answers greedily with the float32 cache's tokens on a plain prompt (checked: 16 of 16)."""
+    import torch
+
+    import sloserve
+    eng8 = sloserve.LLM(model=None, dtype="float32", kv_cache_dtype="int8",
+                        kv_cache_memory=0.05).engine
+    cache = eng8.runner.kv_caches[0]
+    assert cache.dtype == torch.int8 and cache.shape[-1] == 64 + 4
+    per_token = 2 * 30 * 3 * 68
+    assert eng8.runner.kv_bytes_per_token == per_token
+    assert eng8.num_kv_blocks == int(0.05 * 1024 ** 3 // (16 * per_token))
+    sp = greedy(16, ignore_eos=True)
+    ref = llm.generate([PROMPTS[0]], sp)[0].token_ids
+    got = sloserve.LLM.__new__(sloserve.LLM)
+    got.engine = eng8
+    assert got.generate([PROMPTS[0]], sp)[0].token_ids == ref
+    assert eng8.kv.num_free_blocks == eng8.num_kv_blocks

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sloserve.model.attention import available_backends, get_attention_backend
-from sloserve.model.attention import torch_ref
+from sloserve.model.attention import kv_int8, torch_ref
 from sloserve.model.runner import build_step_inputs
 from sloserve.sampling_params import SamplingParams
 from sloserve.step_io import ScheduledRequest, SchedulerOutput
@@ -50,12 +50,25 @@ def _random_step(rng: random.Random, n_reqs: int, num_blocks: int):
     return [reqs[i] for i in order]
 
 
-def _check(backend_name, seed, h, n_kv, cache_dtype, act_dtype, atol, d=16):
+def _stored(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` [..., D] as a cache of ``cache_dtype`` stores it (int8: quantized entries)."""
+    return kv_int8.quantize(x) if cache_dtype == torch.int8 else x.to(cache_dtype)
+
+
+def _read(entries: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What a cache's entries hold, in ``dtype``."""
+    return kv_int8.dequantize(entries, dtype) if entries.dtype == torch.int8 else entries.to(dtype)
+
+
+def _check(backend_name, seed, h, n_kv, cache_dtype, act_dtype, atol, d=16,
+           compute_dtype=torch.float32):
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     num_blocks = 128
     backend = get_attention_backend(backend_name)
-    cache = torch.zeros(backend.kv_cache_shape(num_blocks, BS, n_kv, d), dtype=cache_dtype)
+    backend.compute_dtype = compute_dtype
+    width = kv_int8.entry_width(d, cache_dtype)
+    cache = torch.zeros(backend.kv_cache_shape(num_blocks, BS, n_kv, width), dtype=cache_dtype)
     reqs = _random_step(rng, rng.randint(1, 6), num_blocks)
     # every request's full context K/V (float32), the cached part written into the cache
     ctx = {}
@@ -64,7 +77,7 @@ def _check(backend_name, seed, h, n_kv, cache_dtype, act_dtype, atol, d=16):
         vf = torch.randn(sr.end_pos, n_kv, d, generator=g)
         for p in range(sr.num_computed_tokens):
             b, o = sr.block_ids[p // BS], p % BS
-            cache[0, b, o], cache[1, b, o] = kf[p].to(cache_dtype), vf[p].to(cache_dtype)
+            cache[0, b, o], cache[1, b, o] = _stored(kf[p], cache_dtype), _stored(vf[p], cache_dtype)
         ctx[sr.request_id] = (kf, vf)
     inputs = build_step_inputs(SchedulerOutput(reqs), BS)
     q = torch.randn(inputs.num_tokens, h, d, generator=g).to(act_dtype)
@@ -76,12 +89,13 @@ def _check(backend_name, seed, h, n_kv, cache_dtype, act_dtype, atol, d=16):
     for b, sr in enumerate(reqs):
         kf, vf = ctx[sr.request_id]
         # the reference sees the context as the cache holds it (rounded to its dtype)
-        kr, vr = kf.to(cache_dtype).to(act_dtype), vf.to(cache_dtype).to(act_dtype)
+        kr, vr = (_read(_stored(x, cache_dtype), act_dtype) for x in (kf, vf))
         ref = _dense(q[qsl[b]:qsl[b + 1]], kr, vr, sr.start_pos)
         torch.testing.assert_close(out[qsl[b]:qsl[b + 1]].double(), ref, atol=atol, rtol=atol)
     # the step's own K/V are in the cache now, at their slots
-    flat_k = cache[0].reshape(-1, n_kv, d)
-    torch.testing.assert_close(flat_k[inputs.slot_mapping].float(), k.to(cache_dtype).float())
+    flat_k = cache[0].reshape(-1, n_kv, width)
+    torch.testing.assert_close(_read(flat_k[inputs.slot_mapping], torch.float32),
+                               _read(_stored(k, cache_dtype), torch.float32))
 
 
 BACKENDS = available_backends()
@@ -126,6 +140,62 @@ def test_cpu_paged_amx_prefill_in_random_mixes(seed, monkeypatch):
     assert len(calls) == len(kinds)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("d", [16, 64])
+def test_int8_cache_random_mixes_match_float64_attention_over_its_values(backend, seed, d):
+    """An int8 cache (codes + a scale per head and token): every backend, on random mixes,
+    matches float64 attention over the values the cache holds (its dequantized entries) in
+    float32; the step's own tokens attend to their stored values too. d=64 runs the AVX-512
+    decode kernel's int8 loop where the CPU has it."""
+    _check(backend, seed, 9, 3, torch.int8, torch.float32, 2e-5, d=d)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_int8_cache_in_a_bf16_engine_prefills_on_the_amx_kernel(seed, monkeypatch):
+    """A bf16 engine's int8 cache: multi-token queries run the AMX kernel over a bf16 copy of
+    the context, within bf16 rounding of float64 attention over the cache's values."""
+    from sloserve import kernels
+    k = kernels.load()
+    if k is None or not k.amx:
+        pytest.skip("no AMX here")
+    calls = []
+    real = k.amx_prefill_attn
+    monkeypatch.setattr(k, "amx_prefill_attn", lambda *a: calls.append(1) or real(*a))
+    _check("cpu-paged", seed, 8, 2, torch.int8, torch.float32, 3e-2, d=64,
+           compute_dtype=torch.bfloat16)
+    rng = random.Random(seed)
+    assert len(calls) == sum(r.num_new_tokens > 1 for r in _random_step(rng, rng.randint(1, 6), 128))
+
+
+def test_int8_entries_match_the_kernels_codes_and_bound_the_error():
+    """The kernels' cache write stores exactly kv_int8.quantize's codes and scales (so the
+    reference backend and the kernels read one format); a value is off by at most scale / 2
+    (1/254 of its entry's largest magnitude); zero and NaN entries as documented."""
+    from sloserve import kernels
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 3, 64, generator=g) * torch.rand(37, 3, 1, generator=g) * 10
+    x[3, 1] = 0.0
+    x[5, 2, 7] = float("nan")
+    q = kv_int8.quantize(x)
+    assert q.shape == (37, 3, 68) and q.dtype == torch.int8
+    back = kv_int8.dequantize(q)
+    assert torch.isnan(back[5, 2]).all() and (back[3, 1] == 0).all()
+    ok = torch.ones(37, 3, dtype=torch.bool)
+    ok[5, 2] = False
+    amax = x.abs().amax(-1, keepdim=True)
+    assert ((back - x).abs() <= amax / 254 * (1 + 1e-6))[ok].all()
+    k = kernels.load()
+    if k is None:
+        return
+    cache = torch.zeros(2, 16, 4, 3, 68, dtype=torch.int8)
+    slots = torch.randperm(64, generator=g)[:37]
+    k.cache_write(x, -x, cache, slots)
+    flat = cache.view(2, 64, 3, 68)
+    assert torch.equal(flat[0, slots], q)
+    assert torch.equal(flat[1, slots], kv_int8.quantize(-x))
+
+
 def test_registry():
     assert "torch-ref" in available_backends()
     assert get_attention_backend("auto").name == available_backends()[0]
@@ -144,7 +214,7 @@ def test_a_kv_cache_dtype_the_paged_kernels_cannot_read_gets_another_backend(tin
     assert get_attention_backend("auto", torch.float16).name == "torch-ref"
     assert get_attention_backend("auto", torch.bfloat16).name == "cpu-paged"
     assert get_attention_backend("cpu-paged", torch.float32).name == "cpu-paged"
-    with pytest.raises(ValueError, match="'cpu-paged' reads a float32, bfloat16 KV cache, not "
+    with pytest.raises(ValueError, match="'cpu-paged' reads a float32, bfloat16, int8 KV cache, not "
                                          "float16; use --kv-cache-dtype float32"):
         get_attention_backend("cpu-paged", torch.float16)
     from sloserve.engine.llm import LLM

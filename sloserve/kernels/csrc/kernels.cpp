@@ -893,9 +893,32 @@ void qlinear_x16(const float* x, int64_t M, int64_t K, const uint8_t* qw, const 
 }
 
 // ------------------------------------------------------------------ vector helpers
-// dst[0..n) = a row of the cache in float32 (bf16 widened by a shift, or copied)
-inline void load_row(const void* src, int bf16, float* dst, int64_t n) {
-  if (!bf16) {
+// KV cache kinds (the `kv_kind` argument of the attention kernels): a head's entry of a token
+// is D float32 values, D bf16 values, or D int8 codes followed by their float32 scale (value =
+// code * scale; the scale is the entry's largest |value| / 127, see kv_quantize).
+constexpr int kKvF32 = 0, kKvBF16 = 1, kKvInt8 = 2;
+
+// Bytes of one head's entry of one token in a cache of this kind.
+inline int64_t kv_head_bytes(int kind, int64_t D) {
+  return kind == kKvInt8 ? D + 4 : kind == kKvBF16 ? 2 * D : 4 * D;
+}
+
+inline float kv_scale(const char* entry, int64_t D) {
+  float s;
+  std::memcpy(&s, entry + D, sizeof(float));
+  return s;
+}
+
+// dst[0..n) = a head's entry of the cache in float32 (bf16 widened by a shift, int8 codes
+// times their scale, or copied)
+inline void load_row(const void* src, int kind, float* dst, int64_t n) {
+  if (kind == kKvInt8) {
+    const int8_t* c = static_cast<const int8_t*>(src);
+    const float s = kv_scale(static_cast<const char*>(src), n);
+    for (int64_t i = 0; i < n; ++i) dst[i] = float(c[i]) * s;
+    return;
+  }
+  if (kind == kKvF32) {
     std::memcpy(dst, src, n * sizeof(float));
     return;
   }
@@ -1009,9 +1032,16 @@ inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 // widening load that keeps the order is a shuffle-port uop per 16 values, and that port was the
 // kernel's bottleneck), so the vectors hold the even elements of 0..31, the odd ones of 0..31,
 // then the same of 32..63 (see row64_pos); float32: elements 0..15, 16..31, 32..47, 48..63.
+// int8 (kind 2): the 64 codes widened in order (elements 0..15, ..., 48..63), not yet scaled.
 template <int BF16>
 inline void load_row64(const char* p, __m512& r0, __m512& r1, __m512& r2, __m512& r3) {
-  if constexpr (BF16 != 0) {
+  if constexpr (BF16 == kKvInt8) {
+    const __m512i a = _mm512_loadu_si512(p);
+    r0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(a)));
+    r1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(a, 1)));
+    r2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(a, 2)));
+    r3 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(a, 3)));
+  } else if constexpr (BF16 != 0) {
     const __m512i a = _mm512_loadu_si512(p), b = _mm512_loadu_si512(p + 64);
     const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
     r0 = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
@@ -1029,7 +1059,9 @@ inline void load_row64(const char* p, __m512& r0, __m512& r1, __m512& r2, __m512
 
 // The row position of lane i of vector c as load_row64 lays a row out.
 template <int BF16>
-constexpr int row64_pos(int c, int i) { return BF16 ? (c / 2) * 32 + 2 * i + (c % 2) : 16 * c + i; }
+constexpr int row64_pos(int c, int i) {
+  return BF16 == kKvBF16 ? (c / 2) * 32 + 2 * i + (c % 2) : 16 * c + i;
+}
 
 // a[g] = the 16 lane products of query head g (qv in load_row64's order) with the K row at kp,
 // summed over the row's four vectors (the lanes still to be added up)
@@ -1045,16 +1077,18 @@ inline void row_dots(const __m512 (&qv)[G][4], const char* kp, __m512 (&a)[G]) {
   }
 }
 
-// G and the cache dtype are template parameters: the per-head arrays (q, the 4-token partial
+// G and the cache kind are template parameters: the per-head arrays (q, the 4-token partial
 // scores, the value accumulators) get compile-time sizes the compiler can keep in zmm
-// registers, and load_row64 no dtype branch per row. (Templating alone measured no faster
+// registers, and load_row64 no kind branch per row. (Templating alone measured no faster
 // than the runtime-G kernel; the gains came from hsum4, max16, load_row64 and the prefetch.)
-template <int G, int BF16>
+// Addresses are in bytes: a token's K (or V) row of all heads is `tok` bytes, head hk's entry
+// starts `hoff` bytes into it, and the V plane `vplane` bytes after the K plane. For int8 the
+// per-entry scale multiplies the score (K) and the softmax weight (V), not each value.
+template <int G, int KIND>
 inline void decode_item_d64_t(const float* qh, const char* base, const int64_t* bt,
-                              int64_t block_size, int64_t row, int64_t vplane, int64_t hk,
-                              int64_t t0, int64_t t1, float scale, float* st) {
+                              int64_t block_size, int64_t tok, int64_t vplane, int64_t hk,
+                              int64_t hoff, int64_t t0, int64_t t1, float scale, float* st) {
   constexpr int D = 64;
-  constexpr int64_t esz = BF16 ? 2 : 4;
   const int64_t len = t1 - t0;
   thread_local std::vector<float> scv;
   scv.resize(G * len);
@@ -1063,41 +1097,42 @@ inline void decode_item_d64_t(const float* qh, const char* base, const int64_t* 
   alignas(64) float qp[D];
   for (int g = 0; g < G; ++g) {
     for (int c = 0; c < 4; ++c)
-      for (int i = 0; i < 16; ++i) qp[16 * c + i] = qh[g * D + row64_pos<BF16>(c, i)];
+      for (int i = 0; i < 16; ++i) qp[16 * c + i] = qh[g * D + row64_pos<KIND>(c, i)];
     for (int c = 0; c < 4; ++c) qv[g][c] = _mm512_load_ps(qp + 16 * c);
   }
-  const int64_t stride = row * esz;  // bytes from one token's row to the next in a block
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t t = t0; t < t1;) {  // scores, block by block (no division per token)
     const int64_t off = t % block_size, n = std::min(block_size - off, t1 - t);
-    const char* kp = base + ((bt[t / block_size] * block_size + off) * row + hk * D) * esz;
+    const char* kp = base + (bt[t / block_size] * block_size + off) * tok + hoff;
     // The first KV head's pass asks for the next block's K and V rows of every head (to L2), a
     // row per token: the block table scatters blocks, which the hardware prefetcher cannot
     // follow, and the other heads then read what this one brought in.
     const int64_t nxt = t / block_size + 1;
     const char* pk = (hk == 0 && nxt * block_size < t1)
-        ? base + (bt[nxt] * block_size + off) * row * esz : nullptr;
-    const int64_t row_bytes = row * esz;
+        ? base + (bt[nxt] * block_size + off) * tok : nullptr;
     int64_t j = 0;
     for (; j + 4 <= n; j += 4, t += 4) {  // 4 tokens: their 4 x G dot products summed jointly
       if (pk != nullptr) {
-        for (int64_t l = 0; l < 4 * row_bytes; l += 64) {
+        for (int64_t l = 0; l < 4 * tok; l += 64) {
           _mm_prefetch(pk + l, _MM_HINT_T1);
-          _mm_prefetch(pk + vplane * esz + l, _MM_HINT_T1);
+          _mm_prefetch(pk + vplane + l, _MM_HINT_T1);
         }
-        pk += 4 * row_bytes;
+        pk += 4 * tok;
       }
       __m512 a[4][G];
-      for (int u = 0; u < 4; ++u, kp += stride) row_dots<G, BF16>(qv, kp, a[u]);
+      __m128 ks = _mm512_castps512_ps128(vscale);
+      if constexpr (KIND == kKvInt8)
+        ks = _mm_mul_ps(ks, _mm_setr_ps(kv_scale(kp, D), kv_scale(kp + tok, D),
+                                        kv_scale(kp + 2 * tok, D), kv_scale(kp + 3 * tok, D)));
+      for (int u = 0; u < 4; ++u, kp += tok) row_dots<G, KIND>(qv, kp, a[u]);
       for (int g = 0; g < G; ++g)
-        _mm_storeu_ps(sc + g * len + (t - t0),
-                      _mm_mul_ps(hsum4(a[0][g], a[1][g], a[2][g], a[3][g]),
-                                 _mm512_castps512_ps128(vscale)));
+        _mm_storeu_ps(sc + g * len + (t - t0), _mm_mul_ps(hsum4(a[0][g], a[1][g], a[2][g], a[3][g]), ks));
     }
-    for (; j < n; ++j, ++t, kp += stride) {
+    for (; j < n; ++j, ++t, kp += tok) {
       __m512 a[G];
-      row_dots<G, BF16>(qv, kp, a);
-      for (int g = 0; g < G; ++g) sc[g * len + (t - t0)] = _mm512_reduce_add_ps(a[g]) * scale;
+      row_dots<G, KIND>(qv, kp, a);
+      const float ks = KIND == kKvInt8 ? scale * kv_scale(kp, D) : scale;
+      for (int g = 0; g < G; ++g) sc[g * len + (t - t0)] = _mm512_reduce_add_ps(a[g]) * ks;
     }
   }
   for (int g = 0; g < G; ++g) {
@@ -1111,12 +1146,14 @@ inline void decode_item_d64_t(const float* qh, const char* base, const int64_t* 
     for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t t = t0; t < t1;) {  // weighted values
     const int64_t off = t % block_size, n = std::min(block_size - off, t1 - t);
-    const char* vp = base + (vplane + (bt[t / block_size] * block_size + off) * row + hk * D) * esz;
-    for (int64_t j = 0; j < n; ++j, ++t, vp += stride) {
+    const char* vp = base + vplane + (bt[t / block_size] * block_size + off) * tok + hoff;
+    for (int64_t j = 0; j < n; ++j, ++t, vp += tok) {
       __m512 v0, v1, v2, v3;
-      load_row64<BF16>(vp, v0, v1, v2, v3);
+      load_row64<KIND>(vp, v0, v1, v2, v3);
+      const float vs = KIND == kKvInt8 ? kv_scale(vp, D) : 1.f;
       for (int g = 0; g < G; ++g) {
-        const __m512 p = _mm512_set1_ps(sc[g * len + (t - t0)]);
+        const __m512 p = _mm512_set1_ps(KIND == kKvInt8 ? sc[g * len + (t - t0)] * vs
+                                                        : sc[g * len + (t - t0)]);
         acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);
         acc[g][1] = _mm512_fmadd_ps(p, v1, acc[g][1]);
         acc[g][2] = _mm512_fmadd_ps(p, v2, acc[g][2]);
@@ -1128,30 +1165,33 @@ inline void decode_item_d64_t(const float* qh, const char* base, const int64_t* 
     for (int c = 0; c < 4; ++c) _mm512_store_ps(qp + 16 * c, acc[g][c]);
     float* o = st + 2 * G + g * D;
     for (int c = 0; c < 4; ++c)
-      for (int i = 0; i < 16; ++i) o[row64_pos<BF16>(c, i)] = qp[16 * c + i];
+      for (int i = 0; i < 16; ++i) o[row64_pos<KIND>(c, i)] = qp[16 * c + i];
   }
 }
 
 template <int G>
-inline void decode_item_d64_g(const float* qh, const char* base, int kv_bf16, const int64_t* bt,
-                              int64_t block_size, int64_t row, int64_t vplane, int64_t hk,
-                              int64_t t0, int64_t t1, float scale, float* st) {
-  if (kv_bf16)
-    decode_item_d64_t<G, 1>(qh, base, bt, block_size, row, vplane, hk, t0, t1, scale, st);
+inline void decode_item_d64_g(const float* qh, const char* base, int kind, const int64_t* bt,
+                              int64_t block_size, int64_t tok, int64_t vplane, int64_t hk,
+                              int64_t hoff, int64_t t0, int64_t t1, float scale, float* st) {
+  if (kind == kKvBF16)
+    decode_item_d64_t<G, kKvBF16>(qh, base, bt, block_size, tok, vplane, hk, hoff, t0, t1, scale, st);
+  else if (kind == kKvInt8)
+    decode_item_d64_t<G, kKvInt8>(qh, base, bt, block_size, tok, vplane, hk, hoff, t0, t1, scale, st);
   else
-    decode_item_d64_t<G, 0>(qh, base, bt, block_size, row, vplane, hk, t0, t1, scale, st);
+    decode_item_d64_t<G, kKvF32>(qh, base, bt, block_size, tok, vplane, hk, hoff, t0, t1, scale, st);
 }
 
 // One work item of the decode kernel for head_dim 64 on AVX-512: the G (<= 4) query heads of a
 // KV head over tokens [t0, t1).
-inline void decode_item_d64(const float* qh, const char* base, int kv_bf16, const int64_t* bt,
-                            int64_t block_size, int64_t row, int64_t vplane, int64_t hk,
-                            int64_t G, int64_t t0, int64_t t1, float scale, float* st) {
+inline void decode_item_d64(const float* qh, const char* base, int kind, const int64_t* bt,
+                            int64_t block_size, int64_t tok, int64_t vplane, int64_t hk,
+                            int64_t hoff, int64_t G, int64_t t0, int64_t t1, float scale,
+                            float* st) {
   switch (G) {
-    case 1: return decode_item_d64_g<1>(qh, base, kv_bf16, bt, block_size, row, vplane, hk, t0, t1, scale, st);
-    case 2: return decode_item_d64_g<2>(qh, base, kv_bf16, bt, block_size, row, vplane, hk, t0, t1, scale, st);
-    case 3: return decode_item_d64_g<3>(qh, base, kv_bf16, bt, block_size, row, vplane, hk, t0, t1, scale, st);
-    default: return decode_item_d64_g<4>(qh, base, kv_bf16, bt, block_size, row, vplane, hk, t0, t1, scale, st);
+    case 1: return decode_item_d64_g<1>(qh, base, kind, bt, block_size, tok, vplane, hk, hoff, t0, t1, scale, st);
+    case 2: return decode_item_d64_g<2>(qh, base, kind, bt, block_size, tok, vplane, hk, hoff, t0, t1, scale, st);
+    case 3: return decode_item_d64_g<3>(qh, base, kind, bt, block_size, tok, vplane, hk, hoff, t0, t1, scale, st);
+    default: return decode_item_d64_g<4>(qh, base, kind, bt, block_size, tok, vplane, hk, hoff, t0, t1, scale, st);
   }
 }
 #endif
@@ -1845,45 +1885,76 @@ void sl_rope(float* q, int64_t q_stride, float* k, int64_t k_stride, const float
   }
 }
 
+// One head's entry of D float32 values as int8 codes and a float32 scale (kind 2): scale =
+// max |x| / 127, code = x / scale rounded to nearest even (|code| <= 127), written D codes
+// then the scale's 4 bytes. An all-zero entry gets scale 0; an entry holding a NaN gets scale
+// NaN (reading it back gives NaN, as a float cache would). sloserve/model/attention/kv_int8.py
+// computes the same codes with torch (the reference backend and the tests).
+inline void kv_quantize(const float* x, int64_t D, char* dst) {
+  float amax = 0.f;
+  bool nan = false;
+  for (int64_t i = 0; i < D; ++i) {
+    nan |= std::isnan(x[i]);
+    amax = std::max(amax, std::fabs(x[i]));
+  }
+  const float s = nan ? NAN : amax / 127.f;
+  int8_t* c = reinterpret_cast<int8_t*>(dst);
+  for (int64_t i = 0; i < D; ++i) {
+    float r = s > 0.f ? std::nearbyint(x[i] / s) : 0.f;
+    r = std::min(127.f, std::max(-127.f, r));
+    c[i] = static_cast<int8_t>(r);
+  }
+  std::memcpy(dst + D, &s, sizeof(float));
+}
+
 // Write the step's K and V (float32 [T, Hkv, D] with token strides) into one layer's paged
-// cache [2, num_blocks, block_size, Hkv, D] (bf16 when kv_bf16, else float32) at slot_mapping.
+// cache [2, num_blocks, block_size, Hkv, entry] (kv_kind: float32, bf16, or int8 codes + scale,
+// see kv_head_bytes) at slot_mapping.
 void sl_cache_write(const float* k, int64_t k_stride, const float* v, int64_t v_stride,
-                    void* cache, int kv_bf16, const int64_t* slots, int64_t T, int64_t num_slots,
-                    int64_t row) {
+                    void* cache, int kind, const int64_t* slots, int64_t T, int64_t num_slots,
+                    int64_t Hkv, int64_t D) {
+  const int64_t row = Hkv * D, tok = Hkv * kv_head_bytes(kind, D);
   for (int64_t t = 0; t < T; ++t) {
     const int64_t s = slots[t];
-    if (kv_bf16) {
-      uint16_t* kc = static_cast<uint16_t*>(cache) + s * row;
-      uint16_t* vc = kc + num_slots * row;
+    char* kb = static_cast<char*>(cache) + s * tok;
+    char* vb = kb + num_slots * tok;
+    if (kind == kKvInt8) {
+      for (int64_t h = 0; h < Hkv; ++h) {
+        kv_quantize(k + t * k_stride + h * D, D, kb + h * (D + 4));
+        kv_quantize(v + t * v_stride + h * D, D, vb + h * (D + 4));
+      }
+    } else if (kind == kKvBF16) {
+      uint16_t* kc = reinterpret_cast<uint16_t*>(kb);
+      uint16_t* vc = reinterpret_cast<uint16_t*>(vb);
       for (int64_t i = 0; i < row; ++i) {
         kc[i] = f32_to_bf16(k[t * k_stride + i]);
         vc[i] = f32_to_bf16(v[t * v_stride + i]);
       }
     } else {
-      float* kc = static_cast<float*>(cache) + s * row;
-      float* vc = kc + num_slots * row;
-      std::memcpy(kc, k + t * k_stride, row * sizeof(float));
-      std::memcpy(vc, v + t * v_stride, row * sizeof(float));
+      std::memcpy(kb, k + t * k_stride, row * sizeof(float));
+      std::memcpy(vb, v + t * v_stride, row * sizeof(float));
     }
   }
 }
 
 // Decode attention over the paged cache, in place (no gather): one query token per request.
 //   q [B, H, D] float32 (row stride q_stride between requests); out [B, H, D] float32;
-//   cache [2, num_blocks, block_size, Hkv, D] (bf16 or float32); block_table [B, max_blocks];
+//   cache [2, num_blocks, block_size, Hkv, entry] of kind kv_kind (float32, bf16, or int8
+//   codes + scale: kv_head_bytes); block_table [B, max_blocks];
 //   seq_lens [B] (context incl. the new token, already written). GQA: H = G * Hkv.
 // Work items are (request, KV head, split of the context); a context longer than split_len
 // is cut into splits whose partial softmax states are merged by log-sum-exp afterwards
 // (FlashDecoding), so a small batch with a long context still uses every thread.
 // work: scratch of B * Hkv * max_splits * G * (D + 2) floats.
-void sl_paged_attn_decode(const float* q, int64_t q_stride, const void* cache, int kv_bf16,
+void sl_paged_attn_decode(const float* q, int64_t q_stride, const void* cache, int kind,
                           const int64_t* block_table, int64_t max_blocks, const int64_t* seq_lens,
                           int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size,
                           int64_t num_blocks, float scale, int64_t split_len, int64_t max_splits,
                           float* out, float* work) {
   const int64_t G = H / Hkv;
-  const int64_t row = Hkv * D;                       // one token's K (or V) for all heads
-  const int64_t vplane = num_blocks * block_size * row;
+  const int64_t hbytes = kv_head_bytes(kind, D);
+  const int64_t tok = Hkv * hbytes;                  // one token's K (or V) for all heads, bytes
+  const int64_t vplane = num_blocks * block_size * tok;
   const int64_t item_floats = G * (D + 2);
   const int64_t items = B * Hkv * max_splits;
   auto one = [&](int64_t it) {
@@ -1903,8 +1974,8 @@ void sl_paged_attn_decode(const float* q, int64_t q_stride, const void* cache, i
 #if SL_ISA == 2
     if (D == 64 && G <= 4) {
       decode_item_d64(q + b * q_stride + hk * G * D, static_cast<const char*>(cache),
-                      kv_bf16, block_table + b * max_blocks, block_size, row, vplane, hk,
-                      G, t0, t1, scale, st);
+                      kind, block_table + b * max_blocks, block_size, tok, vplane, hk,
+                      hk * hbytes, G, t0, t1, scale, st);
       return;
     }
 #endif
@@ -1915,14 +1986,13 @@ void sl_paged_attn_decode(const float* q, int64_t q_stride, const void* cache, i
     const float* qh = q + b * q_stride + hk * G * D;
     const int64_t* bt = block_table + b * max_blocks;
     const char* base = static_cast<const char*>(cache);
-    const int64_t esz = kv_bf16 ? 2 : 4;
     // scores, block by block (the tokens of a block are contiguous rows of the cache)
     for (int64_t t = t0; t < t1;) {
       const int64_t blk = t / block_size, off = t % block_size;
       const int64_t n = std::min(block_size - off, t1 - t);
-      const char* src = base + ((bt[blk] * block_size + off) * row + hk * D) * esz;
+      const char* src = base + (bt[blk] * block_size + off) * tok + hk * hbytes;
       for (int64_t j = 0; j < n; ++j, ++t) {
-        load_row(src + j * row * esz, kv_bf16, kr, D);
+        load_row(src + j * tok, kind, kr, D);
         for (int64_t g = 0; g < G; ++g) scp[g * len + (t - t0)] = dot(qh + g * D, kr, D) * scale;
       }
     }
@@ -1938,9 +2008,9 @@ void sl_paged_attn_decode(const float* q, int64_t q_stride, const void* cache, i
     for (int64_t t = t0; t < t1;) {  // weighted values
       const int64_t blk = t / block_size, off = t % block_size;
       const int64_t n = std::min(block_size - off, t1 - t);
-      const char* src = base + (vplane + (bt[blk] * block_size + off) * row + hk * D) * esz;
+      const char* src = base + vplane + (bt[blk] * block_size + off) * tok + hk * hbytes;
       for (int64_t j = 0; j < n; ++j, ++t) {
-        load_row(src + j * row * esz, kv_bf16, kr, D);
+        load_row(src + j * tok, kind, kr, D);
         for (int64_t g = 0; g < G; ++g) axpy(scp[g * len + (t - t0)], kr, st + 2 * G + g * D, D);
       }
     }

@@ -75,6 +75,9 @@ class AttentionBackend(abc.ABC):
 
     name: ClassVar[str] = "abstract"
     priority: ClassVar[int] = 0
+    #: the engine's dtype (set by the engine): where the cache's dtype leaves the choice, a
+    #: backend may compute in it (an int8 cache's prefill on bf16 tiles in a bf16 engine)
+    compute_dtype: torch.dtype = torch.float32
     #: the KV cache dtypes it reads (None: any)
     kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
 
@@ -92,8 +95,10 @@ class AttentionBackend(abc.ABC):
     @staticmethod
     @abc.abstractmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
-                       head_dim: int) -> tuple[int, ...]:
-        """Shape of one layer's KV cache tensor (K and V together)."""
+                       entry_width: int) -> tuple[int, ...]:
+        """Shape of one layer's KV cache tensor (K and V together); ``entry_width``: elements of
+        one head's entry of one token (head_dim, or head_dim + 4 for an int8 cache:
+        ``kv_int8.entry_width``)."""
 
     @abc.abstractmethod
     def build_metadata(self, inputs: StepInputs) -> Any:

@@ -11,7 +11,12 @@ are interchangeable on one cache). Per step:
 * requests with several query tokens (prefill chunks, verify steps): where the CPU has AMX and
   the cache is bf16, the kernels' AMX flash attention over the request's blocks in place (its
   cached and new positions in one pass, causal; 2-3x torch's CPU flash attention on the
-  embedded model's shapes, measured); elsewhere the reference path (torch's flash attention).
+  embedded model's shapes, measured); an int8 cache in a bf16 engine: the same kernel over a
+  bf16 copy of the request's context (dequantized per step and layer: ~0.4 MB for 2,048
+  tokens); elsewhere the reference path (torch's flash attention).
+
+The KV cache is float32, bf16 or int8 (``kv_int8``: D codes and a float32 scale per head and
+token, half the bytes of bf16 for the decode kernel to read).
 
 Available where the kernels load (``sloserve.kernels``); ``auto`` prefers it to ``torch-ref``.
 """
@@ -22,7 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from sloserve.model.attention.backend import AttentionBackend, StepInputs, register_backend
-from sloserve.model.attention.torch_ref import MultiQuery, TorchReferenceBackend, _multi
+from sloserve.model.attention import kv_int8
+from sloserve.model.attention.torch_ref import (MultiQuery, TorchReferenceBackend, _multi,
+                                                write_cache)
 
 #: context tokens per split of the decode kernel
 SPLIT_LEN = 256
@@ -58,8 +65,9 @@ class CpuPagedBackend(AttentionBackend):
 
     name = "cpu-paged"
     priority = 10
-    # the kernels read bf16 or float32 rows (a float16 cache read as float32 ran off its end)
-    kv_cache_dtypes = (torch.float32, torch.bfloat16)
+    # the kernels read bf16, float32 or int8 entries (a float16 cache read as float32 ran off
+    # its end)
+    kv_cache_dtypes = (torch.float32, torch.bfloat16, torch.int8)
 
     def __init__(self):
         from sloserve import kernels
@@ -107,14 +115,25 @@ class CpuPagedBackend(AttentionBackend):
             od = self.k.paged_attn_decode(qd, kv_cache, meta.block_table, meta.seq_lens,
                                           meta.max_seq_len, scale, SPLIT_LEN)
             out.index_copy_(0, meta.decode_rows, od.to(q.dtype))
-        cd = kv_cache.dtype
+        if not meta.multi:
+            return out
+        int8 = kv_cache.dtype == torch.int8
+        # an int8 cache: the AMX kernel reads a bf16 copy of the request's context, and only in a
+        # bf16 engine (the float32 one keeps the dequantized values exact, on the torch path)
+        cd = torch.bfloat16 if int8 and self.compute_dtype == torch.bfloat16 \
+            else (q.dtype if int8 else kv_cache.dtype)
         amx = (meta.multi_blocks is not None and cd == torch.bfloat16 and q.dtype == torch.float32
                and q.shape[2] % 32 == 0 and q.stride(-1) == 1 and q.stride(1) == q.shape[2])
+        if int8 and not amx:  # the step's own K/V as the cache holds them (see write_cache)
+            k, v = write_cache(k, v, kv_cache, meta.slot_mapping)
         for i, c in enumerate(meta.multi):
             s = slice(c.q_start, c.q_end)
             if amx:
-                out[s] = self.k.amx_prefill_attn(q[s], kv_cache, meta.multi_blocks[i],
-                                                 c.num_computed, scale)
+                cache, blocks = kv_cache, meta.multi_blocks[i]
+                if int8:
+                    cache = kv_int8.dequantize(kv_cache.index_select(1, blocks), cd)
+                    blocks = torch.arange(blocks.shape[0])
+                out[s] = self.k.amx_prefill_attn(q[s], cache, blocks, c.num_computed, scale)
                 continue
             # flash attention in the cache's dtype (bf16 math where the CPU has it: a
             # 512-token prompt's attention 4.3 -> ~1.5 ms per layer measured)

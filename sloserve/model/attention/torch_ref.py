@@ -1,7 +1,8 @@
 """The PyTorch reference attention backend (``torch-ref``): clear, on torch's own CPU kernels, and
 the correctness oracle the faster backends are tested against.
 
-KV layout: one tensor per layer, ``[2, num_blocks, block_size, H_kv, D]`` (K then V). Per step it
+KV layout: one tensor per layer, ``[2, num_blocks, block_size, H_kv, D]`` (K then V; an int8
+cache's last dimension is D + 4: codes and a scale, see ``kv_int8``). Per step it
 scatters the new K/V by slot mapping, then
 
 * requests with one query token (decodes) run as one batched ``scaled_dot_product_attention``
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from sloserve.model.attention import kv_int8
 from sloserve.model.attention.backend import AttentionBackend, StepInputs, register_backend
 
 #: CPU flash-attention op that also returns the log-sum-exp (a private ATen op; None if absent)
@@ -91,11 +93,8 @@ class TorchReferenceBackend(AttentionBackend):
         return TorchRefMetadata(inputs.slot_mapping, rows, table, mask, multi)
 
     def forward(self, q, k, v, kv_cache, meta: TorchRefMetadata, scale):
-        n_kv, d = k.shape[1], k.shape[2]
+        k, v = write_cache(k, v, kv_cache, meta.slot_mapping)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        # the cache may hold another dtype than the activations (--kv-cache-dtype)
-        k_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, n_kv, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
             out.index_copy_(0, meta.decode_rows, _decode(q.index_select(0, meta.decode_rows),
@@ -106,11 +105,31 @@ class TorchReferenceBackend(AttentionBackend):
         return out
 
 
+def write_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store the step's K and V [T, H_kv, D] at ``slots`` of one layer's cache in its dtype (the
+    cache may hold another dtype than the activations: ``--kv-cache-dtype``). Returns the K and V
+    the step's own queries attend to: as given, or for an int8 cache as read back from it
+    (dequantized), so that a token sees the same values whether it is in the step or cached."""
+    n_kv = k.shape[1]
+    if kv_cache.dtype == torch.int8:
+        kq, vq = kv_int8.quantize(k), kv_int8.quantize(v)
+        w = kq.shape[-1]
+        kv_cache[0].view(-1, n_kv, w).index_copy_(0, slots, kq)
+        kv_cache[1].view(-1, n_kv, w).index_copy_(0, slots, vq)
+        return kv_int8.dequantize(kq, k.dtype), kv_int8.dequantize(vq, v.dtype)
+    d = k.shape[2]
+    kv_cache[0].view(-1, n_kv, d).index_copy_(0, slots, k.to(kv_cache.dtype))
+    kv_cache[1].view(-1, n_kv, d).index_copy_(0, slots, v.to(kv_cache.dtype))
+    return k, v
+
+
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[num_blocks, block_size, H_kv, D] at ``blocks`` [..., N] -> [..., N * block_size, H_kv, D]
-    in ``dtype``."""
-    g = cache.index_select(0, blocks.reshape(-1)).to(dtype)
-    return g.view(*blocks.shape[:-1], -1, cache.shape[2], cache.shape[3])
+    """[num_blocks, block_size, H_kv, entry] at ``blocks`` [..., N] -> [..., N * block_size,
+    H_kv, D] in ``dtype`` (an int8 cache's entries dequantized)."""
+    g = cache.index_select(0, blocks.reshape(-1))
+    g = kv_int8.dequantize(g, dtype) if cache.dtype == torch.int8 else g.to(dtype)
+    return g.view(*blocks.shape[:-1], -1, cache.shape[2], g.shape[-1])
 
 
 def _decode(q, k_cache, v_cache, meta: TorchRefMetadata, scale):
