@@ -122,11 +122,13 @@ def test_bf16_cache_and_activations(seed):
     _check("torch-ref", seed, 8, 2, torch.bfloat16, torch.bfloat16, 3e-2)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("seed", range(6))
-def test_cpu_paged_amx_prefill_in_random_mixes(seed, monkeypatch):
-    """Where the CPU has AMX, cpu-paged runs every multi-token query of a bf16 cache with
-    head_dim 64 on the kernels' AMX flash attention (and the decodes on its decode kernel):
-    within bf16 rounding (q and P in bf16) of float64 attention over the same rounded cache."""
+def test_cpu_paged_amx_prefill_in_random_mixes(seed, cache_dtype, monkeypatch):
+    """Where the CPU has AMX, cpu-paged in a bf16 engine runs every multi-token query with
+    head_dim 64 on the kernels' AMX flash attention (over the bf16 cache in place, or over a bf16
+    copy of an int8 cache's context) and the decodes on its decode kernel: within bf16 rounding
+    (q and P in bf16) of float64 attention over the values the cache holds."""
     from sloserve import kernels
     k = kernels.load()
     if k is None or not k.amx:
@@ -134,7 +136,8 @@ def test_cpu_paged_amx_prefill_in_random_mixes(seed, monkeypatch):
     calls = []
     real = k.amx_prefill_attn
     monkeypatch.setattr(k, "amx_prefill_attn", lambda *a: calls.append(1) or real(*a))
-    _check("cpu-paged", seed, 8, 2, torch.bfloat16, torch.float32, 3e-2, d=64)
+    _check("cpu-paged", seed, 8, 2, cache_dtype, torch.float32, 3e-2, d=64,
+           compute_dtype=torch.bfloat16)
     rng = random.Random(seed)
     kinds = [r for r in _random_step(rng, rng.randint(1, 6), 128) if r.num_new_tokens > 1]
     assert len(calls) == len(kinds)
@@ -149,23 +152,6 @@ def test_int8_cache_random_mixes_match_float64_attention_over_its_values(backend
     float32; the step's own tokens attend to their stored values too. d=64 runs the AVX-512
     decode kernel's int8 loop where the CPU has it."""
     _check(backend, seed, 9, 3, torch.int8, torch.float32, 2e-5, d=d)
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_int8_cache_in_a_bf16_engine_prefills_on_the_amx_kernel(seed, monkeypatch):
-    """A bf16 engine's int8 cache: multi-token queries run the AMX kernel over a bf16 copy of
-    the context, within bf16 rounding of float64 attention over the cache's values."""
-    from sloserve import kernels
-    k = kernels.load()
-    if k is None or not k.amx:
-        pytest.skip("no AMX here")
-    calls = []
-    real = k.amx_prefill_attn
-    monkeypatch.setattr(k, "amx_prefill_attn", lambda *a: calls.append(1) or real(*a))
-    _check("cpu-paged", seed, 8, 2, torch.int8, torch.float32, 3e-2, d=64,
-           compute_dtype=torch.bfloat16)
-    rng = random.Random(seed)
-    assert len(calls) == sum(r.num_new_tokens > 1 for r in _random_step(rng, rng.randint(1, 6), 128))
 
 
 def test_int8_entries_match_the_kernels_codes_and_bound_the_error():
