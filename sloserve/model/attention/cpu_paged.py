@@ -28,8 +28,7 @@ import torch
 
 from sloserve.model.attention.backend import AttentionBackend, StepInputs, register_backend
 from sloserve.model.attention import kv_int8
-from sloserve.model.attention.torch_ref import (MultiQuery, TorchReferenceBackend, _multi,
-                                                write_cache)
+from sloserve.model.attention.torch_ref import MultiQuery, TorchReferenceBackend, _multi
 
 #: context tokens per split of the decode kernel
 SPLIT_LEN = 256
@@ -125,7 +124,7 @@ class CpuPagedBackend(AttentionBackend):
         amx = (meta.multi_blocks is not None and cd == torch.bfloat16 and q.dtype == torch.float32
                and q.shape[2] % 32 == 0 and q.stride(-1) == 1 and q.stride(1) == q.shape[2])
         if int8 and not amx:  # the step's own K/V as the cache holds them (see write_cache)
-            k, v = write_cache(k, v, kv_cache, meta.slot_mapping)
+            k, v = kv_int8.stored(k), kv_int8.stored(v)
         for i, c in enumerate(meta.multi):
             s = slice(c.q_start, c.q_end)
             if amx:

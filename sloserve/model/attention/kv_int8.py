@@ -8,6 +8,11 @@ scale: the error of a value is at most scale / 2, i.e. 1/254 of the entry's larg
 group per head). An all-zero entry has scale 0; an entry holding a NaN has scale NaN, so it
 reads back as NaN, as a float cache would.
 
+Rounding to 8 bits amplifies last-bit differences: a value that lands near a rounding boundary
+takes the neighbouring code when the K/V it came from differs by one ulp (the fast path's matmul
+kernel depends on the step's token count), so greedy output over an int8 cache is not exactly
+reproducible across batching and prefix-cache hits even in a float32 engine (README, Numerics).
+
 The CPU kernels (``kv_quantize`` in ``sloserve/kernels/csrc/kernels.cpp``) compute the same
 codes; this module is the torch version for the reference backend, the prefill path that
 reads a dequantized copy, and the tests. The cache tensor is ``torch.int8`` shaped
@@ -42,3 +47,8 @@ def dequantize(entries: torch.Tensor, dtype: torch.dtype = torch.float32) -> tor
     d = entries.shape[-1] - SCALE_BYTES
     scale = entries[..., d:].contiguous().view(torch.float32)
     return (entries[..., :d].float() * scale).to(dtype)
+
+
+def stored(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [..., D] as an int8 cache gives it back (quantized, then dequantized), in x's dtype."""
+    return dequantize(quantize(x), x.dtype)
