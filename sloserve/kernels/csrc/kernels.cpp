@@ -1035,12 +1035,12 @@ inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 // int8 (kind 2): the 64 codes widened in order (elements 0..15, ..., 48..63), not yet scaled.
 template <int BF16>
 inline void load_row64(const char* p, __m512& r0, __m512& r1, __m512& r2, __m512& r3) {
-  if constexpr (BF16 == kKvInt8) {
-    const __m512i a = _mm512_loadu_si512(p);
-    r0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(a)));
-    r1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(a, 1)));
-    r2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(a, 2)));
-    r3 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(a, 3)));
+  if constexpr (BF16 == kKvInt8) {  // the widening loads take their 16 bytes from memory
+    const __m128i* q = reinterpret_cast<const __m128i*>(p);
+    r0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
+    r1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
+    r2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 2)));
+    r3 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 3)));
   } else if constexpr (BF16 != 0) {
     const __m512i a = _mm512_loadu_si512(p), b = _mm512_loadu_si512(p + 64);
     const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
@@ -1083,7 +1083,8 @@ inline void row_dots(const __m512 (&qv)[G][4], const char* kp, __m512 (&a)[G]) {
 // than the runtime-G kernel; the gains came from hsum4, max16, load_row64 and the prefetch.)
 // Addresses are in bytes: a token's K (or V) row of all heads is `tok` bytes, head hk's entry
 // starts `hoff` bytes into it, and the V plane `vplane` bytes after the K plane. For int8 the
-// per-entry scale multiplies the score (K) and the softmax weight (V), not each value.
+// per-entry scale multiplies the score (K) and the softmax weight (V, in a pass of its own
+// before the weighted sum), not each value.
 template <int G, int KIND>
 inline void decode_item_d64_t(const float* qh, const char* base, const int64_t* bt,
                               int64_t block_size, int64_t tok, int64_t vplane, int64_t hk,
@@ -1141,6 +1142,16 @@ inline void decode_item_d64_t(const float* qh, const char* base, const int64_t* 
     st[g] = mx;
     st[G + g] = exp_sub_sum(sg, len, mx);
   }
+  if constexpr (KIND == kKvInt8) {  // each weight times its V entry's scale, once per token
+    for (int64_t t = t0; t < t1;) {
+      const int64_t off = t % block_size, n = std::min(block_size - off, t1 - t);
+      const char* vp = base + vplane + (bt[t / block_size] * block_size + off) * tok + hoff;
+      for (int64_t j = 0; j < n; ++j, ++t, vp += tok) {
+        const float vs = kv_scale(vp, D);
+        for (int g = 0; g < G; ++g) sc[g * len + (t - t0)] *= vs;
+      }
+    }
+  }
   __m512 acc[G][4];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
@@ -1150,10 +1161,8 @@ inline void decode_item_d64_t(const float* qh, const char* base, const int64_t* 
     for (int64_t j = 0; j < n; ++j, ++t, vp += tok) {
       __m512 v0, v1, v2, v3;
       load_row64<KIND>(vp, v0, v1, v2, v3);
-      const float vs = KIND == kKvInt8 ? kv_scale(vp, D) : 1.f;
       for (int g = 0; g < G; ++g) {
-        const __m512 p = _mm512_set1_ps(KIND == kKvInt8 ? sc[g * len + (t - t0)] * vs
-                                                        : sc[g * len + (t - t0)]);
+        const __m512 p = _mm512_set1_ps(sc[g * len + (t - t0)]);
         acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);
         acc[g][1] = _mm512_fmadd_ps(p, v1, acc[g][1]);
         acc[g][2] = _mm512_fmadd_ps(p, v2, acc[g][2]);
