@@ -16,8 +16,7 @@ import statistics
 import time
 
 from sloserve.engine.llm import LLM
-from sloserve.engine.step_profile import synthetic_prompt
-from sloserve.sampling_params import SamplingParams
+from sloserve.engine.step_profile import start_decodes
 
 
 def extra_tokens(batch: int, context: int, steps: int) -> int:
@@ -39,13 +38,7 @@ def measure(eng, batch: int, context: int, steps: int) -> tuple[float, float]:
         return out
     # the first requests decode while the later ones prefill: enough tokens for all to be
     # decoding through the timed steps (contexts then spread over ~batch * context / budget)
-    sp = SamplingParams(temperature=0.0, max_tokens=extra_tokens(batch, context, steps),
-                        ignore_eos=True)
-    vocab = eng.model_config.vocab_size
-    ids = [eng.add_request(synthetic_prompt(context, 1000 * batch + i, vocab), sp)
-           for i in range(batch)]
-    while eng.scheduler.waiting or any(r.is_prefilling for r in eng.scheduler.running):
-        eng.step()
+    ids = start_decodes(eng, batch, context, extra_tokens(batch, context, steps))
     for _ in range(3):
         eng.step()
     if k is not None:

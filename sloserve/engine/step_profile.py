@@ -47,7 +47,7 @@ def _timed_step(eng: LLMEngine, context: int | None = None) -> StepSample:
     return StepSample(wall, tm.prepare_s, tm.forward_s, tm.sample_s, context)
 
 
-def _start_decodes(eng: LLMEngine, batch: int, prompt_len: int, max_tokens: int) -> list[str]:
+def start_decodes(eng: LLMEngine, batch: int, prompt_len: int, max_tokens: int) -> list[str]:
     """Add `batch` greedy ignore-EOS requests of `prompt_len` tokens and step (untimed) until
     none is waiting or prefilling. Returns their ids."""
     vocab = eng.model_config.vocab_size
@@ -73,7 +73,7 @@ def time_decode_steps(eng: LLMEngine, batch: int, context_len: int, warmup: int,
     prompt = context_len - 1 - warmup - (repeats - 1) // 2
     if prompt < 1:
         raise ValueError(f"context length {context_len} too short for warmup {warmup} + {repeats} repeats")
-    ids = _start_decodes(eng, batch, prompt, warmup + repeats + 4)
+    ids = start_decodes(eng, batch, prompt, warmup + repeats + 4)
     out = []
     for k in range(warmup + repeats):
         running = eng.scheduler.running

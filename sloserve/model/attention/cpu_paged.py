@@ -119,12 +119,14 @@ class CpuPagedBackend(AttentionBackend):
         int8 = kv_cache.dtype == torch.int8
         # an int8 cache: the AMX kernel reads a bf16 copy of the request's context, and only in a
         # bf16 engine (the float32 one keeps the dequantized values exact, on the torch path)
-        cd = torch.bfloat16 if int8 and self.compute_dtype == torch.bfloat16 \
-            else (q.dtype if int8 else kv_cache.dtype)
+        cd = kv_cache.dtype
+        if int8:
+            cd = torch.bfloat16 if self.compute_dtype == torch.bfloat16 else q.dtype
         amx = (meta.multi_blocks is not None and cd == torch.bfloat16 and q.dtype == torch.float32
                and q.shape[2] % 32 == 0 and q.stride(-1) == 1 and q.stride(1) == q.shape[2])
         if int8 and not amx:  # the step's own K/V as the cache holds them (see write_cache)
-            k, v = kv_int8.stored(k), kv_int8.stored(v)
+            written = kv_cache.view(2, -1, *kv_cache.shape[3:]).index_select(1, meta.slot_mapping)
+            k, v = kv_int8.dequantize(written, k.dtype)
         for i, c in enumerate(meta.multi):
             s = slice(c.q_start, c.q_end)
             if amx:

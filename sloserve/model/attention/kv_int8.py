@@ -48,7 +48,3 @@ def dequantize(entries: torch.Tensor, dtype: torch.dtype = torch.float32) -> tor
     scale = entries[..., d:].contiguous().view(torch.float32)
     return (entries[..., :d].float() * scale).to(dtype)
 
-
-def stored(x: torch.Tensor) -> torch.Tensor:
-    """``x`` [..., D] as an int8 cache gives it back (quantized, then dequantized), in x's dtype."""
-    return dequantize(quantize(x), x.dtype)

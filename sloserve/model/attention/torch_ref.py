@@ -111,16 +111,13 @@ def write_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     cache may hold another dtype than the activations: ``--kv-cache-dtype``). Returns the K and V
     the step's own queries attend to: as given, or for an int8 cache as read back from it
     (dequantized), so that a token sees the same values whether it is in the step or cached."""
-    n_kv = k.shape[1]
-    if kv_cache.dtype == torch.int8:
-        kq, vq = kv_int8.quantize(k), kv_int8.quantize(v)
-        w = kq.shape[-1]
-        kv_cache[0].view(-1, n_kv, w).index_copy_(0, slots, kq)
-        kv_cache[1].view(-1, n_kv, w).index_copy_(0, slots, vq)
-        return kv_int8.dequantize(kq, k.dtype), kv_int8.dequantize(vq, v.dtype)
-    d = k.shape[2]
-    kv_cache[0].view(-1, n_kv, d).index_copy_(0, slots, k.to(kv_cache.dtype))
-    kv_cache[1].view(-1, n_kv, d).index_copy_(0, slots, v.to(kv_cache.dtype))
+    int8 = kv_cache.dtype == torch.int8
+    ke, ve = ((kv_int8.quantize(k), kv_int8.quantize(v)) if int8
+              else (k.to(kv_cache.dtype), v.to(kv_cache.dtype)))
+    kv_cache[0].view(-1, *ke.shape[1:]).index_copy_(0, slots, ke)
+    kv_cache[1].view(-1, *ve.shape[1:]).index_copy_(0, slots, ve)
+    if int8:
+        return kv_int8.dequantize(ke, k.dtype), kv_int8.dequantize(ve, v.dtype)
     return k, v
 
 
