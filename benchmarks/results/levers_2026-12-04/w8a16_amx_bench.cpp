@@ -1,7 +1,7 @@
 // W8A16 on the AMX int8 unit against the bf16 AMX block loop (2026-12-04; not in the engine).
 // g++ -O3 -march=native -fopenmp -o w8a16 w8a16_amx_bench.cpp [-DPF=k: prefetch k k-blocks ahead]
 // OMP_NUM_THREADS=2 [LL=1: one layer's weights reused, L3-resident] [PP=1: bf16 with alternating
-// tile registers] ./w8a16 ROWS   -> per round: 120 GEMMs (30 layers x Q/K/V, O, gate/up, down)
+// tile registers] [MB=128: time bf16 in row blocks of 128 instead of int8 (ROWS 512)] ./w8a16 ROWS   -> per round: 120 GEMMs (30 layers x Q/K/V, O, gate/up, down)
 #include <immintrin.h>
 #include <omp.h>
 #include <cstdint>
@@ -112,6 +112,22 @@ void gemm_i8(const int8_t* ah, const uint8_t* al, const float* sa, int64_t M, in
     }
     _tile_release(); }
 }
+
+// the same at M rows in row blocks of MB (the loop order tried for 512-row steps)
+void gemm_bf16_mb(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* wp, int64_t N, float* y, int64_t MB) {
+  const int64_t NBLK = N / 32;
+#pragma omp parallel
+  { amx_config();
+    for (int64_t mc = 0; mc < M; mc += MB) {
+      const int64_t me = std::min(M, mc + MB);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t nb = 0; nb < NBLK; ++nb) {
+        const uint16_t* wb = wp + nb * 32 * K;
+        for (int64_t m0 = mc; m0 < me; m0 += 32) amx_block<2,2>(xb + m0 * K, K, wb, y + m0 * N + nb * 32, N);
+      }
+    }
+    _tile_release(); }
+}
 int main(int argc, char** argv) {
   syscall(SYS_arch_prctl, 0x1023, 18);
   int M = argc > 1 ? atoi(argv[1]) : 16; const int L = getenv("LL") ? atoi(getenv("LL")) : 30;
@@ -121,15 +137,17 @@ int main(int argc, char** argv) {
   size_t bytes_bf = 0;
   for (int l = 0; l < L * 4; ++l) { auto s = sh[l % 4]; wb[l].resize(s.N * s.K); wi[l].resize(s.N * s.K); sw[l].assign(s.N, 0.01f);
     for (auto& v : wb[l]) v = 0x3c00 + (g() & 0xff); for (auto& v : wi[l]) v = (int8_t)(g() & 0xff); bytes_bf += s.N * s.K * 2; }
-  std::vector<float> x(M * 1536), y(M * 3072); for (auto& v : x) v = nd(g);
+  std::vector<float> x(M * 1536), y(M * 3072 + 64); for (auto& v : x) v = nd(g);
   std::vector<uint16_t> xb(((M + 31) / 32 * 32) * 1536, 0x3f80); std::vector<int8_t> ah(32 * 1536); std::vector<uint8_t> al(32 * 1536); std::vector<float> sa(M);
+  const int64_t mb = getenv("MB") ? atoi(getenv("MB")) : 0;  // >0: time the row-blocked bf16 loop instead of int8
   for (int rep = 0; rep < 7; ++rep) {
     auto t0 = std::chrono::steady_clock::now();
     for (int ll = 0; ll < 120; ++ll) { int l = ll % (L * 4); auto s = sh[l % 4]; gemm_bf16(xb.data(), (M + 15) / 16 * 16, s.K, wb[l].data(), s.N, y.data()); }
     auto t1 = std::chrono::steady_clock::now();
-    for (int ll = 0; ll < 120; ++ll) { int l = ll % (L * 4); auto s = sh[l % 4]; quant_x(x.data(), M, s.K, ah.data(), al.data(), sa.data()); gemm_i8(ah.data(), al.data(), sa.data(), M, s.K, wi[l].data(), sw[l].data(), s.N, y.data()); }
+    for (int ll = 0; ll < 120; ++ll) { int l = ll % (L * 4); auto s = sh[l % 4]; if (mb) gemm_bf16_mb(xb.data(), M, s.K, wb[l].data(), s.N, y.data(), mb); else { quant_x(x.data(), M, s.K, ah.data(), al.data(), sa.data()); gemm_i8(ah.data(), al.data(), sa.data(), M, s.K, wi[l].data(), sw[l].data(), s.N, y.data()); } }
     auto t2 = std::chrono::steady_clock::now();
     double a = std::chrono::duration<double>(t1 - t0).count() * 1e3, b = std::chrono::duration<double>(t2 - t1).count() * 1e3;
-    printf("M=%d bf16 %.2f ms (%.1f GB/s)  i8 %.2f ms (%.1f GB/s)\n", M, a, bytes_bf / a / 1e6, b, bytes_bf / 2 / b / 1e6);
+    if (mb) printf("M=%d bf16 %.2f ms (%.2f TFLOP/s)  row blocks of %ld %.2f ms (%.2f TFLOP/s)\n", M, a, bytes_bf * M / a / 1e9, (long)mb, b, bytes_bf * M / b / 1e9);
+    else printf("M=%d bf16 %.2f ms (%.1f GB/s)  i8 %.2f ms (%.1f GB/s)\n", M, a, bytes_bf / a / 1e6, b, bytes_bf / 2 / b / 1e6);
   }
 }
