@@ -1,7 +1,7 @@
 // W8A16 on the AMX int8 unit against the bf16 AMX block loop (2026-12-04; not in the engine).
 // g++ -O3 -march=native -fopenmp -o w8a16 w8a16_amx_bench.cpp [-DPF=k: prefetch k k-blocks ahead]
 // OMP_NUM_THREADS=2 [LL=1: one layer's weights reused, L3-resident] [PP=1: bf16 with alternating
-// tile registers] [MB=128: time bf16 in row blocks of 128 instead of int8 (ROWS 512)] ./w8a16 ROWS   -> per round: 120 GEMMs (30 layers x Q/K/V, O, gate/up, down)
+// tile registers] [N4=1: bf16 with 64 columns per item at 16 rows] [MB=128: time bf16 in row blocks of 128 instead of int8 (ROWS 512)] ./w8a16 ROWS   -> per round: 120 GEMMs (30 layers x Q/K/V, O, gate/up, down)
 #include <immintrin.h>
 #include <omp.h>
 #include <cstdint>
@@ -48,10 +48,29 @@ inline void amx_block_pp(const uint16_t* xb, int64_t K, const uint16_t* wb, floa
   }
   _tile_stored(0, y, ldy * 4); _tile_stored(1, y + 16, ldy * 4);
 }
+// M=16, 64 columns per item: C 0-3, A 4, B 5/6/7 rotating
+inline void amx_block_n4(const uint16_t* xb, int64_t K, const uint16_t* wb, float* y, int64_t ldy) {
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  const int64_t KB = K / 32;
+  const uint16_t* w0 = wb; const uint16_t* w1 = wb + 32 * K;  // two 32-col packed panels
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    _tile_loadd(4, xb + kb * 32, K * 2);
+    _tile_loadd(5, w0 + kb * 1024, 64); _tile_loadd(6, w0 + kb * 1024 + 512, 64);
+    _tile_loadd(7, w1 + kb * 1024, 64);
+    _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(5, w1 + kb * 1024 + 512, 64);
+    _tile_dpbf16ps(2, 4, 7); _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, y, ldy * 4); _tile_stored(1, y + 16, ldy * 4); _tile_stored(2, y + 32, ldy * 4); _tile_stored(3, y + 48, ldy * 4);
+}
 void gemm_bf16(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* wp, int64_t N, float* y) {
   const int64_t NBLK = N / 32;
 #pragma omp parallel
   { amx_config();
+    if (getenv("N4") && M == 16) {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t nb = 0; nb < NBLK / 2; ++nb) amx_block_n4(xb, K, wp + nb * 64 * K, y + nb * 64, N);
+    } else
 #pragma omp for schedule(dynamic, 1)
     for (int64_t nb = 0; nb < NBLK; ++nb) {
       const uint16_t* wb = wp + nb * 32 * K;
