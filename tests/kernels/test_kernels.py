@@ -322,6 +322,37 @@ def test_amx_prefill_attention_is_causal_attention_over_the_paged_context(n, pas
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=0)
 
 
+@pytest.mark.parametrize("n,past", [(16, 0), (64, 0), (100, 300), (3, 700)])
+@pytest.mark.parametrize("rise", [0.5, 4.0])
+def test_amx_prefill_attention_with_scores_that_rise_along_the_context(n, past, rise):
+    """Keys scaled up along the context, so that later 64-token blocks hold larger scores: the
+    kernel raises its softmax reference (and rescales what it has summed) only when a block's
+    max passes it by more than 2^8, and the output must not depend on when that happens
+    (rise 0.5: scores up to ~30 log2 units, a raise or two; 4.0: up to ~200, a raise in nearly
+    every block)."""
+    k = _amx()
+    h, hkv, d, bs = 9, 3, 64, 16
+    g = torch.Generator().manual_seed(n * 7 + past)
+    ctx = past + n
+    nb = -(-ctx // bs) + 8
+    cache = torch.randn(2, nb, bs, hkv, d, generator=g)
+    blocks = torch.randperm(nb, generator=g)[:-(-ctx // bs)].contiguous()
+    ramp = 1 + rise * torch.arange(ctx, dtype=torch.float32) / 64          # per position
+    flat = torch.zeros(nb * bs)
+    slots = (blocks[:, None] * bs + torch.arange(bs)).reshape(-1)[:ctx]
+    flat[slots] = ramp
+    cache[0] *= flat.view(nb, bs, 1, 1)
+    cache = cache.bfloat16()
+    q = torch.randn(n, h, d, generator=g)
+    out = k.amx_prefill_attn(q, cache, blocks, past, d ** -0.5)
+    kv = cache[:, blocks].reshape(2, -1, hkv, d)[:, :ctx]
+    # the kernel rounds q * scale * log2(e) to bf16; at scores of ~100 the reference must too
+    c = d ** -0.5 * 1.4426950408889634
+    ref = _dense_attention((q * c).bfloat16().double() / c, kv[0], kv[1], past)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=0)
+
+
 def test_amx_prefill_attention_refuses_what_it_cannot_read():
     """Each of these crashed the process or read outside the cache before the wrapper checked
     it (a helper's report): int32 / strided / out-of-range block tables, bf16 q, negative

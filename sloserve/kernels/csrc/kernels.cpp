@@ -1487,6 +1487,8 @@ inline void tr16x16(const uint32_t* src, int64_t ld_src, uint32_t* dst, int64_t 
 //   S^T [64 tokens][16 queries] = K Q^T        (K rows as the tiles' left operand, as cached)
 //   m, l per query = one vector each; P^T = exp2(S^T - m) (log2 e folded into the scale)
 //   O^T [D][16 queries] = O^T * exp2(m_old - m) + V^T P^T   (float32, in memory)
+// with m raised only when a block's max passes it by more than 8 (log2 units; FlashAttention-4's
+// conditional rescaling), so that most blocks skip the rescaling pass over O^T.
 // Phase 1 packs each KV head's context once for its G query heads: K rows contiguous, V^T as
 // tiles [16 d][32 tokens]; zeros past the context.
 inline __m512 exp2_ps(__m512 x) {  // 2^x for x <= 0; rel. error ~2e-7; below -126: ~1e-38
@@ -1540,7 +1542,7 @@ void amx_prefill_attn(const PrefillAttnArgs& a, uint8_t* scratch) {
     float* st = reinterpret_cast<float*>(qt_t + 16 * D);  // S^T, then P^T: [64][16]
     uint16_t* pt = reinterpret_cast<uint16_t*>(st + 64 * 16);  // [2][16 pairs][16 q][2]
     float* ot = reinterpret_cast<float*>(pt + 1024);      // O^T [DE][16 d][16 q]
-    float* pv = ot + D * 16;                              // V^T P^T, same shape
+    float* pv = ot + D * 16;                              // O^T transposed, per d-chunk
     float* mla = pv + D * 16;                             // m[16] l[16]
     // phase 1: per (KV head, 32 context tokens): K rows, and V^T as a 32-bit transpose of
     // the pairs (V[2p, d], V[2p + 1, d]) (unit [p][d] -> [d][p]: row d = V[0.., d])
@@ -1636,12 +1638,24 @@ void amx_prefill_attn(const PrefillAttnArgs& a, uint8_t* scratch) {
           }
           bm = _mm512_max_ps(bm, s);
         }
-        const __m512 mn = _mm512_max_ps(m, bm);
-        // lanes with nothing visible yet keep m = -inf; they compute with 0 (p ~ 1e-38)
+        // lazy rescaling: m is the reference the P values are taken against, raised only when
+        // a lane's block max passes it by more than 2^8 (P <= 256 otherwise); O^T and l then
+        // go unscaled, and the PV products accumulate straight into O^T's tiles
+        const bool raise = _mm512_cmp_ps_mask(bm, _mm512_add_ps(m, _mm512_set1_ps(8.f)),
+                                              _CMP_GT_OQ) != 0;
+        __m512 alpha = _mm512_set1_ps(1.f);
+        if (raise) {
+          const __m512 mn = _mm512_max_ps(m, bm);
+          // lanes with nothing visible yet keep m = -inf; they compute with 0 (p ~ 1e-38)
+          alpha = exp2_ps(_mm512_sub_ps(m, _mm512_mask_blend_ps(
+              _mm512_cmp_ps_mask(mn, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), mn,
+              _mm512_setzero_ps())));
+          m = mn;
+          for (int64_t r = 0; r < D; ++r)  // O^T row d: every query lane rescaled by its alpha
+            _mm512_storeu_ps(ot + 16 * r, _mm512_mul_ps(_mm512_loadu_ps(ot + 16 * r), alpha));
+        }
         const __m512 mu = _mm512_mask_blend_ps(
-            _mm512_cmp_ps_mask(mn, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), mn, _mm512_setzero_ps());
-        const __m512 alpha = exp2_ps(_mm512_sub_ps(m, mu));
-        m = mn;
+            _mm512_cmp_ps_mask(m, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), m, _mm512_setzero_ps());
         __m512 sum = _mm512_setzero_ps();
         for (int p = 0; p < 32; ++p) {  // P^T rows 2p, 2p + 1 -> pair row p of tile p / 16
           const __m512 p0 = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(st + 32 * p), mu));
@@ -1654,33 +1668,27 @@ void amx_prefill_attn(const PrefillAttnArgs& a, uint8_t* scratch) {
         l = _mm512_fmadd_ps(l, alpha, sum);
         _tile_loadd(4, pt, 64);          // P^T tokens 0-31
         _tile_loadd(5, pt + 512, 64);    // 32-63
-        for (int64_t e0 = 0; e0 < DE; e0 += 4) {  // V^T P^T, 4 d-chunks at a time
+        for (int64_t e0 = 0; e0 < DE; e0 += 4) {  // O^T += V^T P^T, 4 d-chunks at a time
           const int64_t ne = std::min<int64_t>(4, DE - e0);
           const uint16_t* v0 = vt + ((2 * j) * DE + e0) * 512;
           const uint16_t* v1 = vt + ((2 * j + 1) * DE + e0) * 512;
+          float* dst = ot + e0 * 256;
           // accumulator T: d-chunk e0 + T over both 32-token halves (tile numbers are immediates)
 #define SL_PV(T)                                   \
   if (ne > T) {                                    \
-    _tile_zero(T);                                 \
+    _tile_loadd(T, dst + 256 * (T), 64);           \
     _tile_loadd(6, v0 + 512 * (T), 64);            \
     _tile_dpbf16ps(T, 6, 4);                       \
     _tile_loadd(7, v1 + 512 * (T), 64);            \
     _tile_dpbf16ps(T, 7, 5);                       \
+    _tile_stored(T, dst + 256 * (T), 64);          \
   }
           SL_PV(0)
           SL_PV(1)
           SL_PV(2)
           SL_PV(3)
 #undef SL_PV
-          float* dst = pv + e0 * 256;
-          _tile_stored(0, dst, 64);
-          if (ne > 1) _tile_stored(1, dst + 256, 64);
-          if (ne > 2) _tile_stored(2, dst + 512, 64);
-          if (ne > 3) _tile_stored(3, dst + 768, 64);
         }
-        for (int64_t r = 0; r < D; ++r)  // O^T row d: every query lane rescaled by its alpha
-          _mm512_storeu_ps(ot + 16 * r, _mm512_fmadd_ps(_mm512_loadu_ps(ot + 16 * r), alpha,
-                                                        _mm512_loadu_ps(pv + 16 * r)));
       }
       _mm512_storeu_ps(mla, _mm512_div_ps(_mm512_set1_ps(1.f), l));
       for (int64_t e = 0; e < DE; ++e) {  // O^T [16 d][16 q] -> rows q
