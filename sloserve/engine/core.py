@@ -166,7 +166,7 @@ class EngineCore:
                     self.kv_cache_bytes / GiB, self.max_model_len,
                     f"{config.batching} {config.scheduling_policy}"
                     f"{', prefix caching' if config.enable_prefix_caching else ''}",
-                    attn.name, torch.get_num_threads())
+                    attn.describe(self.kv_cache_dtype), torch.get_num_threads())
 
     # ------------------------------------------------------------------ inputs
     def add_request(self, req: EngineCoreRequest) -> None:

@@ -46,9 +46,10 @@ _SIGS = {
     "sl_amx_pack_bf16": ([_P, _I64, _I64, _P], _I32),
     "sl_amx_linear": ([_P, _I64, _I64, _P, _I64, _P, _P], _I32),
     "sl_amx_swiglu": ([_P, _I64, _I64, _P, _I64, _P, _P], _I32),
-    "sl_amx_prefill_attn_scratch": ([_I64, _I64, _I64, _I64], _I64),
-    "sl_amx_prefill_attn": ([_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F, _P,
-                             _P], _I32),
+    "sl_avx512_bf16": ([], _I32),
+    "sl_prefill_attn_scratch": ([_I64, _I64, _I64, _I64], _I64),
+    "sl_prefill_attn": ([_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F, _P,
+                         _P, _I32], _I32),
     "sl_paged_attn_decode": ([_P, _I64, _P, _I32, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64,
                               _I64, _F, _I64, _I64, _P, _P], None),
 }
@@ -125,6 +126,10 @@ class Kernels:
         #: the AMX bf16 GEMM is usable: AVX-512 library, a CPU with AMX-BF16, the OS granting
         #: the tile state, and ``$SLOSERVE_AMX`` not ``0``
         self.amx = os.environ.get(AMX_ENV, "1") != "0" and bool(self.lib.sl_amx_init())
+        #: the in-place bf16 prefill attention (:meth:`prefill_attn`) runs here: on the AMX
+        #: tiles, else on AVX512-BF16's dot products; None where neither is usable
+        self.prefill_attn_isa: str | None = (
+            "amx" if self.amx else "avx512_bf16" if self.lib.sl_avx512_bf16() else None)
 
     def set_num_threads(self, n: int) -> None:
         self.lib.sl_set_num_threads(n)
@@ -328,37 +333,44 @@ class Kernels:
         return out
 
 
-    def amx_prefill_attn(self, q: torch.Tensor, cache: torch.Tensor, blocks: torch.Tensor,
-                         num_computed: int, scale: float) -> torch.Tensor:
+    def prefill_attn(self, q: torch.Tensor, cache: torch.Tensor, blocks: torch.Tensor,
+                     num_computed: int, scale: float, isa: str | None = None) -> torch.Tensor:
         """Causal attention of one request's ``n`` new query tokens q [n, H, D] (float32, heads
         contiguous) over its whole context in one layer's bf16 cache [2, blocks, bs, Hkv, D]
         (positions 0 .. num_computed + n - 1, the chunk's K/V already written), through its
         block table ``blocks`` (int64, at least ceil(context / bs) entries) -> [n, H, D] float32.
-        AMX tiles (see the source); ValueError for D % 32 != 0, a non-bf16 cache or too few
-        blocks."""
+        Flash attention over 64-token blocks with Q, K, V and the probabilities in bf16 and
+        float32 accumulation (see the source), on ``isa`` (``amx`` or ``avx512_bf16``; default
+        :attr:`prefill_attn_isa`). ValueError for D % 32 != 0, a non-bf16 cache, too few blocks
+        or an ``isa`` this CPU cannot run."""
+        isa = isa or self.prefill_attn_isa
+        if isa not in ("amx", "avx512_bf16") or (isa == "amx" and not self.amx) or (
+                isa == "avx512_bf16" and self.prefill_attn_isa is None):
+            raise ValueError(f"prefill_attn: isa {isa!r} is not available here "
+                             f"(this CPU: {self.prefill_attn_isa})")
         n, H, D = q.shape
         _, nb, bs, hkv, dd = cache.shape
         ctx = num_computed + n
         if cache.dtype != torch.bfloat16 or D % 32 or dd != D or H % hkv:
-            raise ValueError(f"amx_prefill_attn: needs a bf16 cache and head_dim % 32 == 0 "
+            raise ValueError(f"prefill_attn: needs a bf16 cache and head_dim % 32 == 0 "
                              f"(cache {cache.dtype}, D {D}, H {H}, Hkv {hkv})")
         if blocks.numel() * bs < ctx or q.stride(2) != 1 or q.stride(1) != D or num_computed < 0:
-            raise ValueError(f"amx_prefill_attn: {blocks.numel()} blocks of {bs} for a context "
+            raise ValueError(f"prefill_attn: {blocks.numel()} blocks of {bs} for a context "
                              f"of {ctx} ({num_computed} cached), or q not heads-contiguous")
         if q.dtype != torch.float32 or blocks.dtype != torch.int64 or not blocks.is_contiguous():
-            raise ValueError(f"amx_prefill_attn: q must be float32 ({q.dtype}) and the block "
+            raise ValueError(f"prefill_attn: q must be float32 ({q.dtype}) and the block "
                              f"table contiguous int64 ({blocks.dtype})")
         used = blocks[:-(-ctx // bs)]
         if used.numel() and (int(used.min()) < 0 or int(used.max()) >= nb):
-            raise ValueError(f"amx_prefill_attn: block ids {int(used.min())}..{int(used.max())} "
+            raise ValueError(f"prefill_attn: block ids {int(used.min())}..{int(used.max())} "
                              f"outside the cache's 0..{nb - 1}")
         out = torch.empty(n, H, D, dtype=torch.float32)
         threads = self.lib.sl_num_threads()
-        scratch = self._scratch(self.lib.sl_amx_prefill_attn_scratch(ctx, hkv, D, threads))
-        if self.lib.sl_amx_prefill_attn(q.data_ptr(), q.stride(0), n, num_computed,
-                                        cache.data_ptr(), blocks.data_ptr(), bs, nb, H, hkv, D,
-                                        scale, out.data_ptr(), scratch):
-            raise RuntimeError(f"the {self.variant} kernels have no AMX attention")
+        scratch = self._scratch(self.lib.sl_prefill_attn_scratch(ctx, hkv, D, threads))
+        if self.lib.sl_prefill_attn(q.data_ptr(), q.stride(0), n, num_computed,
+                                    cache.data_ptr(), blocks.data_ptr(), bs, nb, H, hkv, D,
+                                    scale, out.data_ptr(), scratch, int(isa == "amx")):
+            raise RuntimeError(f"the {self.variant} kernels have no bf16 prefill attention")
         return out
 
 

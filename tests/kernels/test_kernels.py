@@ -236,6 +236,18 @@ def _amx():
     return k
 
 
+#: the instruction sets the bf16 prefill attention has (AMX tiles, or AVX512-BF16 without them)
+PREFILL_ISAS = ["amx", "avx512_bf16"]
+
+
+def _prefill(isa):
+    """The kernels, where this CPU runs the prefill attention on ``isa`` (an AMX CPU runs both)."""
+    k = kernels.load("avx512") if "avx512" in RUNNABLE else None
+    if k is None or k.prefill_attn_isa is None or (isa == "amx" and not k.amx):
+        pytest.skip(f"no {isa} prefill attention on this CPU")
+    return k
+
+
 @pytest.mark.parametrize("m", [1, 15, 16, 17, 31, 32, 33, 100])
 @pytest.mark.parametrize("n,kk", [(48, 64), (96, 576), (80, 32)])
 def test_amx_linear_is_the_bf16_product(m, n, kk):
@@ -303,11 +315,12 @@ def _dense_attention(q, k_all, v_all, start):
 @pytest.mark.parametrize("n,past", [(2, 0), (16, 0), (17, 5), (64, 0), (65, 63), (100, 300),
                                     (3, 700)])
 @pytest.mark.parametrize("h,hkv,d,bs", [(9, 3, 64, 16), (4, 1, 32, 5), (4, 4, 128, 16)])
-def test_amx_prefill_attention_is_causal_attention_over_the_paged_context(n, past, h, hkv, d, bs):
+@pytest.mark.parametrize("isa", PREFILL_ISAS)
+def test_prefill_attention_is_causal_attention_over_the_paged_context(n, past, h, hkv, d, bs, isa):
     """Chunks at any offset (tiles of 16 queries, context blocks of 64 and their tails, block
     tables scattered, blocks of 5 tokens that straddle the 64-token blocks): float64 attention
     over the bf16 cache, queries rounded to bf16 as the kernel rounds them."""
-    k = _amx()
+    k = _prefill(isa)
     g = torch.Generator().manual_seed(n * 1000 + past + d)
     ctx = past + n
     nb = -(-ctx // bs) + 8
@@ -315,7 +328,7 @@ def test_amx_prefill_attention_is_causal_attention_over_the_paged_context(n, pas
     blocks = torch.randperm(nb, generator=g)[:-(-ctx // bs)].contiguous()
     qkv = torch.randn(n, h + 2 * hkv, d, generator=g)   # q a strided view, as in the engine
     q = qkv[:, :h]
-    out = k.amx_prefill_attn(q, cache, blocks, past, d ** -0.5)
+    out = k.prefill_attn(q, cache, blocks, past, d ** -0.5, isa=isa)
     kv = cache[:, blocks].reshape(2, -1, hkv, d)[:, :ctx]
     ref = _dense_attention(q.bfloat16(), kv[0], kv[1], past)
     assert out.shape == (n, h, d) and torch.isfinite(out).all()
@@ -324,13 +337,14 @@ def test_amx_prefill_attention_is_causal_attention_over_the_paged_context(n, pas
 
 @pytest.mark.parametrize("n,past", [(16, 0), (64, 0), (100, 300), (3, 700)])
 @pytest.mark.parametrize("rise", [0.5, 4.0])
-def test_amx_prefill_attention_with_scores_that_rise_along_the_context(n, past, rise):
+@pytest.mark.parametrize("isa", PREFILL_ISAS)
+def test_prefill_attention_with_scores_that_rise_along_the_context(n, past, rise, isa):
     """Keys scaled up along the context, so that later 64-token blocks hold larger scores: the
     kernel raises its softmax reference (and rescales what it has summed) only when a block's
     max passes it by more than 2^8, and the output must not depend on when that happens
     (rise 0.5: scores up to ~30 log2 units, a raise or two; 4.0: up to ~200, a raise in nearly
     every block)."""
-    k = _amx()
+    k = _prefill(isa)
     h, hkv, d, bs = 9, 3, 64, 16
     g = torch.Generator().manual_seed(n * 7 + past)
     ctx = past + n
@@ -344,7 +358,7 @@ def test_amx_prefill_attention_with_scores_that_rise_along_the_context(n, past, 
     cache[0] *= flat.view(nb, bs, 1, 1)
     cache = cache.bfloat16()
     q = torch.randn(n, h, d, generator=g)
-    out = k.amx_prefill_attn(q, cache, blocks, past, d ** -0.5)
+    out = k.prefill_attn(q, cache, blocks, past, d ** -0.5, isa=isa)
     kv = cache[:, blocks].reshape(2, -1, hkv, d)[:, :ctx]
     # the kernel rounds q * scale * log2(e) to bf16; at scores of ~100 the reference must too
     c = d ** -0.5 * 1.4426950408889634
@@ -353,25 +367,37 @@ def test_amx_prefill_attention_with_scores_that_rise_along_the_context(n, past, 
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=0)
 
 
-def test_amx_prefill_attention_refuses_what_it_cannot_read():
+@pytest.mark.parametrize("isa", PREFILL_ISAS)
+def test_prefill_attention_refuses_what_it_cannot_read(isa):
     """Each of these crashed the process or read outside the cache before the wrapper checked
     it (a helper's report): int32 / strided / out-of-range block tables, bf16 q, negative
     cached counts."""
-    k = _amx()
+    k = _prefill(isa)
     cache = torch.zeros(2, 4, 16, 1, 64).bfloat16()
     q = torch.zeros(3, 2, 64)
     for bad in (torch.arange(4, dtype=torch.int32), torch.arange(8)[::2],
                 torch.tensor([0, 4]), torch.tensor([-1, 0])):
         with pytest.raises(ValueError):
-            k.amx_prefill_attn(q, cache, bad, 20, 0.125)
+            k.prefill_attn(q, cache, bad, 20, 0.125, isa=isa)
     with pytest.raises(ValueError, match="float32"):
-        k.amx_prefill_attn(q.bfloat16(), cache, torch.arange(4), 0, 0.125)
+        k.prefill_attn(q.bfloat16(), cache, torch.arange(4), 0, 0.125, isa=isa)
     with pytest.raises(ValueError, match="cached"):
-        k.amx_prefill_attn(q, cache, torch.arange(4), -2, 0.125)
+        k.prefill_attn(q, cache, torch.arange(4), -2, 0.125, isa=isa)
     with pytest.raises(ValueError, match="blocks"):
-        k.amx_prefill_attn(q, cache, torch.arange(1), 20, 0.125)  # 23 positions, 16 cached
+        k.prefill_attn(q, cache, torch.arange(1), 20, 0.125, isa=isa)  # 23 positions, 16 cached
     with pytest.raises(ValueError, match="bf16"):
-        k.amx_prefill_attn(q, cache.float(), torch.arange(4), 0, 0.125)
+        k.prefill_attn(q, cache.float(), torch.arange(4), 0, 0.125, isa=isa)
     with pytest.raises(ValueError, match="bf16"):
-        k.amx_prefill_attn(torch.zeros(3, 2, 48), torch.zeros(2, 4, 16, 1, 48).bfloat16(),
-                           torch.arange(4), 0, 0.125)
+        k.prefill_attn(torch.zeros(3, 2, 48), torch.zeros(2, 4, 16, 1, 48).bfloat16(),
+                       torch.arange(4), 0, 0.125, isa=isa)
+
+
+def test_prefill_attention_refuses_an_isa_this_cpu_lacks(monkeypatch):
+    """AMX asked for where the tiles are off (``SLOSERVE_AMX=0`` or a CPU without them), or a
+    name it does not know: a ValueError naming the choice, never an illegal instruction."""
+    k = _prefill("avx512_bf16")
+    monkeypatch.setattr(k, "amx", False)
+    cache, q = torch.zeros(2, 4, 16, 1, 64).bfloat16(), torch.zeros(3, 2, 64)
+    for isa in ("amx", "avx2"):
+        with pytest.raises(ValueError, match=f"isa '{isa}' is not available"):
+            k.prefill_attn(q, cache, torch.arange(4), 0, 0.125, isa=isa)

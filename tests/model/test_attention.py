@@ -124,18 +124,18 @@ def test_bf16_cache_and_activations(seed):
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("seed", range(6))
-def test_cpu_paged_amx_prefill_in_random_mixes(seed, cache_dtype, monkeypatch):
-    """Where the CPU has AMX, cpu-paged in a bf16 engine runs every multi-token query with
-    head_dim 64 on the kernels' AMX flash attention (over the bf16 cache in place, or over a bf16
+def test_cpu_paged_fused_prefill_in_random_mixes(seed, cache_dtype, monkeypatch):
+    """Where the CPU has AMX or AVX512-BF16, cpu-paged in a bf16 engine runs every multi-token
+    query with head_dim 64 on the kernels' flash attention (over the bf16 cache in place, or over a bf16
     copy of an int8 cache's context) and the decodes on its decode kernel: within bf16 rounding
     (q and P in bf16) of float64 attention over the values the cache holds."""
     from sloserve import kernels
     k = kernels.load()
-    if k is None or not k.amx:
-        pytest.skip("no AMX here")
+    if k is None or k.prefill_attn_isa is None:
+        pytest.skip("no AMX or AVX512-BF16 here")
     calls = []
-    real = k.amx_prefill_attn
-    monkeypatch.setattr(k, "amx_prefill_attn", lambda *a: calls.append(1) or real(*a))
+    real = k.prefill_attn
+    monkeypatch.setattr(k, "prefill_attn", lambda *a: calls.append(1) or real(*a))
     _check("cpu-paged", seed, 8, 2, cache_dtype, torch.float32, 3e-2, d=64,
            compute_dtype=torch.bfloat16)
     rng = random.Random(seed)

@@ -1520,7 +1520,47 @@ inline int64_t prefill_attn_thread_bytes(int64_t D) {
   return 16 * D * 2 + 16 * D * 2 + 64 * 16 * 4 + 2048 + 2 * D * 16 * 4 + 256;
 }
 
-void amx_prefill_attn(const PrefillAttnArgs& a, uint8_t* scratch) {
+// S^T rows [t0 + r] for the 16 query lanes, without AMX: per context token r, the dot products
+// of its K row (bf16 pairs, broadcast) with the Q^T pair rows, 8 tokens per pass (AVX512-BF16
+// vdpbf16ps: 16 lanes x 2 products per instruction). kb: K rows [64][D]; qt_t: [D / 2][16][2].
+inline void bf16_scores(const uint16_t* kb, const uint16_t* qt_t, int64_t D, float* st) {
+  for (int r0 = 0; r0 < 64; r0 += 8) {
+    __m512 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < D / 2; ++p) {
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(qt_t + 32 * p);
+      for (int i = 0; i < 8; ++i)
+        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(
+            *reinterpret_cast<const int32_t*>(kb + (r0 + i) * D + 2 * p)), qv);
+    }
+    for (int i = 0; i < 8; ++i) _mm512_storeu_ps(st + 16 * (r0 + i), acc[i]);
+  }
+}
+
+// O^T [D][16 q] += V^T P^T for one 64-token block without AMX: per 16 rows d, the accumulators
+// stay in registers over the 32 token pairs (V^T pair broadcast, P^T pair row loaded once).
+// vt0: the block's first 32-token V^T half ([DE][16 d][32 t]); vt1: its second; pt: [32][16][2].
+inline void bf16_pv(const uint16_t* vt0, const uint16_t* vt1, const uint16_t* pt, int64_t DE,
+                    float* ot) {
+  for (int64_t e = 0; e < DE; ++e) {
+    __m512 acc[16];
+    float* o = ot + 256 * e;
+    for (int dd = 0; dd < 16; ++dd) acc[dd] = _mm512_loadu_ps(o + 16 * dd);
+    for (int p = 0; p < 32; ++p) {
+      const __m512bh pv = (__m512bh)_mm512_loadu_si512(pt + 32 * p);
+      const uint16_t* v = (p < 16 ? vt0 : vt1) + 512 * e + 2 * (p % 16);
+      for (int dd = 0; dd < 16; ++dd)
+        acc[dd] = _mm512_dpbf16_ps(acc[dd], (__m512bh)_mm512_set1_epi32(
+            *reinterpret_cast<const int32_t*>(v + 32 * dd)), pv);
+    }
+    for (int dd = 0; dd < 16; ++dd) _mm512_storeu_ps(o + 16 * dd, acc[dd]);
+  }
+}
+
+// AMX: the products on the tiles; else on AVX512-BF16's vdpbf16ps (same packing, same online
+// softmax, the same bf16 roundings: the two agree to float32 summation order).
+template <bool AMX>
+void prefill_attn(const PrefillAttnArgs& a, uint8_t* scratch) {
   const int64_t ctx = a.P + a.n, G = a.H / a.Hkv, D = a.D, DC = D / 32, DE = D / 16;
   const int64_t NJ = (ctx + 63) / 64;                 // 64-token context blocks
   const int64_t kv_elems = NJ * 64 * D * 2;          // K rows + V^T tiles, per KV head (bf16)
@@ -1535,7 +1575,7 @@ void amx_prefill_attn(const PrefillAttnArgs& a, uint8_t* scratch) {
   };
 #pragma omp parallel
   {
-    amx_config();
+    if constexpr (AMX) amx_config();
     uint8_t* mem = thread_mem + prefill_attn_thread_bytes(D) * omp_get_thread_num();
     uint16_t* qb = reinterpret_cast<uint16_t*>(mem);      // [16][D] bf16 (also phase 1 temp)
     uint16_t* qt_t = qb + 16 * D;                         // [DC][16 pairs][16 q][2]
@@ -1605,25 +1645,29 @@ void amx_prefill_attn(const PrefillAttnArgs& a, uint8_t* scratch) {
       for (int64_t j = 0; j <= last / 64; ++j) {
         const int64_t t0 = 64 * j;
         const uint16_t* kb = kr + t0 * D;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t c = 0; c < DC; ++c) {
-          _tile_loadd(4, qt_t + c * 512, 64);
-          _tile_loadd(6, kb + 32 * c, D * 2);
-          _tile_dpbf16ps(0, 6, 4);
-          _tile_loadd(7, kb + 16 * D + 32 * c, D * 2);
-          _tile_dpbf16ps(1, 7, 4);
-          _tile_loadd(6, kb + 32 * D + 32 * c, D * 2);
-          _tile_dpbf16ps(2, 6, 4);
-          _tile_loadd(7, kb + 48 * D + 32 * c, D * 2);
-          _tile_dpbf16ps(3, 7, 4);
+        if constexpr (AMX) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t c = 0; c < DC; ++c) {
+            _tile_loadd(4, qt_t + c * 512, 64);
+            _tile_loadd(6, kb + 32 * c, D * 2);
+            _tile_dpbf16ps(0, 6, 4);
+            _tile_loadd(7, kb + 16 * D + 32 * c, D * 2);
+            _tile_dpbf16ps(1, 7, 4);
+            _tile_loadd(6, kb + 32 * D + 32 * c, D * 2);
+            _tile_dpbf16ps(2, 6, 4);
+            _tile_loadd(7, kb + 48 * D + 32 * c, D * 2);
+            _tile_dpbf16ps(3, 7, 4);
+          }
+          _tile_stored(0, st, 64);
+          _tile_stored(1, st + 256, 64);
+          _tile_stored(2, st + 512, 64);
+          _tile_stored(3, st + 768, 64);
+        } else {
+          bf16_scores(kb, qt_t, D, st);
         }
-        _tile_stored(0, st, 64);
-        _tile_stored(1, st + 256, 64);
-        _tile_stored(2, st + 512, 64);
-        _tile_stored(3, st + 768, 64);
         // token t0 + r is visible to query lane q iff t0 + r <= P + i0 + q and < ctx
         const bool diag = t0 + 63 > a.P + i0 || t0 + 63 >= ctx;
         __m512 bm = _mm512_set1_ps(-INFINITY);
@@ -1666,6 +1710,10 @@ void amx_prefill_attn(const PrefillAttnArgs& a, uint8_t* scratch) {
           _mm512_storeu_si512(pt + 32 * p, pair);
         }
         l = _mm512_fmadd_ps(l, alpha, sum);
+        if constexpr (!AMX) {
+          bf16_pv(vt + (2 * j) * DE * 512, vt + (2 * j + 1) * DE * 512, pt, DE, ot);
+          continue;
+        } else {
         _tile_loadd(4, pt, 64);          // P^T tokens 0-31
         _tile_loadd(5, pt + 512, 64);    // 32-63
         for (int64_t e0 = 0; e0 < DE; e0 += 4) {  // O^T += V^T P^T, 4 d-chunks at a time
@@ -1689,6 +1737,7 @@ void amx_prefill_attn(const PrefillAttnArgs& a, uint8_t* scratch) {
           SL_PV(3)
 #undef SL_PV
         }
+        }  // AMX
       }
       _mm512_storeu_ps(mla, _mm512_div_ps(_mm512_set1_ps(1.f), l));
       for (int64_t e = 0; e < DE; ++e) {  // O^T [16 d][16 q] -> rows q
@@ -1699,7 +1748,7 @@ void amx_prefill_attn(const PrefillAttnArgs& a, uint8_t* scratch) {
                            _mm512_mul_ps(_mm512_loadu_ps(pv + 16 * r), _mm512_set1_ps(mla[r])));
       }
     }
-    _tile_release();
+    if constexpr (AMX) _tile_release();
   }
 }
 #pragma GCC pop_options
@@ -2136,11 +2185,24 @@ int sl_amx_swiglu(const float* x, int64_t M, int64_t K, const uint16_t* wp, int6
 #endif
 }
 
-// Prefill attention of one request's chunk on the AMX tiles (see the AMX section): q [n, H, D]
-// float32 (token stride q_stride floats, heads contiguous), the cache bf16, D % 32 == 0, H a
-// multiple of Hkv; out [n, H, D] float32. scratch: sl_amx_prefill_attn_scratch(...) bytes,
-// 64-byte aligned. Returns -1 without the AMX kernels or for another D.
-int64_t sl_amx_prefill_attn_scratch(int64_t ctx, int64_t Hkv, int64_t D, int64_t threads) {
+// 1 when this library has the in-place bf16 prefill attention and the CPU has AVX512-BF16
+// (its products without AMX); else 0.
+int sl_avx512_bf16() {
+#if SL_AMX
+  unsigned a, b, c, d;
+  return __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 5) & 1) ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
+// Prefill attention of one request's chunk over its bf16 cache in place (see prefill_attn in
+// the AMX section): q [n, H, D] float32 (token stride q_stride floats, heads contiguous),
+// D % 32 == 0, H a multiple of Hkv; out [n, H, D] float32; amx 1: on the tiles (only after
+// sl_amx_init() gave 1), 0: on AVX512-BF16 (only where sl_avx512_bf16() gives 1). scratch:
+// sl_prefill_attn_scratch(...) bytes, 64-byte aligned. Returns -1 without these kernels or for
+// another D.
+int64_t sl_prefill_attn_scratch(int64_t ctx, int64_t Hkv, int64_t D, int64_t threads) {
 #if SL_AMX
   return Hkv * ((ctx + 63) / 64 * 64 * D * 2) * 2 + prefill_attn_thread_bytes(D) * threads;
 #else
@@ -2148,14 +2210,18 @@ int64_t sl_amx_prefill_attn_scratch(int64_t ctx, int64_t Hkv, int64_t D, int64_t
 #endif
 }
 
-int sl_amx_prefill_attn(const float* q, int64_t q_stride, int64_t n, int64_t P,
-                        const uint16_t* cache, const int64_t* blocks, int64_t block_size,
-                        int64_t num_blocks, int64_t H, int64_t Hkv, int64_t D, float scale,
-                        float* out, void* scratch) {
+int sl_prefill_attn(const float* q, int64_t q_stride, int64_t n, int64_t P,
+                    const uint16_t* cache, const int64_t* blocks, int64_t block_size,
+                    int64_t num_blocks, int64_t H, int64_t Hkv, int64_t D, float scale,
+                    float* out, void* scratch, int amx) {
 #if SL_AMX
   if (D % 32 || D <= 0 || H % Hkv) return -1;
-  amx_prefill_attn({q, q_stride, n, P, cache, blocks, block_size, num_blocks, H, Hkv, D, scale,
-                    out}, static_cast<uint8_t*>(scratch));
+  const PrefillAttnArgs args{q, q_stride, n, P, cache, blocks, block_size, num_blocks, H, Hkv, D,
+                             scale, out};
+  if (amx)
+    prefill_attn<true>(args, static_cast<uint8_t*>(scratch));
+  else
+    prefill_attn<false>(args, static_cast<uint8_t*>(scratch));
   return 0;
 #else
   return -1;

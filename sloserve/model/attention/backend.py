@@ -100,6 +100,11 @@ class AttentionBackend(abc.ABC):
         one head's entry of one token (head_dim, or head_dim + 4 for an int8 cache:
         ``kv_int8.entry_width``)."""
 
+    def describe(self, kv_cache_dtype: torch.dtype) -> str:
+        """How this backend will attend over a ``kv_cache_dtype`` cache, for the start-up log
+        line: its name, and where it picks kernels by CPU, the ones it picked."""
+        return self.name
+
     @abc.abstractmethod
     def build_metadata(self, inputs: StepInputs) -> Any:
         """This backend's per-step metadata (built once per step, shared by all layers)."""

@@ -8,10 +8,11 @@ are interchangeable on one cache). Per step:
   head, the G query heads of the group walk the request's blocks in place (no gather of the
   context), with a softmax state per split of ``split_len`` tokens merged by log-sum-exp, so a
   long context in a small batch still spreads over every thread (FlashDecoding);
-* requests with several query tokens (prefill chunks, verify steps): where the CPU has AMX and
-  the cache is bf16, the kernels' AMX flash attention over the request's blocks in place (its
-  cached and new positions in one pass, causal; 2-3x torch's CPU flash attention on the
-  embedded model's shapes, measured); an int8 cache in a bf16 engine: the same kernel over a
+* requests with several query tokens (prefill chunks, verify steps): where the CPU has AMX or
+  AVX512-BF16 and the cache is bf16, the kernels' flash attention over the request's blocks in
+  place (its cached and new positions in one pass, causal; on AMX 2-3x torch's CPU flash
+  attention on the embedded model's shapes, measured; on AVX512-BF16 without AMX see
+  ``Kernels.prefill_attn``); an int8 cache in a bf16 engine: the same kernel over a
   bf16 copy of the request's context (dequantized per step and layer: ~0.4 MB for 2,048
   tokens); elsewhere the reference path (torch's flash attention).
 
@@ -74,6 +75,14 @@ class CpuPagedBackend(AttentionBackend):
         if self.k is None:
             raise ValueError("the cpu-paged backend needs the CPU kernels (sloserve.kernels)")
 
+    def describe(self, kv_cache_dtype: torch.dtype) -> str:
+        isa = self.k.prefill_attn_isa
+        bf16 = kv_cache_dtype == torch.bfloat16 or (kv_cache_dtype == torch.int8
+                                                    and self.compute_dtype == torch.bfloat16)
+        multi = (f"{isa} flash attention over the cache in place" if isa and bf16
+                 else "torch's flash attention")
+        return f"{self.name} (decodes: paged decode kernel; prefill chunks: {multi})"
+
     @classmethod
     def is_available(cls) -> bool:
         from sloserve import kernels
@@ -86,7 +95,7 @@ class CpuPagedBackend(AttentionBackend):
         bs = inputs.block_size
         mb = [inputs.block_table[b, :-(-seq // bs)].contiguous()
               for b, (n, seq) in enumerate(zip(inputs.query_lens, inputs.seq_lens_list))
-              if n != 1] if self.k.amx else None
+              if n != 1] if self.k.prefill_attn_isa else None
         if ref.decode_rows is None:
             return CpuPagedMetadata(inputs.slot_mapping, None, None, None, 0, ref.multi,
                                     multi_blocks=mb)
@@ -117,24 +126,24 @@ class CpuPagedBackend(AttentionBackend):
         if not meta.multi:
             return out
         int8 = kv_cache.dtype == torch.int8
-        # an int8 cache: the AMX kernel reads a bf16 copy of the request's context, and only in a
+        # an int8 cache: the fused kernel reads a bf16 copy of the request's context, and only in a
         # bf16 engine (the float32 one keeps the dequantized values exact, on the torch path)
         cd = kv_cache.dtype
         if int8:
             cd = torch.bfloat16 if self.compute_dtype == torch.bfloat16 else q.dtype
-        amx = (meta.multi_blocks is not None and cd == torch.bfloat16 and q.dtype == torch.float32
-               and q.shape[2] % 32 == 0 and q.stride(-1) == 1 and q.stride(1) == q.shape[2])
-        if int8 and not amx:  # the step's own K/V as the cache holds them (see write_cache)
+        fused = (meta.multi_blocks is not None and cd == torch.bfloat16 and q.dtype == torch.float32
+                 and q.shape[2] % 32 == 0 and q.stride(-1) == 1 and q.stride(1) == q.shape[2])
+        if int8 and not fused:  # the step's own K/V as the cache holds them (see write_cache)
             written = kv_cache.view(2, -1, *kv_cache.shape[3:]).index_select(1, meta.slot_mapping)
             k, v = kv_int8.dequantize(written, k.dtype)
         for i, c in enumerate(meta.multi):
             s = slice(c.q_start, c.q_end)
-            if amx:
+            if fused:
                 cache, blocks = kv_cache, meta.multi_blocks[i]
                 if int8:
                     cache = kv_int8.dequantize(kv_cache.index_select(1, blocks), cd)
                     blocks = torch.arange(blocks.shape[0])
-                out[s] = self.k.amx_prefill_attn(q[s], cache, blocks, c.num_computed, scale)
+                out[s] = self.k.prefill_attn(q[s], cache, blocks, c.num_computed, scale)
                 continue
             # flash attention in the cache's dtype (bf16 math where the CPU has it: a
             # 512-token prompt's attention 4.3 -> ~1.5 ms per layer measured)
