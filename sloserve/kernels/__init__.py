@@ -126,10 +126,14 @@ class Kernels:
         #: the AMX bf16 GEMM is usable: AVX-512 library, a CPU with AMX-BF16, the OS granting
         #: the tile state, and ``$SLOSERVE_AMX`` not ``0``
         self.amx = os.environ.get(AMX_ENV, "1") != "0" and bool(self.lib.sl_amx_init())
-        #: the in-place bf16 prefill attention (:meth:`prefill_attn`) runs here: on the AMX
-        #: tiles, else on AVX512-BF16's dot products; None where neither is usable
-        self.prefill_attn_isa: str | None = (
-            "amx" if self.amx else "avx512_bf16" if self.lib.sl_avx512_bf16() else None)
+        self._avx512_bf16 = bool(self.lib.sl_avx512_bf16())
+
+    @property
+    def prefill_attn_isa(self) -> str | None:
+        """Where the in-place bf16 prefill attention (:meth:`prefill_attn`) runs here: ``amx``
+        (the tiles, while :attr:`amx` is on), else ``avx512_bf16`` (its dot products), else None
+        (neither usable: callers take torch's flash attention)."""
+        return "amx" if self.amx else "avx512_bf16" if self._avx512_bf16 else None
 
     def set_num_threads(self, n: int) -> None:
         self.lib.sl_set_num_threads(n)
