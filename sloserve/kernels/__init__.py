@@ -354,10 +354,15 @@ class Kernels:
                              f"(this CPU: {self.prefill_attn_isa})")
         n, H, D = q.shape
         _, nb, bs, hkv, dd = cache.shape
+        if not isinstance(num_computed, int):
+            raise ValueError(f"prefill_attn: num_computed must be an int, got {num_computed!r}")
         ctx = num_computed + n
-        if cache.dtype != torch.bfloat16 or D % 32 or dd != D or H % hkv:
+        if cache.dtype != torch.bfloat16 or D % 32 or dd != D or hkv < 1 or H % hkv:
             raise ValueError(f"prefill_attn: needs a bf16 cache and head_dim % 32 == 0 "
                              f"(cache {cache.dtype}, D {D}, H {H}, Hkv {hkv})")
+        if not cache.is_contiguous():  # the kernel walks [2, blocks, bs, Hkv, D] by its sizes
+            raise ValueError(f"prefill_attn: the cache must be contiguous (strides "
+                             f"{cache.stride()} for shape {tuple(cache.shape)})")
         if blocks.numel() * bs < ctx or q.stride(2) != 1 or q.stride(1) != D or num_computed < 0:
             raise ValueError(f"prefill_attn: {blocks.numel()} blocks of {bs} for a context "
                              f"of {ctx} ({num_computed} cached), or q not heads-contiguous")

@@ -387,6 +387,14 @@ def test_prefill_attention_refuses_what_it_cannot_read(isa):
         k.prefill_attn(q, cache, torch.arange(1), 20, 0.125, isa=isa)  # 23 positions, 16 cached
     with pytest.raises(ValueError, match="bf16"):
         k.prefill_attn(q, cache.float(), torch.arange(4), 0, 0.125, isa=isa)
+    # a view of a bigger cache (wrong values), or a stride-0 K/V plane (read past the end and
+    # crashed; a helper's report)
+    big = torch.zeros(2, 8, 16, 2, 64).bfloat16()
+    for view in (big[:, :4, :, :1], cache[:1].expand(2, 4, 16, 1, 64)):
+        with pytest.raises(ValueError, match="contiguous"):
+            k.prefill_attn(q, view, torch.arange(4), 0, 0.125, isa=isa)
+    with pytest.raises(ValueError, match="int"):
+        k.prefill_attn(q, cache, torch.arange(4), 3.0, 0.125, isa=isa)
     with pytest.raises(ValueError, match="bf16"):
         k.prefill_attn(torch.zeros(3, 2, 48), torch.zeros(2, 4, 16, 1, 48).bfloat16(),
                        torch.arange(4), 0, 0.125, isa=isa)
