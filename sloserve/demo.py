@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -32,6 +34,16 @@ QUESTIONS = [
     "What is 12 times 12? Explain briefly.",
     "Name three planets of the solar system and one fact about each.",
 ]
+
+
+#: the engine core's start-up lines that say what it chose for this CPU (logged at INFO)
+_CHOICE = re.compile(r"\[core\]: ((?:cpu|weights|engine core): .*)$")
+
+
+def engine_choices(log_text: str) -> list[str]:
+    """The engine core's start-up lines on what it picked for this CPU (dtype, kernels, attention),
+    from a ``sloserve serve`` log, without their timestamp and logger prefix."""
+    return [m.group(1) for line in log_text.splitlines() if (m := _CHOICE.search(line))]
 
 
 @dataclass
@@ -162,8 +174,16 @@ def main(argv: list[str] | None = None) -> int:
     console.rule("[bold]sloserve demo, part 1: streamed chats")
     t0 = time.perf_counter()
     console.print(f"starting: sloserve serve {' '.join(a.server_args)}")
-    with sloserve_server(a.server_args, port=a.port) as base:
-        console.print(f"server healthy after {time.perf_counter() - t0:.1f} s")
+    os.makedirs(a.out_dir, exist_ok=True)
+    log_path = os.path.join(a.out_dir, "server.log")
+    with sloserve_server(a.server_args, port=a.port, log_level="info", log_path=log_path) as base:
+        console.print(f"server healthy after {time.perf_counter() - t0:.1f} s; what the engine "
+                      f"chose for this CPU (full log: {log_path}):")
+        with open(log_path, encoding="utf-8") as f:
+            for line in engine_choices(f.read()):
+                console.print(f"  {line}", markup=False)
+        console.print("(SmolLM2-135M is a small model: its answers are often wrong; what this "
+                      "shows is the serving)")
         ok = chat_demo(base, a, console)
     console.print(f"server stopped; part 1 took {time.perf_counter() - t0:.1f} s")
     if not ok:

@@ -42,9 +42,11 @@ def wait_healthy(base: str, proc: subprocess.Popen, timeout_s: float) -> None:
 
 @contextmanager
 def sloserve_server(server_args: Sequence[str] = (), *, port: int = 0, log_level: str = "warning",
-                    timeout_s: float = 300.0, quiet: bool = False) -> Iterator[str]:
+                    timeout_s: float = 300.0, quiet: bool = False,
+                    log_path: str | None = None) -> Iterator[str]:
     """Run ``sloserve serve`` with ``server_args``; yields its base URL once healthy, stops it
-    with SIGINT (then SIGKILL after 30 s) on exit.
+    with SIGINT (then SIGKILL after 30 s) on exit. Its output goes to this process's
+    stdout/stderr, nowhere (``quiet``) or the file ``log_path`` (overwritten).
 
     Raises:
         RuntimeError / TimeoutError: see :func:`wait_healthy`.
@@ -52,9 +54,14 @@ def sloserve_server(server_args: Sequence[str] = (), *, port: int = 0, log_level
     port = port or free_port()
     cmd = [sys.executable, "-m", "sloserve.cli", "serve", "--port", str(port),
            "--log-level", log_level, *server_args]
-    out = subprocess.DEVNULL if quiet else None
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=out,
-                            stderr=out)
+    log = open(log_path, "w", encoding="utf-8") if log_path else None  # noqa: SIM115
+    out = log or (subprocess.DEVNULL if quiet else None)
+    try:
+        proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=out,
+                                stderr=out)
+    finally:
+        if log:
+            log.close()  # the child holds its own descriptor
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, proc, timeout_s)
