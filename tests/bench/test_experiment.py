@@ -40,3 +40,20 @@ def test_static_is_not_called_lowest_when_it_is_not():
 
 def test_nothing_to_read_without_both_policies():
     assert reading([row("static", 100)]) == []
+
+
+def _table_row(policy, good, n=40):
+    return {"policy": policy, "mean_ttft_ms": 100.0, "p99_ttft_ms": 900.0, "p50_tpot_ms": 5.0,
+            "p90_tpot_ms": 9.0, "p99_tpot_ms": 19.0, "max_itl_ms": 115.0,
+            "output_throughput": 42.0, "request_goodput": 0.7, "good": good, "requests": n}
+
+
+def test_the_table_says_why_throughput_is_equal_only_when_every_request_met_the_slo():
+    """A newcomer saw 42.0 tok/s and 0.70 req/s for all three policies and wondered why: when
+    all requests are good, both are the offered load's (a fresh user's report)."""
+    from sloserve.bench.experiment import ExperimentConfig, comparison_table
+    cfg = ExperimentConfig()
+    all_good = comparison_table([_table_row("naive", 40), _table_row("chunked", 40)], cfg)
+    assert "offered load" in all_good.caption
+    some_bad = comparison_table([_table_row("naive", 31), _table_row("chunked", 40)], cfg)
+    assert some_bad.caption is None
