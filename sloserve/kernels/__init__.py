@@ -348,8 +348,7 @@ class Kernels:
         :attr:`prefill_attn_isa`). ValueError for D % 32 != 0, a non-bf16 cache, too few blocks
         or an ``isa`` this CPU cannot run."""
         isa = isa or self.prefill_attn_isa
-        if isa not in ("amx", "avx512_bf16") or (isa == "amx" and not self.amx) or (
-                isa == "avx512_bf16" and self.prefill_attn_isa is None):
+        if not {"amx": self.amx, "avx512_bf16": self._avx512_bf16}.get(isa):
             raise ValueError(f"prefill_attn: isa {isa!r} is not available here "
                              f"(this CPU: {self.prefill_attn_isa})")
         n, H, D = q.shape

@@ -1315,6 +1315,11 @@ inline void store_scaled(const float* x, float r, const float* w, int64_t D, voi
 #include <sys/syscall.h>
 #include <unistd.h>
 
+inline bool cpu_avx512_bf16() {  // CPUID leaf 7 subleaf 1, EAX bit 5
+  unsigned a, b, c, d;
+  return __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 5) & 1);
+}
+
 struct AmxTileCfg {
   uint8_t palette, start_row, reserved[14];
   uint16_t colsb[16];
@@ -1520,6 +1525,61 @@ inline int64_t prefill_attn_thread_bytes(int64_t D) {
   return 16 * D * 2 + 16 * D * 2 + 64 * 16 * 4 + 2048 + 2 * D * 16 * 4 + 256;
 }
 
+// S^T [64 tokens][16 q] of one 64-token block on the AMX tiles: 4 accumulator tiles of 16
+// tokens, K rows (tile A, row stride D) times the Q^T pair tiles (B). kb: K rows [64][D];
+// qt_t: [D / 32][16 pairs][16 q][2].
+inline void amx_scores(const uint16_t* kb, const uint16_t* qt_t, int64_t D, float* st) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t c = 0; c < D / 32; ++c) {
+    _tile_loadd(4, qt_t + c * 512, 64);
+    _tile_loadd(6, kb + 32 * c, D * 2);
+    _tile_dpbf16ps(0, 6, 4);
+    _tile_loadd(7, kb + 16 * D + 32 * c, D * 2);
+    _tile_dpbf16ps(1, 7, 4);
+    _tile_loadd(6, kb + 32 * D + 32 * c, D * 2);
+    _tile_dpbf16ps(2, 6, 4);
+    _tile_loadd(7, kb + 48 * D + 32 * c, D * 2);
+    _tile_dpbf16ps(3, 7, 4);
+  }
+  _tile_stored(0, st, 64);
+  _tile_stored(1, st + 256, 64);
+  _tile_stored(2, st + 512, 64);
+  _tile_stored(3, st + 768, 64);
+}
+
+// O^T [D][16 q] += V^T P^T for one 64-token block on the AMX tiles, 4 d-chunks at a time (the
+// accumulators loaded from O^T and stored back). vt0 / vt1: the block's two 32-token V^T halves
+// ([DE][16 d][32 t]); pt: P^T pairs [32][16][2] (tokens 0-31, then 32-63).
+inline void amx_pv(const uint16_t* vt0, const uint16_t* vt1, const uint16_t* pt, int64_t DE,
+                   float* ot) {
+  _tile_loadd(4, pt, 64);          // P^T tokens 0-31
+  _tile_loadd(5, pt + 512, 64);    // 32-63
+  for (int64_t e0 = 0; e0 < DE; e0 += 4) {
+    const int64_t ne = std::min<int64_t>(4, DE - e0);
+    const uint16_t* v0 = vt0 + e0 * 512;
+    const uint16_t* v1 = vt1 + e0 * 512;
+    float* dst = ot + e0 * 256;
+    // accumulator T: d-chunk e0 + T over both 32-token halves (tile numbers are immediates)
+#define SL_PV(T)                                   \
+  if (ne > T) {                                    \
+    _tile_loadd(T, dst + 256 * (T), 64);           \
+    _tile_loadd(6, v0 + 512 * (T), 64);            \
+    _tile_dpbf16ps(T, 6, 4);                       \
+    _tile_loadd(7, v1 + 512 * (T), 64);            \
+    _tile_dpbf16ps(T, 7, 5);                       \
+    _tile_stored(T, dst + 256 * (T), 64);          \
+  }
+    SL_PV(0)
+    SL_PV(1)
+    SL_PV(2)
+    SL_PV(3)
+#undef SL_PV
+  }
+}
+
 // S^T rows [t0 + r] for the 16 query lanes, without AMX: per context token r, the dot products
 // of its K row (bf16 pairs, broadcast) with the Q^T pair rows, 8 tokens per pass (AVX512-BF16
 // vdpbf16ps: 16 lanes x 2 products per instruction). kb: K rows [64][D]; qt_t: [D / 2][16][2].
@@ -1645,29 +1705,10 @@ void prefill_attn(const PrefillAttnArgs& a, uint8_t* scratch) {
       for (int64_t j = 0; j <= last / 64; ++j) {
         const int64_t t0 = 64 * j;
         const uint16_t* kb = kr + t0 * D;
-        if constexpr (AMX) {
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
-          for (int64_t c = 0; c < DC; ++c) {
-            _tile_loadd(4, qt_t + c * 512, 64);
-            _tile_loadd(6, kb + 32 * c, D * 2);
-            _tile_dpbf16ps(0, 6, 4);
-            _tile_loadd(7, kb + 16 * D + 32 * c, D * 2);
-            _tile_dpbf16ps(1, 7, 4);
-            _tile_loadd(6, kb + 32 * D + 32 * c, D * 2);
-            _tile_dpbf16ps(2, 6, 4);
-            _tile_loadd(7, kb + 48 * D + 32 * c, D * 2);
-            _tile_dpbf16ps(3, 7, 4);
-          }
-          _tile_stored(0, st, 64);
-          _tile_stored(1, st + 256, 64);
-          _tile_stored(2, st + 512, 64);
-          _tile_stored(3, st + 768, 64);
-        } else {
+        if constexpr (AMX)
+          amx_scores(kb, qt_t, D, st);
+        else
           bf16_scores(kb, qt_t, D, st);
-        }
         // token t0 + r is visible to query lane q iff t0 + r <= P + i0 + q and < ctx
         const bool diag = t0 + 63 > a.P + i0 || t0 + 63 >= ctx;
         __m512 bm = _mm512_set1_ps(-INFINITY);
@@ -1710,34 +1751,10 @@ void prefill_attn(const PrefillAttnArgs& a, uint8_t* scratch) {
           _mm512_storeu_si512(pt + 32 * p, pair);
         }
         l = _mm512_fmadd_ps(l, alpha, sum);
-        if constexpr (!AMX) {
+        if constexpr (AMX)
+          amx_pv(vt + (2 * j) * DE * 512, vt + (2 * j + 1) * DE * 512, pt, DE, ot);
+        else
           bf16_pv(vt + (2 * j) * DE * 512, vt + (2 * j + 1) * DE * 512, pt, DE, ot);
-          continue;
-        } else {
-        _tile_loadd(4, pt, 64);          // P^T tokens 0-31
-        _tile_loadd(5, pt + 512, 64);    // 32-63
-        for (int64_t e0 = 0; e0 < DE; e0 += 4) {  // O^T += V^T P^T, 4 d-chunks at a time
-          const int64_t ne = std::min<int64_t>(4, DE - e0);
-          const uint16_t* v0 = vt + ((2 * j) * DE + e0) * 512;
-          const uint16_t* v1 = vt + ((2 * j + 1) * DE + e0) * 512;
-          float* dst = ot + e0 * 256;
-          // accumulator T: d-chunk e0 + T over both 32-token halves (tile numbers are immediates)
-#define SL_PV(T)                                   \
-  if (ne > T) {                                    \
-    _tile_loadd(T, dst + 256 * (T), 64);           \
-    _tile_loadd(6, v0 + 512 * (T), 64);            \
-    _tile_dpbf16ps(T, 6, 4);                       \
-    _tile_loadd(7, v1 + 512 * (T), 64);            \
-    _tile_dpbf16ps(T, 7, 5);                       \
-    _tile_stored(T, dst + 256 * (T), 64);          \
-  }
-          SL_PV(0)
-          SL_PV(1)
-          SL_PV(2)
-          SL_PV(3)
-#undef SL_PV
-        }
-        }  // AMX
       }
       _mm512_storeu_ps(mla, _mm512_div_ps(_mm512_set1_ps(1.f), l));
       for (int64_t e = 0; e < DE; ++e) {  // O^T [16 d][16 q] -> rows q
@@ -2123,7 +2140,7 @@ int sl_amx_init() {
   unsigned a, b, c, d;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
   if (!((d >> 22) & 1) || !((d >> 24) & 1)) return 0;   // AMX-BF16, AMX-TILE
-  if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !((a >> 5) & 1)) return 0;  // AVX512-BF16
+  if (!cpu_avx512_bf16()) return 0;
   if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) return 0;
   unsigned long perm = 0;
   if (syscall(SYS_arch_prctl, 0x1022 /* ARCH_GET_XCOMP_PERM */, &perm) != 0) return 0;
@@ -2189,8 +2206,7 @@ int sl_amx_swiglu(const float* x, int64_t M, int64_t K, const uint16_t* wp, int6
 // (its products without AMX); else 0.
 int sl_avx512_bf16() {
 #if SL_AMX
-  unsigned a, b, c, d;
-  return __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 5) & 1) ? 1 : 0;
+  return cpu_avx512_bf16() ? 1 : 0;
 #else
   return 0;
 #endif

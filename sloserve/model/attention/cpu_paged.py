@@ -75,10 +75,18 @@ class CpuPagedBackend(AttentionBackend):
         if self.k is None:
             raise ValueError("the cpu-paged backend needs the CPU kernels (sloserve.kernels)")
 
+    def _context_dtype(self, kv_cache_dtype: torch.dtype, q_dtype: torch.dtype) -> torch.dtype:
+        """The dtype a multi-token query reads its context in: the cache's, or for an int8 cache
+        bf16 in a bf16 engine (a dequantized copy, for the fused kernel) and q's dtype otherwise
+        (the float32 engine keeps the dequantized values exact, on the torch path)."""
+        if kv_cache_dtype != torch.int8:
+            return kv_cache_dtype
+        return torch.bfloat16 if self.compute_dtype == torch.bfloat16 else q_dtype
+
     def describe(self, kv_cache_dtype: torch.dtype) -> str:
         isa = self.k.prefill_attn_isa
-        bf16 = kv_cache_dtype == torch.bfloat16 or (kv_cache_dtype == torch.int8
-                                                    and self.compute_dtype == torch.bfloat16)
+        # the fused forward's queries are float32
+        bf16 = self._context_dtype(kv_cache_dtype, torch.float32) == torch.bfloat16
         multi = (f"{isa} flash attention over the cache in place" if isa and bf16
                  else "torch's flash attention")
         return f"{self.name} (decodes: paged decode kernel; prefill chunks: {multi})"
@@ -126,11 +134,7 @@ class CpuPagedBackend(AttentionBackend):
         if not meta.multi:
             return out
         int8 = kv_cache.dtype == torch.int8
-        # an int8 cache: the fused kernel reads a bf16 copy of the request's context, and only in a
-        # bf16 engine (the float32 one keeps the dequantized values exact, on the torch path)
-        cd = kv_cache.dtype
-        if int8:
-            cd = torch.bfloat16 if self.compute_dtype == torch.bfloat16 else q.dtype
+        cd = self._context_dtype(kv_cache.dtype, q.dtype)
         fused = (meta.multi_blocks is not None and cd == torch.bfloat16 and q.dtype == torch.float32
                  and q.shape[2] % 32 == 0 and q.stride(-1) == 1 and q.stride(1) == q.shape[2])
         if int8 and not fused:  # the step's own K/V as the cache holds them (see write_cache)
