@@ -65,10 +65,12 @@ def _int8_activation_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Ten
 
 
 @pytest.mark.parametrize("kind", ["int4", "int4-no-mins", "int8"])
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 15, 17])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 15, 16, 17, 31, 100, 300])
 def test_int8_activation_products_row_and_x16_layouts(k, kind, m):
     """Both layouts give the integer-exact result up to float32 rounding of the group sums
-    (bound: 1e-5 of the largest output); the x16 copy holds the same codes and scales."""
+    (bound: 1e-5 of the largest output); the x16 copy holds the same codes and scales. The
+    row counts cover the x16 product's passes of 16 rows and their remainders, its split of
+    more than 64 rows into work items, and the threaded activation quantization (300 x 576)."""
     w = _weights("int4" if kind.startswith("int4") else "int8", 64, 576, 20 + m)
     if kind == "int4-no-mins":  # the Q4_0 shape
         w = QuantizedWeight(w.qweight, w.scales, None, 4, 32, w.shape, "t")
@@ -80,6 +82,11 @@ def test_int8_activation_products_row_and_x16_layouts(k, kind, m):
     for y in (k.qlinear_i8(x, w), k.qlinear_x16(x, packed)):
         assert y.shape == (m, 64) and y.dtype == torch.float32
         assert float((y.double() - ref).abs().max()) < tol
+
+
+def test_x16_product_of_no_rows_is_empty(k):
+    packed = k.pack_x16(_weights("int4", 64, 576, 1))
+    assert k.qlinear_x16(torch.zeros(0, 576), packed).shape == (0, 64)
 
 
 def test_x16_refuses_rows_not_a_multiple_of_16(k):

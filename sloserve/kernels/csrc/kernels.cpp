@@ -429,23 +429,50 @@ struct ActQ {
   const float* s;    // [M, G] exact float sums of x per group
 };
 
+inline void quantize_row(const float* xr, int64_t G, int8_t* qr, float* d, float* s) {
+  for (int64_t g = 0; g < G; ++g, xr += 32, qr += 32) {
+#if SL_ISA == 2
+    const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const float dx = amax / 127.f;
+    const __m512 inv = _mm512_set1_ps(dx > 0.f ? 1.f / dx : 0.f);
+    // cvtps rounds to nearest even (the default MXCSR mode), as std::nearbyint does
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qr),
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x0, inv))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + 16),
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, inv))));
+    d[g] = dx;
+    s[g] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+#else
+    float amax = 0.f, sum = 0.f;
+    for (int j = 0; j < 32; ++j) {
+      amax = std::max(amax, std::fabs(xr[j]));
+      sum += xr[j];
+    }
+    const float dx = amax / 127.f;
+    const float inv = dx > 0.f ? 1.f / dx : 0.f;
+    for (int j = 0; j < 32; ++j) qr[j] = static_cast<int8_t>(std::nearbyint(xr[j] * inv));
+    d[g] = dx;
+    s[g] = sum;
+#endif
+  }
+}
+
+// x [M, K] -> int8 codes q [M, K], scales d [M, K / 32] (the group's largest |x| / 127) and the
+// exact float sums s [M, K / 32] of each group (for the weights' offsets); rows split over the
+// threads when there are many.
 inline void quantize_act(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
   const int64_t G = K / 32;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      const float* xr = x + m * K + g * 32;
-      float amax = 0.f, sum = 0.f;
-      for (int j = 0; j < 32; ++j) {
-        amax = std::max(amax, std::fabs(xr[j]));
-        sum += xr[j];
-      }
-      const float dx = amax / 127.f;
-      const float inv = dx > 0.f ? 1.f / dx : 0.f;
-      int8_t* qr = q + m * K + g * 32;
-      for (int j = 0; j < 32; ++j) qr[j] = static_cast<int8_t>(std::nearbyint(xr[j] * inv));
-      d[m * G + g] = dx;
-      s[m * G + g] = sum;
-    }
+  if (M * K < 65536) {
+    for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, G, q + m * K, d + m * G, s + m * G);
+    return;
+  }
+  const int64_t rows = 16, items = (M + rows - 1) / rows;
+  auto body = [&](int64_t i) {
+    for (int64_t m = i * rows; m < std::min(M, (i + 1) * rows); ++m)
+      quantize_row(x + m * K, G, q + m * K, d + m * G, s + m * G);
+  };
+  parallel_for(items, body);
 }
 
 #if SL_ISA == 2
@@ -670,10 +697,24 @@ inline void x16_tile_scalar(const ActQ& a, int64_t K, const uint8_t* w, const fl
       }
 }
 
+constexpr int64_t kX16Prefetch = 2048;  // bytes ahead in a 4-bit weight stream (see x16_tile)
+
+#if SL_ISA == 2
+// acc += dpbusd(w, x[0] broadcast to 16 lanes): the activations' 4 codes come from memory as an
+// embedded broadcast ({1to16}), not a separate vpbroadcastd (which g++ does not fold into
+// vpdpbusd from the intrinsic): one vector op per 64 multiply-adds instead of two.
+inline __m512i dpbusd_b(__m512i acc, __m512i w, const int32_t* x) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+  return acc;
+}
+#endif
+
 template <int MC, int BR>
 inline void x16_tile(const ActQ& a, int64_t K, const uint8_t* w, const float* d, const float* mn,
                      int64_t G, float* y, int64_t N) {
 #if SL_ISA == 2
+  // per group: the BR blocks' codes unpacked once (8 registers each), then for each of the MC
+  // activation rows one chain of 8 dpbusd, its int32 sums scaled into the float accumulator
   __m512 acc[MC][BR];
   for (int mi = 0; mi < MC; ++mi)
     for (int br = 0; br < BR; ++br) acc[mi][br] = _mm512_setzero_ps();
@@ -683,6 +724,10 @@ inline void x16_tile(const ActQ& a, int64_t K, const uint8_t* w, const float* d,
     __m512 dv[BR], mv[BR];
     for (int br = 0; br < BR; ++br) {
       const uint8_t* wb = w + (br * G + g) * 256;
+      // the weights stream from memory once per step: fetch a few groups ahead (the vector
+      // work of a group's 16 rows fills the out-of-order window, which then holds too few
+      // loads to keep the memory busy: 12 GB/s without this at 16 rows, 38 at 1)
+      for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(wb + kX16Prefetch + 64 * c), _MM_HINT_T0);
       for (int c = 0; c < 4; ++c) {
         const __m512i v = _mm512_loadu_si512(wb + 64 * c);
         lo[br][c] = _mm512_and_si512(v, m4);
@@ -695,14 +740,11 @@ inline void x16_tile(const ActQ& a, int64_t K, const uint8_t* w, const float* d,
       const int32_t* xq = reinterpret_cast<const int32_t*>(a.q + mi * K + g * 32);
       const __m512 dx = _mm512_set1_ps(a.d[mi * G + g]);
       for (int br = 0; br < BR; ++br) {
-        __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[br][0], _mm512_set1_epi32(xq[0]));
-        __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[br][0], _mm512_set1_epi32(xq[4]));
-        for (int c = 1; c < 4; ++c) {
-          i0 = _mm512_dpbusd_epi32(i0, lo[br][c], _mm512_set1_epi32(xq[c]));
-          i1 = _mm512_dpbusd_epi32(i1, hi[br][c], _mm512_set1_epi32(xq[4 + c]));
-        }
-        acc[mi][br] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)),
-                                      _mm512_mul_ps(dv[br], dx), acc[mi][br]);
+        __m512i i = _mm512_setzero_si512();
+        for (int c = 0; c < 4; ++c) i = dpbusd_b(i, lo[br][c], xq + c);
+        for (int c = 0; c < 4; ++c) i = dpbusd_b(i, hi[br][c], xq + 4 + c);
+        acc[mi][br] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(dv[br], dx),
+                                      acc[mi][br]);
         if (mn) acc[mi][br] = _mm512_fmadd_ps(mv[br], _mm512_set1_ps(a.s[mi * G + g]), acc[mi][br]);
       }
     }
@@ -765,6 +807,7 @@ inline void x16_tile8(const ActQ& a, const int32_t* isum, int64_t K, const uint8
     __m512 dv[BR], mv[BR];
     for (int br = 0; br < BR; ++br) {
       const uint8_t* wb = w + (br * G + g) * 512;
+      for (int c = 0; c < 8; ++c) _mm_prefetch(reinterpret_cast<const char*>(wb + 2 * kX16Prefetch + 64 * c), _MM_HINT_T0);
       for (int c = 0; c < 8; ++c) wv[br][c] = _mm512_xor_si512(_mm512_loadu_si512(wb + 64 * c), off);
       dv[br] = _mm512_loadu_ps(d + (br * G + g) * kX16);
       if (mn) mv[br] = _mm512_loadu_ps(mn + (br * G + g) * kX16);
@@ -774,13 +817,9 @@ inline void x16_tile8(const ActQ& a, const int32_t* isum, int64_t K, const uint8
       const __m512 dx = _mm512_set1_ps(a.d[mi * G + g]);
       const __m512i corr = _mm512_set1_epi32(-128 * isum[mi * G + g]);
       for (int br = 0; br < BR; ++br) {
-        __m512i i0 = _mm512_dpbusd_epi32(corr, wv[br][0], _mm512_set1_epi32(xq[0]));
-        __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[br][1], _mm512_set1_epi32(xq[1]));
-        for (int c = 2; c < 8; c += 2) {
-          i0 = _mm512_dpbusd_epi32(i0, wv[br][c], _mm512_set1_epi32(xq[c]));
-          i1 = _mm512_dpbusd_epi32(i1, wv[br][c + 1], _mm512_set1_epi32(xq[c + 1]));
-        }
-        acc[mi][br] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)),
+        __m512i i = corr;
+        for (int c = 0; c < 8; ++c) i = dpbusd_b(i, wv[br][c], xq + c);
+        acc[mi][br] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i),
                                       _mm512_mul_ps(dv[br], dx), acc[mi][br]);
         if (mn) acc[mi][br] = _mm512_fmadd_ps(mv[br], _mm512_set1_ps(a.s[mi * G + g]), acc[mi][br]);
       }
@@ -848,9 +887,27 @@ inline void x16_blocks(const ActQ& a, const int32_t* isum, int64_t K, const uint
   }
 }
 
+// activation rows per pass over a weight block (AVX-512: 16 accumulators + 8 unpacked chunks
+// in 32 registers, 1.2-1.3 TOP/s at 64-512 rows where 8 rows per pass gave 0.8-0.85; the AVX2
+// build keeps 8: its 16 registers hold two 8-lane halves per block) and per work item
+constexpr int kX16Rows = SL_ISA == 2 ? 16 : 8;
+constexpr int64_t kX16MRows = 64;
+
+// x16_blocks for the last `rest` (< kX16Rows) activation rows
+template <int BITS, int MC>
+inline void x16_rest(int64_t rest, const ActQ& a, const int32_t* isum, int64_t K,
+                     const uint8_t* qw, const float* d, const float* mn, int64_t G, int64_t N,
+                     int64_t b0, int64_t b1, float* y) {
+  if constexpr (MC > 0) {
+    if (rest == MC) x16_blocks<BITS, MC>(a, isum, K, qw, d, mn, G, N, b0, b1, y);
+    else x16_rest<BITS, MC - 1>(rest, a, isum, K, qw, d, mn, G, N, b0, b1, y);
+  }
+}
+
 template <int BITS>
 void qlinear_x16(const float* x, int64_t M, int64_t K, const uint8_t* qw, const float* d,
                  const float* mn, int64_t N, float* y, void* scratch) {
+  if (M <= 0) return;
   const int64_t G = K / 32, NB = N / kX16;
   int8_t* xq = static_cast<int8_t*>(scratch);
   float* xd = reinterpret_cast<float*>(xq + ((M * K + 63) / 64) * 64);
@@ -863,33 +920,28 @@ void qlinear_x16(const float* x, int64_t M, int64_t K, const uint8_t* qw, const 
       for (int j = 0; j < 32; ++j) t += xq[i * 32 + j];
       isum[i] = t;
     }
+  // work items: a range of row blocks times a range of activation rows (kX16MRows: many
+  // tokens would leave too few items over N alone, e.g. 9 for a 576-row weight)
   const int64_t nt = nthreads();
   const int64_t chunk = std::max<int64_t>(2, std::min<int64_t>(16, NB / (4 * nt)));
   const int64_t nchunks = (NB + chunk - 1) / chunk;
-  auto body = [&](int64_t c) {
+  const int64_t mrows = M <= kX16MRows ? M : kX16MRows, mparts = (M + mrows - 1) / mrows;
+  auto body = [&](int64_t item) {
+    const int64_t c = item % nchunks, m0 = (item / nchunks) * mrows, m1 = std::min(M, m0 + mrows);
     const int64_t b0 = c * chunk, b1 = std::min(NB, b0 + chunk);
-    // 8 activation rows per pass: each unpacked weight group serves 8 rows (MC = 8 keeps
-    // 8 accumulators + 8 unpacked chunks in the 32 vector registers)
-    int64_t m = 0;
-    for (; m + 8 <= M; m += 8) {
+    // kX16Rows activation rows per pass: each unpacked weight group serves them all (the
+    // accumulators and one block's 8 unpacked chunks fit the 32 vector registers)
+    int64_t m = m0;
+    for (; m + kX16Rows <= m1; m += kX16Rows) {
       ActQ a{xq + m * K, xd + m * G, xs + m * G};
-      x16_blocks<BITS, 8>(a, isum + m * G, K, qw, d, mn, G, N, b0, b1, y + m * N);
+      x16_blocks<BITS, kX16Rows>(a, isum + m * G, K, qw, d, mn, G, N, b0, b1, y + m * N);
     }
-    ActQ a{xq + m * K, xd + m * G, xs + m * G};
-    const int32_t* is = isum + m * G;
-    float* ym = y + m * N;
-    switch (M - m) {
-      case 7: x16_blocks<BITS, 7>(a, is, K, qw, d, mn, G, N, b0, b1, ym); break;
-      case 6: x16_blocks<BITS, 6>(a, is, K, qw, d, mn, G, N, b0, b1, ym); break;
-      case 5: x16_blocks<BITS, 5>(a, is, K, qw, d, mn, G, N, b0, b1, ym); break;
-      case 4: x16_blocks<BITS, 4>(a, is, K, qw, d, mn, G, N, b0, b1, ym); break;
-      case 3: x16_blocks<BITS, 3>(a, is, K, qw, d, mn, G, N, b0, b1, ym); break;
-      case 2: x16_blocks<BITS, 2>(a, is, K, qw, d, mn, G, N, b0, b1, ym); break;
-      case 1: x16_blocks<BITS, 1>(a, is, K, qw, d, mn, G, N, b0, b1, ym); break;
-      default: break;
+    if (m < m1) {
+      ActQ a{xq + m * K, xd + m * G, xs + m * G};
+      x16_rest<BITS, kX16Rows - 1>(m1 - m, a, isum + m * G, K, qw, d, mn, G, N, b0, b1, y + m * N);
     }
   };
-  parallel_for(nchunks, body);
+  parallel_for(nchunks * mparts, body);
 }
 
 // ------------------------------------------------------------------ vector helpers
