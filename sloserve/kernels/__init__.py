@@ -36,6 +36,7 @@ _SIGS = {
     "sl_qlinear_i8": ([_P, _I64, _I64, _P, _P, _P, _I32, _I32, _I64, _P, _P], _I32),
     "sl_repack_x16": ([_P, _P, _P, _I64, _I64, _I32, _P, _P, _P], _I32),
     "sl_qlinear_x16": ([_P, _I64, _I64, _P, _P, _P, _I32, _I64, _P, _P], None),
+    "sl_qlinear_x16_swiglu": ([_P, _I64, _I64, _P, _P, _P, _I32, _I64, _P, _P], None),
     "sl_qembed": ([_P, _I64, _P, _P, _P, _I32, _I32, _I64, _P], _I32),
     "sl_rms_norm": ([_P, _P, _I64, _I64, _F, _P, _I32], None),
     "sl_add_rms_norm": ([_P, _P, _P, _I64, _I64, _F, _P, _I32, _I32], None),
@@ -71,6 +72,8 @@ class X16Weight:
     mins: torch.Tensor | None
     shape: tuple[int, int]
     bits: int = 4
+    #: the blocks alternate gate and up rows (``pack_x16_swiglu``): only ``qlinear_x16_swiglu``
+    swiglu: bool = False
     # the pointers, taken once (a step makes ~120 products; each saved call costs ~1 us)
     ptrs: tuple[int, int, int | None] = (0, 0, None)
 
@@ -182,7 +185,25 @@ class Kernels:
         if rc:
             return None
         return X16Weight(qw, d, mn, (N, K), w.bits,
-                         (_ptr(qw), _ptr(d), _ptr(mn) if mn is not None else None))
+                         ptrs=(_ptr(qw), _ptr(d), _ptr(mn) if mn is not None else None))
+
+    def pack_x16_swiglu(self, gate_up) -> X16Weight | None:
+        """A fused gate/up weight (QuantizedWeight [2F, K]: gate rows, then up rows) in the x16
+        layout with its 16-row blocks reordered gate 0, up 0, gate 1, up 1, ... for
+        :meth:`qlinear_x16_swiglu`; None where :meth:`pack_x16` would refuse it or F % 16."""
+        if gate_up.shape[0] % 32:
+            return None
+        w = self.pack_x16(gate_up)
+        if w is None:
+            return None
+        nb = w.shape[0] // 16
+
+        def pairs(t: torch.Tensor) -> torch.Tensor:  # [gate blocks | up blocks] -> alternating
+            return t.view(2, nb // 2, -1).transpose(0, 1).contiguous().view(-1)
+        qw, d = pairs(w.qweight), pairs(w.scales)
+        mn = pairs(w.mins) if w.mins is not None else None
+        return X16Weight(qw, d, mn, w.shape, w.bits, swiglu=True,
+                         ptrs=(_ptr(qw), _ptr(d), _ptr(mn) if mn is not None else None))
 
     def _scratch(self, nbytes: int) -> int:
         """A per-thread scratch buffer of at least ``nbytes`` (reused: no allocation per call)."""
@@ -194,12 +215,30 @@ class Kernels:
     def qlinear_x16(self, x: torch.Tensor, w: X16Weight) -> torch.Tensor:
         """x [M, K] float32 contiguous @ W^T, x quantized to int8 per group of 32 (as
         :meth:`qlinear_i8`) -> [M, N] float32."""
+        if w.swiglu:
+            raise ValueError("a gate/up weight packed for qlinear_x16_swiglu")
         M, K = x.shape
         N = w.shape[0]
         y = torch.empty(M, N, dtype=torch.float32)
         qw, d, mn = w.ptrs
         self.lib.sl_qlinear_x16(x.data_ptr(), M, K, qw, d, mn, w.bits, N, y.data_ptr(),
-                                self._scratch(M * K + 64 + 12 * M * (K // 32)))
+                                self._x16_scratch(M, K))
+        return y
+
+    def _x16_scratch(self, M: int, K: int) -> int:
+        """The x16 products' scratch: int8 codes, scales, sums and integer sums of x [M, K]."""
+        return self._scratch(M * K + 64 + 12 * M * (K // 32))
+
+    def qlinear_x16_swiglu(self, x: torch.Tensor, w: X16Weight) -> torch.Tensor:
+        """silu(x W_gate^T) * (x W_up^T) for a :meth:`pack_x16_swiglu` weight, the activation in
+        the product's epilogue: x [M, K] float32 contiguous -> [M, F] float32; the same numbers
+        as :meth:`qlinear_x16` then :meth:`silu_mul`."""
+        M, K = x.shape
+        F = w.shape[0] // 2
+        y = torch.empty(M, F, dtype=torch.float32)
+        qw, d, mn = w.ptrs
+        self.lib.sl_qlinear_x16_swiglu(x.data_ptr(), M, K, qw, d, mn, w.bits, F, y.data_ptr(),
+                                       self._x16_scratch(M, K))
         return y
 
     def pack_amx(self, w: torch.Tensor) -> AmxWeight | None:

@@ -3,8 +3,8 @@ linear-layer kernel that is fast for its number of tokens.
 
 Per layer: [add residual +] RMSNorm (one call), the Q, K and V projections, RoPE on Q and K in
 place, the attention backend, the output projection, add residual + RMSNorm, gate and up,
-SiLU(gate) * up (in the AMX GEMM's epilogue on AMX steps), the down projection. No Python
-work per layer grows with the batch.
+SiLU(gate) * up (in the epilogue of the quantized int8 product and of the AMX GEMM), the down
+projection. No Python work per layer grows with the batch.
 
 The projections of a step run one of three ways:
 
@@ -124,7 +124,10 @@ class FastPath:
                 L.gate_up = [fused] if fused else gu
                 L.down = q[f"{p}{names['down']}.weight"]
                 if int8_activations:
-                    L.qkv, L.gate_up = [self._pack(w) for w in L.qkv], [self._pack(w) for w in L.gate_up]
+                    L.qkv = [self._pack(w) for w in L.qkv]
+                    # one fused gate/up weight: SiLU(gate) * up in the product's epilogue
+                    L.gate_up = ([kernels.pack_x16_swiglu(L.gate_up[0]) or self._pack(L.gate_up[0])]
+                                 if len(L.gate_up) == 1 else [self._pack(w) for w in L.gate_up])
                     L.o, L.down = self._pack(L.o), self._pack(L.down)
             self.layers.append(L)
         use_amx = kernels.amx and self.dtype == torch.bfloat16 and amx_max_tokens != 0
@@ -162,11 +165,21 @@ class FastPath:
         return self.k.pack_x16(w) or w
 
     def _lin(self, x: torch.Tensor, w) -> torch.Tensor:
+        """x @ w^T on the quantized weight ``w`` (for a gate/up weight packed for the fused
+        SwiGLU: silu(gate) * up, [T, intermediate])."""
         if isinstance(w, X16Weight):
-            return self.k.qlinear_x16(x, w)
+            return self.k.qlinear_x16_swiglu(x, w) if w.swiglu else self.k.qlinear_x16(x, w)
         if self.int8_activations and w.group_size == 32:
             return self.k.qlinear_i8(x, w)
         return self.k.qlinear(x, w)
+
+    def _swiglu_q(self, x: torch.Tensor, L: FastLayer) -> torch.Tensor:
+        """silu(x W_gate^T) * (x W_up^T) of a quantized step, [T, intermediate] float32: one
+        fused product where gate/up is packed for it, else the product then silu_mul."""
+        gu = L.gate_up
+        if len(gu) == 1 and getattr(gu[0], "swiglu", False):
+            return self._lin(x, gu[0])
+        return self.k.silu_mul(self._q(x, gu))
 
     def _q(self, x: torch.Tensor, ws: list[QuantizedWeight]) -> torch.Tensor:
         if len(ws) == 1:
@@ -275,7 +288,7 @@ class FastPath:
             o = o.reshape(T, H * D).float().contiguous()
             delta = self._lin(o, L.o) if quant else self._d(o, w["o"], out_dtype=act)
             a = k.add_rms_norm(h, delta, L.ln2, self.eps, act)
-            f = k.silu_mul(self._q(a, L.gate_up)) if quant else self._swiglu(a, L, act)
+            f = self._swiglu_q(a, L) if quant else self._swiglu(a, L, act)
             delta = self._lin(f, L.down) if quant else self._d(f, w["down"], out_dtype=act)
         h += delta
         x = k.rms_norm(h.index_select(0, logits_indices), self.norm, self.eps)
@@ -309,7 +322,7 @@ def quant_crossover(fp: FastPath, sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 6
     L = fp.layers[0]
 
     def quant(x, xf):
-        fp.k.silu_mul(fp._q(x, L.gate_up))
+        fp._swiglu_q(x, L)
         fp._lin(xf, L.down)
 
     def dense(x, xf):

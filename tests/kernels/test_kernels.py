@@ -84,6 +84,28 @@ def test_int8_activation_products_row_and_x16_layouts(k, kind, m):
         assert float((y.double() - ref).abs().max()) < tol
 
 
+@pytest.mark.parametrize("kind", ["int4", "int4-no-mins", "int8"])
+@pytest.mark.parametrize("m", [0, 1, 7, 16, 17, 100])
+def test_fused_swiglu_product_equals_the_product_then_silu_mul(k, kind, m):
+    """The gate/up product with SiLU(gate) * up in its epilogue gives exactly (bit for bit) the
+    plain x16 product followed by silu_mul; the plain product refuses the reordered weight."""
+    w = _weights("int4" if kind.startswith("int4") else "int8", 96, 576, 40 + m)
+    if kind == "int4-no-mins":
+        w = QuantizedWeight(w.qweight, w.scales, None, 4, 32, w.shape, "t")
+    x = torch.randn(m, 576, generator=torch.Generator().manual_seed(300 + m))
+    fused = k.pack_x16_swiglu(w)
+    assert fused is not None and fused.swiglu and fused.nbytes == w.nbytes
+    y = k.qlinear_x16_swiglu(x, fused)
+    assert y.shape == (m, 48)
+    assert torch.equal(y, k.silu_mul(k.qlinear_x16(x, k.pack_x16(w))))
+    with pytest.raises(ValueError, match="swiglu"):
+        k.qlinear_x16(x, fused)
+
+
+def test_fused_swiglu_packing_needs_whole_block_pairs(k):
+    assert k.pack_x16_swiglu(_weights("int4", 48, 64, 1)) is None  # 24 gate rows: 1.5 blocks
+
+
 def test_x16_product_of_no_rows_is_empty(k):
     packed = k.pack_x16(_weights("int4", 64, 576, 1))
     assert k.qlinear_x16(torch.zeros(0, 576), packed).shape == (0, 64)

@@ -904,11 +904,18 @@ inline void x16_rest(int64_t rest, const ActQ& a, const int32_t* isum, int64_t K
   }
 }
 
+// The activations of an x16 product, quantized (see quantize_act) in its scratch.
+struct X16In {
+  const int8_t* xq;
+  const float *xd, *xs;
+  const int32_t* isum;  // integer code sums per group (8-bit weights only)
+  int64_t K, G;
+  ActQ at(int64_t m) const { return ActQ{xq + m * K, xd + m * G, xs + m * G}; }
+};
+
 template <int BITS>
-void qlinear_x16(const float* x, int64_t M, int64_t K, const uint8_t* qw, const float* d,
-                 const float* mn, int64_t N, float* y, void* scratch) {
-  if (M <= 0) return;
-  const int64_t G = K / 32, NB = N / kX16;
+X16In x16_quantize(const float* x, int64_t M, int64_t K, void* scratch) {
+  const int64_t G = K / 32;
   int8_t* xq = static_cast<int8_t*>(scratch);
   float* xd = reinterpret_cast<float*>(xq + ((M * K + 63) / 64) * 64);
   float* xs = xd + M * G;
@@ -920,28 +927,47 @@ void qlinear_x16(const float* x, int64_t M, int64_t K, const uint8_t* qw, const 
       for (int j = 0; j < 32; ++j) t += xq[i * 32 + j];
       isum[i] = t;
     }
-  // work items: a range of row blocks times a range of activation rows (kX16MRows: many
-  // tokens would leave too few items over N alone, e.g. 9 for a 576-row weight)
+  return X16In{xq, xd, xs, isum, K, G};
+}
+
+// One pass: rows [m, m + rows) (rows <= kX16Rows) times blocks [b0, b1) -> y (row stride ldy):
+// each unpacked weight group serves all the rows (the accumulators and one block's 8 unpacked
+// chunks fit the 32 vector registers).
+template <int BITS>
+inline void x16_pass(const X16In& in, int64_t m, int64_t rows, const uint8_t* qw, const float* d,
+                     const float* mn, int64_t ldy, int64_t b0, int64_t b1, float* y) {
+  const ActQ a = in.at(m);
+  const int32_t* is = in.isum + m * in.G;
+  if (rows == kX16Rows) x16_blocks<BITS, kX16Rows>(a, is, in.K, qw, d, mn, in.G, ldy, b0, b1, y);
+  else x16_rest<BITS, kX16Rows - 1>(rows, a, is, in.K, qw, d, mn, in.G, ldy, b0, b1, y);
+}
+
+// The threads' work items: a range of `units` (row blocks, or gate/up block pairs) times a
+// range of activation rows (kX16MRows: many tokens would leave too few items over the units
+// alone, e.g. 9 for a 576-row weight); fn(u0, u1, m0, m1) for each.
+template <class F>
+inline void x16_split(int64_t M, int64_t units, F& fn) {
   const int64_t nt = nthreads();
-  const int64_t chunk = std::max<int64_t>(2, std::min<int64_t>(16, NB / (4 * nt)));
-  const int64_t nchunks = (NB + chunk - 1) / chunk;
+  const int64_t chunk = std::max<int64_t>(2, std::min<int64_t>(16, units / (4 * nt)));
+  const int64_t nchunks = (units + chunk - 1) / chunk;
   const int64_t mrows = M <= kX16MRows ? M : kX16MRows, mparts = (M + mrows - 1) / mrows;
   auto body = [&](int64_t item) {
-    const int64_t c = item % nchunks, m0 = (item / nchunks) * mrows, m1 = std::min(M, m0 + mrows);
-    const int64_t b0 = c * chunk, b1 = std::min(NB, b0 + chunk);
-    // kX16Rows activation rows per pass: each unpacked weight group serves them all (the
-    // accumulators and one block's 8 unpacked chunks fit the 32 vector registers)
-    int64_t m = m0;
-    for (; m + kX16Rows <= m1; m += kX16Rows) {
-      ActQ a{xq + m * K, xd + m * G, xs + m * G};
-      x16_blocks<BITS, kX16Rows>(a, isum + m * G, K, qw, d, mn, G, N, b0, b1, y + m * N);
-    }
-    if (m < m1) {
-      ActQ a{xq + m * K, xd + m * G, xs + m * G};
-      x16_rest<BITS, kX16Rows - 1>(m1 - m, a, isum + m * G, K, qw, d, mn, G, N, b0, b1, y + m * N);
-    }
+    const int64_t c = item % nchunks, m0 = (item / nchunks) * mrows;
+    fn(c * chunk, std::min(units, (c + 1) * chunk), m0, std::min(M, m0 + mrows));
   };
   parallel_for(nchunks * mparts, body);
+}
+
+template <int BITS>
+void qlinear_x16(const float* x, int64_t M, int64_t K, const uint8_t* qw, const float* d,
+                 const float* mn, int64_t N, float* y, void* scratch) {
+  if (M <= 0) return;
+  const X16In in = x16_quantize<BITS>(x, M, K, scratch);
+  auto body = [&](int64_t b0, int64_t b1, int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; m += kX16Rows)
+      x16_pass<BITS>(in, m, std::min<int64_t>(kX16Rows, m1 - m), qw, d, mn, N, b0, b1, y + m * N);
+  };
+  x16_split(M, N / kX16, body);
 }
 
 // ------------------------------------------------------------------ vector helpers
@@ -1315,6 +1341,38 @@ inline void silu_mul_row16(const char* gu, int64_t F, char* out, int bf16) {
   }
 }
 #endif
+
+// out [M, F] = silu(x W_gate^T) * (x W_up^T) in one x16 product, the activation in its
+// epilogue: W's 16-row blocks alternate gate block j, up block j (Kernels.pack_x16_swiglu), so
+// a pair of blocks gives 16 outputs; the gate/up products never leave the thread's buffer.
+// Same numbers as sl_qlinear_x16 then sl_silu_mul.
+template <int BITS>
+void qlinear_x16_swiglu(const float* x, int64_t M, int64_t K, const uint8_t* qw, const float* d,
+                        const float* mn, int64_t F, float* out, void* scratch) {
+  if (M <= 0) return;
+  const X16In in = x16_quantize<BITS>(x, M, K, scratch);
+  const int64_t bw = in.G * 16 * BITS * 4, bs = in.G * kX16;  // one block's code bytes, scales
+  auto body = [&](int64_t p0, int64_t p1, int64_t m0, int64_t m1) {
+    alignas(64) float gu[kX16Rows * 2 * kX16];  // rows x [gate 16 | up 16]
+    for (int64_t m = m0; m < m1; m += kX16Rows) {
+      const int64_t rows = std::min<int64_t>(kX16Rows, m1 - m);
+      for (int64_t p = p0; p < p1; ++p) {
+        x16_pass<BITS>(in, m, rows, qw + 2 * p * bw, d + 2 * p * bs, mn ? mn + 2 * p * bs : nullptr,
+                       2 * kX16, 0, 2, gu);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* g = gu + r * 2 * kX16;
+          float* o = out + (m + r) * F + p * kX16;
+#if SL_ISA == 2
+          _mm512_storeu_ps(o, silu_mul16(_mm512_load_ps(g), _mm512_load_ps(g + kX16)));
+#else
+          for (int i = 0; i < kX16; ++i) o[i] = silu(g[i]) * g[kX16 + i];
+#endif
+        }
+      }
+    }
+  };
+  x16_split(M, F / kX16, body);
+}
 
 inline float bf2f(uint16_t b) {
   uint32_t u = uint32_t(b) << 16;
@@ -1889,6 +1947,14 @@ void sl_qlinear_x16(const float* x, int64_t M, int64_t K, const uint8_t* qw, con
                     const float* mn, int bits, int64_t N, float* y, void* scratch) {
   if (bits == 4) qlinear_x16<4>(x, M, K, qw, d, mn, N, y, scratch);
   else qlinear_x16<8>(x, M, K, qw, d, mn, N, y, scratch);
+}
+
+// out [M, F] = silu(gate) * up of an x16 gate/up weight whose blocks alternate gate, up (2F rows;
+// scratch as sl_qlinear_x16's).
+void sl_qlinear_x16_swiglu(const float* x, int64_t M, int64_t K, const uint8_t* qw, const float* d,
+                           const float* mn, int bits, int64_t F, float* out, void* scratch) {
+  if (bits == 4) qlinear_x16_swiglu<4>(x, M, K, qw, d, mn, F, out, scratch);
+  else qlinear_x16_swiglu<8>(x, M, K, qw, d, mn, F, out, scratch);
 }
 
 int sl_qembed(const int64_t* ids, int64_t T, const uint8_t* qw, const float* d, const float* mn,
