@@ -1163,122 +1163,159 @@ inline void row_dots(const __m512 (&qv)[G][4], const char* kp, __m512 (&a)[G]) {
 // starts `hoff` bytes into it, and the V plane `vplane` bytes after the K plane. For int8 the
 // per-entry scale multiplies the score (K) and the softmax weight (V, in a pass of its own
 // before the weighted sum), not each value.
+// Heads [hk0, hk0 + nh) of one request over tokens [t0, t1), G (<= 4) query heads per KV head:
+// q rows qh [nh * G, 64]; each head's softmax state at st + (head - hk0) * st_stride.
+// Block by block, every head's share of a block is done before the next block: a token's K (or
+// V) row holds all the heads contiguously, so a block (block_size * tok bytes) is read once,
+// whole, and the next block is prefetched while this one is computed. (Head after head over
+// the whole range read a third of each row at a stride, and fetched every byte during the first
+// head's pass only: 20 GB/s from DRAM in a 16-request step against 54 GB/s cache-resident.)
 template <int G, int KIND>
 inline void decode_item_d64_t(const float* qh, const char* base, const int64_t* bt,
-                              int64_t block_size, int64_t tok, int64_t vplane, int64_t hk,
-                              int64_t hoff, int64_t t0, int64_t t1, float scale, float* st) {
+                              int64_t block_size, int64_t tok, int64_t vplane, int64_t hbytes,
+                              int64_t hk0, int64_t nh, int64_t t0, int64_t t1, float scale,
+                              float* st, int64_t st_stride) {
   constexpr int D = 64;
-  const int64_t len = t1 - t0;
-  thread_local std::vector<float> scv;
-  scv.resize(G * len);
-  float* sc = scv.data();
-  __m512 qv[G][4];  // q in load_row64's order, so a dot product needs no reordering of K
-  alignas(64) float qp[D];
-  for (int g = 0; g < G; ++g) {
+  const int64_t len = t1 - t0, R = nh * G;  // query rows
+  thread_local std::vector<float> buf;
+  buf.resize(R * len + 2 * R * D);
+  float* sc = buf.data();       // scores, then weights [R, len]
+  float* qp = sc + R * len;     // q rows in load_row64's order (a dot product needs no reordering)
+  float* accp = qp + R * D;     // weighted values [R, 64], same order
+  for (int64_t r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c)
-      for (int i = 0; i < 16; ++i) qp[16 * c + i] = qh[g * D + row64_pos<KIND>(c, i)];
-    for (int c = 0; c < 4; ++c) qv[g][c] = _mm512_load_ps(qp + 16 * c);
-  }
+      for (int i = 0; i < 16; ++i) qp[r * D + 16 * c + i] = qh[r * D + row64_pos<KIND>(c, i)];
+  const char* hb = base + hk0 * hbytes;  // head hk0's entry of token 0 of block 0
+  // The next block (all heads) is prefetched a few lines at a time between the dot products of
+  // this one: a whole block's ~100 prefetches at once overflow the core's outstanding-miss
+  // slots, and the ones that do not fit are dropped.
+  const char* pf = nullptr;
+  int64_t pf_left = 0;
+  // (an item of one KV head fetches for the others too only as head 0, like the old kernel)
+  const bool pf_on = nh > 1 || hk0 == 0;
+  auto next_block = [&](int64_t t, int64_t plane) {
+    const int64_t nxt = t / block_size + 1;
+    pf_left = pf_on && nxt * block_size < t1 ? std::min(block_size, t1 - nxt * block_size) * tok : 0;
+    pf = pf_left ? base + plane + bt[nxt] * block_size * tok : nullptr;
+  };
+  auto prefetch_some = [&](int lines) {
+    for (int l = 0; l < lines && pf_left > 0; ++l, pf += 64, pf_left -= 64) _mm_prefetch(pf, _MM_HINT_T0);
+  };
+  // lines per 4-token step of the scores / per token of the values, so that the next block is
+  // asked for within the first ~half of this one (block_size * tok / 64 lines over
+  // nh * block_size / 4 steps, resp. nh * block_size tokens)
+  const int pf_k = static_cast<int>(std::max<int64_t>(1, (8 * tok / 64 + nh - 1) / nh));
+  const int pf_v = static_cast<int>(std::max<int64_t>(1, (2 * tok / 64 + nh - 1) / nh));
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t t = t0; t < t1;) {  // scores, block by block (no division per token)
     const int64_t off = t % block_size, n = std::min(block_size - off, t1 - t);
-    const char* kp = base + (bt[t / block_size] * block_size + off) * tok + hoff;
-    // The first KV head's pass asks for the next block's K and V rows of every head (to L2), a
-    // row per token: the block table scatters blocks, which the hardware prefetcher cannot
-    // follow, and the other heads then read what this one brought in.
-    const int64_t nxt = t / block_size + 1;
-    const char* pk = (hk == 0 && nxt * block_size < t1)
-        ? base + (bt[nxt] * block_size + off) * tok : nullptr;
-    int64_t j = 0;
-    for (; j + 4 <= n; j += 4, t += 4) {  // 4 tokens: their 4 x G dot products summed jointly
-      if (pk != nullptr) {
-        for (int64_t l = 0; l < 4 * tok; l += 64) {
-          _mm_prefetch(pk + l, _MM_HINT_T1);
-          _mm_prefetch(pk + vplane + l, _MM_HINT_T1);
-        }
-        pk += 4 * tok;
-      }
-      __m512 a[4][G];
-      __m128 ks = _mm512_castps512_ps128(vscale);
-      if constexpr (KIND == kKvInt8)
-        ks = _mm_mul_ps(ks, _mm_setr_ps(kv_scale(kp, D), kv_scale(kp + tok, D),
-                                        kv_scale(kp + 2 * tok, D), kv_scale(kp + 3 * tok, D)));
-      for (int u = 0; u < 4; ++u, kp += tok) row_dots<G, KIND>(qv, kp, a[u]);
+    const char* kb = hb + (bt[t / block_size] * block_size + off) * tok;
+    next_block(t, 0);
+    for (int64_t h = 0; h < nh; ++h) {
+      __m512 qv[G][4];
       for (int g = 0; g < G; ++g)
-        _mm_storeu_ps(sc + g * len + (t - t0), _mm_mul_ps(hsum4(a[0][g], a[1][g], a[2][g], a[3][g]), ks));
+        for (int c = 0; c < 4; ++c) qv[g][c] = _mm512_loadu_ps(qp + (h * G + g) * D + 16 * c);
+      float* sh = sc + h * G * len + (t - t0);
+      const char* kp = kb + h * hbytes;
+      int64_t j = 0;
+      for (; j + 4 <= n; j += 4) {  // 4 tokens: their 4 x G dot products summed jointly
+        prefetch_some(pf_k);
+        __m512 a[4][G];
+        __m128 ks = _mm512_castps512_ps128(vscale);
+        if constexpr (KIND == kKvInt8)
+          ks = _mm_mul_ps(ks, _mm_setr_ps(kv_scale(kp, D), kv_scale(kp + tok, D),
+                                          kv_scale(kp + 2 * tok, D), kv_scale(kp + 3 * tok, D)));
+        for (int u = 0; u < 4; ++u, kp += tok) row_dots<G, KIND>(qv, kp, a[u]);
+        for (int g = 0; g < G; ++g)
+          _mm_storeu_ps(sh + g * len + j, _mm_mul_ps(hsum4(a[0][g], a[1][g], a[2][g], a[3][g]), ks));
+      }
+      for (; j < n; ++j, kp += tok) {
+        __m512 a[G];
+        row_dots<G, KIND>(qv, kp, a);
+        const float ks = KIND == kKvInt8 ? scale * kv_scale(kp, D) : scale;
+        for (int g = 0; g < G; ++g) sh[g * len + j] = _mm512_reduce_add_ps(a[g]) * ks;
+      }
     }
-    for (; j < n; ++j, ++t, kp += tok) {
-      __m512 a[G];
-      row_dots<G, KIND>(qv, kp, a);
-      const float ks = KIND == kKvInt8 ? scale * kv_scale(kp, D) : scale;
-      for (int g = 0; g < G; ++g) sc[g * len + (t - t0)] = _mm512_reduce_add_ps(a[g]) * ks;
-    }
+    t += n;
   }
-  for (int g = 0; g < G; ++g) {
-    float* sg = sc + g * len;
-    const float mx = max16(sg, len);
-    st[g] = mx;
-    st[G + g] = exp_sub_sum(sg, len, mx);
+  for (int64_t r = 0; r < R; ++r) {
+    float* sr = sc + r * len;
+    float* sth = st + (r / G) * st_stride;
+    const float mx = max16(sr, len);
+    sth[r % G] = mx;
+    sth[G + r % G] = exp_sub_sum(sr, len, mx);
   }
   if constexpr (KIND == kKvInt8) {  // each weight times its V entry's scale, once per token
     for (int64_t t = t0; t < t1;) {
       const int64_t off = t % block_size, n = std::min(block_size - off, t1 - t);
-      const char* vp = base + vplane + (bt[t / block_size] * block_size + off) * tok + hoff;
-      for (int64_t j = 0; j < n; ++j, ++t, vp += tok) {
-        const float vs = kv_scale(vp, D);
-        for (int g = 0; g < G; ++g) sc[g * len + (t - t0)] *= vs;
-      }
+      const char* vb = hb + vplane + (bt[t / block_size] * block_size + off) * tok;
+      for (int64_t h = 0; h < nh; ++h)
+        for (int64_t j = 0; j < n; ++j) {
+          const float vs = kv_scale(vb + h * hbytes + j * tok, D);
+          for (int g = 0; g < G; ++g) sc[(h * G + g) * len + (t - t0) + j] *= vs;
+        }
+      t += n;
     }
   }
-  __m512 acc[G][4];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t t = t0; t < t1;) {  // weighted values
+  for (int64_t i = 0; i < R * D; ++i) accp[i] = 0.f;
+  for (int64_t t = t0; t < t1;) {  // weighted values, block by block
     const int64_t off = t % block_size, n = std::min(block_size - off, t1 - t);
-    const char* vp = base + vplane + (bt[t / block_size] * block_size + off) * tok + hoff;
-    for (int64_t j = 0; j < n; ++j, ++t, vp += tok) {
-      __m512 v0, v1, v2, v3;
-      load_row64<KIND>(vp, v0, v1, v2, v3);
-      for (int g = 0; g < G; ++g) {
-        const __m512 p = _mm512_set1_ps(sc[g * len + (t - t0)]);
-        acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);
-        acc[g][1] = _mm512_fmadd_ps(p, v1, acc[g][1]);
-        acc[g][2] = _mm512_fmadd_ps(p, v2, acc[g][2]);
-        acc[g][3] = _mm512_fmadd_ps(p, v3, acc[g][3]);
+    const char* vb = hb + vplane + (bt[t / block_size] * block_size + off) * tok;
+    next_block(t, vplane);
+    for (int64_t h = 0; h < nh; ++h) {
+      __m512 acc[G][4];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_loadu_ps(accp + (h * G + g) * D + 16 * c);
+      const float* wh = sc + h * G * len + (t - t0);
+      const char* vp = vb + h * hbytes;
+      for (int64_t j = 0; j < n; ++j, vp += tok) {
+        prefetch_some(pf_v);
+        __m512 v0, v1, v2, v3;
+        load_row64<KIND>(vp, v0, v1, v2, v3);
+        for (int g = 0; g < G; ++g) {
+          const __m512 p = _mm512_set1_ps(wh[g * len + j]);
+          acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);
+          acc[g][1] = _mm512_fmadd_ps(p, v1, acc[g][1]);
+          acc[g][2] = _mm512_fmadd_ps(p, v2, acc[g][2]);
+          acc[g][3] = _mm512_fmadd_ps(p, v3, acc[g][3]);
+        }
       }
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(accp + (h * G + g) * D + 16 * c, acc[g][c]);
     }
+    t += n;
   }
-  for (int g = 0; g < G; ++g) {  // back to the row's order
-    for (int c = 0; c < 4; ++c) _mm512_store_ps(qp + 16 * c, acc[g][c]);
-    float* o = st + 2 * G + g * D;
+  for (int64_t r = 0; r < R; ++r) {  // back to the row's order
+    float* o = st + (r / G) * st_stride + 2 * G + (r % G) * D;
     for (int c = 0; c < 4; ++c)
-      for (int i = 0; i < 16; ++i) o[row64_pos<KIND>(c, i)] = qp[16 * c + i];
+      for (int i = 0; i < 16; ++i) o[row64_pos<KIND>(c, i)] = accp[r * D + 16 * c + i];
   }
 }
 
 template <int G>
 inline void decode_item_d64_g(const float* qh, const char* base, int kind, const int64_t* bt,
-                              int64_t block_size, int64_t tok, int64_t vplane, int64_t hk,
-                              int64_t hoff, int64_t t0, int64_t t1, float scale, float* st) {
+                              int64_t block_size, int64_t tok, int64_t vplane, int64_t hbytes,
+                              int64_t hk0, int64_t nh, int64_t t0, int64_t t1, float scale,
+                              float* st, int64_t st_stride) {
   if (kind == kKvBF16)
-    decode_item_d64_t<G, kKvBF16>(qh, base, bt, block_size, tok, vplane, hk, hoff, t0, t1, scale, st);
+    decode_item_d64_t<G, kKvBF16>(qh, base, bt, block_size, tok, vplane, hbytes, hk0, nh, t0, t1, scale, st, st_stride);
   else if (kind == kKvInt8)
-    decode_item_d64_t<G, kKvInt8>(qh, base, bt, block_size, tok, vplane, hk, hoff, t0, t1, scale, st);
+    decode_item_d64_t<G, kKvInt8>(qh, base, bt, block_size, tok, vplane, hbytes, hk0, nh, t0, t1, scale, st, st_stride);
   else
-    decode_item_d64_t<G, kKvF32>(qh, base, bt, block_size, tok, vplane, hk, hoff, t0, t1, scale, st);
+    decode_item_d64_t<G, kKvF32>(qh, base, bt, block_size, tok, vplane, hbytes, hk0, nh, t0, t1, scale, st, st_stride);
 }
 
-// One work item of the decode kernel for head_dim 64 on AVX-512: the G (<= 4) query heads of a
-// KV head over tokens [t0, t1).
+// One work item of the decode kernel for head_dim 64 on AVX-512: KV heads [hk0, hk0 + nh) with
+// their G (<= 4) query heads each, over tokens [t0, t1) (see decode_item_d64_t).
 inline void decode_item_d64(const float* qh, const char* base, int kind, const int64_t* bt,
-                            int64_t block_size, int64_t tok, int64_t vplane, int64_t hk,
-                            int64_t hoff, int64_t G, int64_t t0, int64_t t1, float scale,
-                            float* st) {
+                            int64_t block_size, int64_t tok, int64_t vplane, int64_t hbytes,
+                            int64_t hk0, int64_t nh, int64_t G, int64_t t0, int64_t t1,
+                            float scale, float* st, int64_t st_stride) {
   switch (G) {
-    case 1: return decode_item_d64_g<1>(qh, base, kind, bt, block_size, tok, vplane, hk, hoff, t0, t1, scale, st);
-    case 2: return decode_item_d64_g<2>(qh, base, kind, bt, block_size, tok, vplane, hk, hoff, t0, t1, scale, st);
-    case 3: return decode_item_d64_g<3>(qh, base, kind, bt, block_size, tok, vplane, hk, hoff, t0, t1, scale, st);
-    default: return decode_item_d64_g<4>(qh, base, kind, bt, block_size, tok, vplane, hk, hoff, t0, t1, scale, st);
+    case 1: return decode_item_d64_g<1>(qh, base, kind, bt, block_size, tok, vplane, hbytes, hk0, nh, t0, t1, scale, st, st_stride);
+    case 2: return decode_item_d64_g<2>(qh, base, kind, bt, block_size, tok, vplane, hbytes, hk0, nh, t0, t1, scale, st, st_stride);
+    case 3: return decode_item_d64_g<3>(qh, base, kind, bt, block_size, tok, vplane, hbytes, hk0, nh, t0, t1, scale, st, st_stride);
+    default: return decode_item_d64_g<4>(qh, base, kind, bt, block_size, tok, vplane, hbytes, hk0, nh, t0, t1, scale, st, st_stride);
   }
 }
 #endif
@@ -2174,9 +2211,9 @@ void sl_paged_attn_decode(const float* q, int64_t q_stride, const void* cache, i
     const int64_t len = t1 - t0;
 #if SL_ISA == 2
     if (D == 64 && G <= 4) {
-      decode_item_d64(q + b * q_stride + hk * G * D, static_cast<const char*>(cache),
-                      kind, block_table + b * max_blocks, block_size, tok, vplane, hk,
-                      hk * hbytes, G, t0, t1, scale, st);
+      decode_item_d64(q + b * q_stride + hk * G * D, static_cast<const char*>(cache), kind,
+                      block_table + b * max_blocks, block_size, tok, vplane, hbytes, hk, 1, G,
+                      t0, t1, scale, st, 0);
       return;
     }
 #endif
@@ -2216,14 +2253,25 @@ void sl_paged_attn_decode(const float* q, int64_t q_stride, const void* cache, i
       }
     }
   };
-  // A work item is one split of one request with all its KV heads, one after the other: a
-  // token's K (or V) row holds every head (Hkv * D contiguous values), so the heads of a split
-  // read the same cache lines and the hardware prefetcher streams whole rows. One item per
+  // A work item is one split of one request with all its KV heads (on AVX-512 with D = 64 block
+  // by block, see decode_item_d64_t; else one head after the other): a token's K (or V) row
+  // holds every head (Hkv * D contiguous values), so the heads of a split read the same cache
+  // lines and the hardware prefetcher streams whole rows. One item per
   // (request, KV head, split) read a third of each row at a stride and ran at ~7 GB/s from
   // DRAM in a 16-request decode step (vs ~20 GB/s streaming). With too few such items to
   // keep every thread busy (a short batch), an item is one KV head again.
   auto body = [&](int64_t bs_it) {
     const int64_t b = bs_it / max_splits, sp = bs_it % max_splits;
+#if SL_ISA == 2
+    const int64_t t0 = sp * split_len, t1 = std::min(seq_lens[b], t0 + split_len);
+    if (D == 64 && G <= 4 && t0 < t1) {  // all heads block by block
+      decode_item_d64(q + b * q_stride, static_cast<const char*>(cache), kind,
+                      block_table + b * max_blocks, block_size, tok, vplane, hbytes, 0, Hkv, G,
+                      t0, t1, scale, work + b * Hkv * max_splits * item_floats + sp * item_floats,
+                      max_splits * item_floats);
+      return;
+    }
+#endif
     for (int64_t hk = 0; hk < Hkv; ++hk) one((b * Hkv + hk) * max_splits + sp);
   };
   if (B * max_splits >= 2 * nthreads()) parallel_for(B * max_splits, body);
