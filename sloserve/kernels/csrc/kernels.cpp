@@ -1727,6 +1727,14 @@ inline void amx_pv(const uint16_t* vt0, const uint16_t* vt1, const uint16_t* pt,
   }
 }
 
+// acc += the bf16 pair products of a with the pair at x broadcast to all 16 lanes, the pair read
+// by the instruction itself ({1to16}: g++ emits a separate vpbroadcastd for the intrinsic, one
+// more vector op per dot product, as for vpdpbusd above)
+inline __m512 dpbf16_b(__m512 acc, __m512bh a, const uint16_t* x) {
+  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*reinterpret_cast<const int32_t*>(x)));
+  return acc;
+}
+
 // S^T rows [t0 + r] for the 16 query lanes, without AMX: per context token r, the dot products
 // of its K row (bf16 pairs, broadcast) with the Q^T pair rows, 8 tokens per pass (AVX512-BF16
 // vdpbf16ps: 16 lanes x 2 products per instruction). kb: K rows [64][D]; qt_t: [D / 2][16][2].
@@ -1736,9 +1744,7 @@ inline void bf16_scores(const uint16_t* kb, const uint16_t* qt_t, int64_t D, flo
     for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t p = 0; p < D / 2; ++p) {
       const __m512bh qv = (__m512bh)_mm512_loadu_si512(qt_t + 32 * p);
-      for (int i = 0; i < 8; ++i)
-        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(
-            *reinterpret_cast<const int32_t*>(kb + (r0 + i) * D + 2 * p)), qv);
+      for (int i = 0; i < 8; ++i) acc[i] = dpbf16_b(acc[i], qv, kb + (r0 + i) * D + 2 * p);
     }
     for (int i = 0; i < 8; ++i) _mm512_storeu_ps(st + 16 * (r0 + i), acc[i]);
   }
@@ -1756,9 +1762,7 @@ inline void bf16_pv(const uint16_t* vt0, const uint16_t* vt1, const uint16_t* pt
     for (int p = 0; p < 32; ++p) {
       const __m512bh pv = (__m512bh)_mm512_loadu_si512(pt + 32 * p);
       const uint16_t* v = (p < 16 ? vt0 : vt1) + 512 * e + 2 * (p % 16);
-      for (int dd = 0; dd < 16; ++dd)
-        acc[dd] = _mm512_dpbf16_ps(acc[dd], (__m512bh)_mm512_set1_epi32(
-            *reinterpret_cast<const int32_t*>(v + 32 * dd)), pv);
+      for (int dd = 0; dd < 16; ++dd) acc[dd] = dpbf16_b(acc[dd], pv, v + 32 * dd);
     }
     for (int dd = 0; dd < 16; ++dd) _mm512_storeu_ps(o + 16 * dd, acc[dd]);
   }
