@@ -1193,10 +1193,21 @@ inline void decode_item_d64_t(const float* qh, const char* base, const int64_t* 
   int64_t pf_left = 0;
   // (an item of one KV head fetches for the others too only as head 0, like the old kernel)
   const bool pf_on = nh > 1 || hk0 == 0;
+  // (the scores' last block asks for the values' first one)
   auto next_block = [&](int64_t t, int64_t plane) {
     const int64_t nxt = t / block_size + 1;
-    pf_left = pf_on && nxt * block_size < t1 ? std::min(block_size, t1 - nxt * block_size) * tok : 0;
-    pf = pf_left ? base + plane + bt[nxt] * block_size * tok : nullptr;
+    if (!pf_on) {
+      pf_left = 0;
+    } else if (nxt * block_size < t1) {
+      pf_left = std::min(block_size, t1 - nxt * block_size) * tok;
+      pf = base + plane + bt[nxt] * block_size * tok;
+    } else if (plane == 0) {
+      const int64_t first = t0 / block_size, off = t0 % block_size;
+      pf_left = (std::min(block_size, t1 - first * block_size) - off) * tok;
+      pf = base + vplane + (bt[first] * block_size + off) * tok;
+    } else {
+      pf_left = 0;
+    }
   };
   auto prefetch_some = [&](int lines) {
     for (int l = 0; l < lines && pf_left > 0; ++l, pf += 64, pf_left -= 64) _mm_prefetch(pf, _MM_HINT_T0);
