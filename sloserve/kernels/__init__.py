@@ -216,8 +216,8 @@ class Kernels:
         """x [M, K] float32 contiguous @ W^T, x quantized to int8 per group of 32 (as
         :meth:`qlinear_i8`) -> [M, N] float32."""
         if w.swiglu:
-            raise ValueError("a gate/up weight packed for qlinear_x16_swiglu")
-        M, K = x.shape
+            raise ValueError("qlinear_x16: a gate/up weight packed for qlinear_x16_swiglu")
+        M, K = _check_x("qlinear_x16", x, w.shape[1])
         N = w.shape[0]
         y = torch.empty(M, N, dtype=torch.float32)
         qw, d, mn = w.ptrs
@@ -233,7 +233,9 @@ class Kernels:
         """silu(x W_gate^T) * (x W_up^T) for a :meth:`pack_x16_swiglu` weight, the activation in
         the product's epilogue: x [M, K] float32 contiguous -> [M, F] float32; the same numbers
         as :meth:`qlinear_x16` then :meth:`silu_mul`."""
-        M, K = x.shape
+        if not w.swiglu:
+            raise ValueError("qlinear_x16_swiglu: a weight not packed by pack_x16_swiglu")
+        M, K = _check_x("qlinear_x16_swiglu", x, w.shape[1])
         F = w.shape[0] // 2
         y = torch.empty(M, F, dtype=torch.float32)
         qw, d, mn = w.ptrs
@@ -281,12 +283,7 @@ class Kernels:
                   thread_bytes: int) -> torch.Tensor:
         """``fn(x, M, K, packed W, N, y, scratch)`` -> y [M, out_cols] float32; the scratch holds
         x in bf16 (rows rounded up to 16) and ``thread_bytes`` per thread."""
-        M, K = x.shape
-        if K != w.shape[1]:
-            raise ValueError(f"{name}: x has {K} columns, the weight {w.shape[1]}")
-        if x.dtype != torch.float32 or not x.is_contiguous():
-            raise ValueError(f"{name}: x must be float32 and contiguous, got {x.dtype}"
-                             f"{'' if x.is_contiguous() else ' (strided)'}")
+        M, K = _check_x(name, x, w.shape[1])
         y = torch.empty(M, out_cols, dtype=torch.float32)
         scratch = self._scratch(-(-M // 16) * 16 * K * 2
                                 + thread_bytes * max(1, self.lib.sl_num_threads()))
@@ -423,6 +420,22 @@ class Kernels:
 
 #: KV cache dtype -> the kernels' ``kv_kind`` (an int8 cache holds codes + a scale per entry)
 _KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+
+
+def _check_x(name: str, x: torch.Tensor, k: int) -> tuple[int, int]:
+    """(M, K) of a product's input x [M, K], which must be float32, contiguous and K = ``k``
+    wide (the weight's input width): the kernels read M * K floats from its pointer.
+
+    Raises:
+        ValueError: otherwise.
+    """
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"{name}: x must be [M, {k}] (the weight's input width), got "
+                         f"{list(x.shape)}")
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        raise ValueError(f"{name}: x must be float32 and contiguous, got {x.dtype}"
+                         f"{'' if x.is_contiguous() else ' (strided)'}")
+    return x.shape[0], k
 
 
 def _kv_kind(dtype: torch.dtype) -> int:

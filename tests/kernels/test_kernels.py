@@ -49,18 +49,21 @@ def test_qlinear_matches_the_dequantized_product(k, kind, m):
 
 
 def _int8_activation_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    """What the int8-activation products compute, in float64: x rounded per group of 32 to
-    q = round(x / d), d = max |x| / 127; integer dots with the codes; offsets times the exact
-    float sums of x."""
+    """What the int8-activation products compute: x rounded per group of 32 to q = round(x * (1 /
+    d)), d = max |x| / 127, both in float32 as the kernels do (at an exact .5 one code would
+    otherwise differ), ties to even; a group with max |x| < 1e-30 gets d = 0 (1 / d would not be
+    finite). Then in float64: integer dots with the codes, offsets times the float sums of x."""
     m, kk = x.shape
-    g = x.view(m, kk // 32, 32).double()
-    d = g.abs().amax(-1, keepdim=True) / 127
-    q = torch.where(d > 0, torch.round(g / torch.where(d > 0, d, 1)), 0)
+    g = x.view(m, kk // 32, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    ok = amax >= 1e-30
+    d = torch.where(ok, amax / 127, 0)
+    q = torch.round(g * torch.where(ok, 1 / torch.where(ok, d, 1), 0)).double()
     codes = w.codes().double().view(w.shape[0], kk // 32, 32)
     dots = torch.einsum("mgj,ngj->mng", q, codes)
-    y = (dots * d.squeeze(-1)[:, None, :] * w.scales.double()[None]).sum(-1)
+    y = (dots * d.double().squeeze(-1)[:, None, :] * w.scales.double()[None]).sum(-1)
     if w.has_mins:
-        y += g.sum(-1) @ w.mins.double().t()
+        y += g.double().sum(-1) @ w.mins.double().t()
     return y
 
 
@@ -82,6 +85,43 @@ def test_int8_activation_products_row_and_x16_layouts(k, kind, m):
     for y in (k.qlinear_i8(x, w), k.qlinear_x16(x, packed)):
         assert y.shape == (m, 64) and y.dtype == torch.float32
         assert float((y.double() - ref).abs().max()) < tol
+
+
+def test_int8_activations_of_tiny_and_non_finite_groups(k):
+    """A group whose largest |x| is below 1e-30 (1 / scale would overflow) counts as zeros, in
+    every build alike; a group holding inf or NaN makes its row's outputs NaN and no other row's
+    (it was -inf or wrong codes in the AVX-512 build, NaN elsewhere)."""
+    w = _weights("int4", 48, 576, 5)
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(6))
+    x[0, :32] = 0.0
+    x[0, 40] = 1e-38                      # group 1: tiny, the rest of it zeros
+    x[0, 64:96] *= 1e-32
+    ref = _int8_activation_reference(x, w)
+    for y in (k.qlinear_i8(x, w), k.qlinear_x16(x, k.pack_x16(w))):
+        assert float((y.double() - ref).abs().max()) < 1e-5 * float(ref.abs().max())
+    products = (lambda t: k.qlinear_i8(t, w), lambda t: k.qlinear_x16(t, k.pack_x16(w)))
+    for bad in (float("inf"), float("nan")):
+        xb = x.clone()
+        xb[1, 100] = bad
+        for f in products:
+            y = f(xb)
+            assert torch.isnan(y[1]).all()
+            assert torch.equal(y[[0, 2]], f(x)[[0, 2]])
+
+
+def test_x16_products_check_their_input(k):
+    w = _weights("int4", 64, 576, 1)
+    plain, fused = k.pack_x16(w), k.pack_x16_swiglu(w)
+    x = torch.randn(8, 576)
+    for f, p in ((k.qlinear_x16, plain), (k.qlinear_x16_swiglu, fused)):
+        with pytest.raises(ValueError, match="weight's input width"):
+            f(torch.randn(8, 64 * 576), p)     # read past x's end: crashed
+        with pytest.raises(ValueError, match="float32 and contiguous"):
+            f(x.t().contiguous().t(), p)
+        with pytest.raises(ValueError, match="float32 and contiguous"):
+            f(x.bfloat16(), p)
+    with pytest.raises(ValueError, match="not packed by pack_x16_swiglu"):
+        k.qlinear_x16_swiglu(x, plain)
 
 
 @pytest.mark.parametrize("kind", ["int4", "int4-no-mins", "int8"])

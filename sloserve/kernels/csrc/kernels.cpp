@@ -429,31 +429,51 @@ struct ActQ {
   const float* s;    // [M, G] exact float sums of x per group
 };
 
+// The group scale from the group's largest |x|: amax / 127, and 1 / that to multiply by. Two edge
+// cases get all-zero codes (the caller writes them) so that every build gives the same numbers:
+// a group too small for 1 / scale to be finite (|x| < 1e-30: its products are below float32's
+// resolution of any other term) gets scale 0; a group holding inf or NaN gets scale NaN, so the
+// products it enters are NaN. Returns false for those.
+inline bool group_scale(float amax, float& dx, float& inv) {
+  if (amax >= 1e-30f && amax <= 3.4e38f) {
+    dx = amax / 127.f;
+    inv = 1.f / dx;
+    return true;
+  }
+  dx = amax < 1e-30f ? 0.f : NAN;
+  inv = 0.f;
+  return false;
+}
+
 inline void quantize_row(const float* xr, int64_t G, int8_t* qr, float* d, float* s) {
   for (int64_t g = 0; g < G; ++g, xr += 32, qr += 32) {
+    float dx, inv;
 #if SL_ISA == 2
     const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-    const float dx = amax / 127.f;
-    const __m512 inv = _mm512_set1_ps(dx > 0.f ? 1.f / dx : 0.f);
+    s[g] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+    const bool ok = group_scale(std::isnan(s[g]) ? NAN : amax, dx, inv);  // max drops NaNs
+    d[g] = dx;
+    if (!ok) {
+      std::memset(qr, 0, 32);
+      continue;
+    }
+    const __m512 vi = _mm512_set1_ps(inv);
     // cvtps rounds to nearest even (the default MXCSR mode), as std::nearbyint does
     _mm_storeu_si128(reinterpret_cast<__m128i*>(qr),
-                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x0, inv))));
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x0, vi))));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + 16),
-                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, inv))));
-    d[g] = dx;
-    s[g] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, vi))));
 #else
     float amax = 0.f, sum = 0.f;
     for (int j = 0; j < 32; ++j) {
       amax = std::max(amax, std::fabs(xr[j]));
       sum += xr[j];
     }
-    const float dx = amax / 127.f;
-    const float inv = dx > 0.f ? 1.f / dx : 0.f;
-    for (int j = 0; j < 32; ++j) qr[j] = static_cast<int8_t>(std::nearbyint(xr[j] * inv));
-    d[g] = dx;
     s[g] = sum;
+    const bool ok = group_scale(std::isnan(sum) ? NAN : amax, dx, inv);
+    d[g] = dx;
+    for (int j = 0; j < 32; ++j) qr[j] = ok ? static_cast<int8_t>(std::nearbyint(xr[j] * inv)) : 0;
 #endif
   }
 }
