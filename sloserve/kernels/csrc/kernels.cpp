@@ -2230,28 +2230,11 @@ void sl_paged_attn_decode(const float* q, int64_t q_stride, const void* cache, i
   const int64_t vplane = num_blocks * block_size * tok;
   const int64_t item_floats = G * (D + 2);
   const int64_t items = B * Hkv * max_splits;
-  auto one = [&](int64_t it) {
+  // KV head hk of request b over tokens [t0, t1), its state at st: the portable path
+  auto one_head = [&](int64_t b, int64_t hk, int64_t t0, int64_t t1, float* st) {
     thread_local std::vector<float> sc;  // scores of one split, [G, len]
     thread_local std::vector<float> kv;  // one K or V row in float32
-    const int64_t b = it / (Hkv * max_splits);
-    const int64_t hk = (it / max_splits) % Hkv;
-    const int64_t sp = it % max_splits;
-    const int64_t L = seq_lens[b];
-    const int64_t t0 = sp * split_len, t1 = std::min(L, t0 + split_len);
-    float* st = work + it * item_floats;  // [G] max, [G] sum, [G, D] acc
-    if (t0 >= t1) {
-      for (int64_t g = 0; g < G; ++g) { st[g] = -INFINITY; st[G + g] = 0.f; }
-      return;
-    }
     const int64_t len = t1 - t0;
-#if SL_ISA == 2
-    if (D == 64 && G <= 4) {
-      decode_item_d64(q + b * q_stride + hk * G * D, static_cast<const char*>(cache), kind,
-                      block_table + b * max_blocks, block_size, tok, vplane, hbytes, hk, 1, G,
-                      t0, t1, scale, st, 0);
-      return;
-    }
-#endif
     sc.resize(G * len);
     kv.resize(D);
     float* kr = kv.data();
@@ -2288,6 +2271,30 @@ void sl_paged_attn_decode(const float* q, int64_t q_stride, const void* cache, i
       }
     }
   };
+  // One work item: KV heads [hk0, hk0 + nh) of request b, split sp. Head hk's softmax state
+  // ([G] max, [G] sum, [G, D] acc) is at work + ((b * Hkv + hk) * max_splits + sp) * item_floats.
+  auto heads = [&](int64_t b, int64_t hk0, int64_t nh, int64_t sp) {
+    const int64_t t0 = sp * split_len, t1 = std::min(seq_lens[b], t0 + split_len);
+    const int64_t st_stride = max_splits * item_floats;
+    float* st = work + ((b * Hkv + hk0) * max_splits + sp) * item_floats;
+    if (t0 >= t1) {
+      for (int64_t h = 0; h < nh; ++h)
+        for (int64_t g = 0; g < G; ++g) {
+          st[h * st_stride + g] = -INFINITY;
+          st[h * st_stride + G + g] = 0.f;
+        }
+      return;
+    }
+#if SL_ISA == 2
+    if (D == 64 && G <= 4) {
+      decode_item_d64(q + b * q_stride + hk0 * G * D, static_cast<const char*>(cache), kind,
+                      block_table + b * max_blocks, block_size, tok, vplane, hbytes, hk0, nh, G,
+                      t0, t1, scale, st, st_stride);
+      return;
+    }
+#endif
+    for (int64_t h = 0; h < nh; ++h) one_head(b, hk0 + h, t0, t1, st + h * st_stride);
+  };
   // A work item is one split of one request with all its KV heads (on AVX-512 with D = 64 block
   // by block, see decode_item_d64_t; else one head after the other): a token's K (or V) row
   // holds every head (Hkv * D contiguous values), so the heads of a split read the same cache
@@ -2295,19 +2302,9 @@ void sl_paged_attn_decode(const float* q, int64_t q_stride, const void* cache, i
   // (request, KV head, split) read a third of each row at a stride and ran at ~7 GB/s from
   // DRAM in a 16-request decode step (vs ~20 GB/s streaming). With too few such items to
   // keep every thread busy (a short batch), an item is one KV head again.
-  auto body = [&](int64_t bs_it) {
-    const int64_t b = bs_it / max_splits, sp = bs_it % max_splits;
-#if SL_ISA == 2
-    const int64_t t0 = sp * split_len, t1 = std::min(seq_lens[b], t0 + split_len);
-    if (D == 64 && G <= 4 && t0 < t1) {  // all heads block by block
-      decode_item_d64(q + b * q_stride, static_cast<const char*>(cache), kind,
-                      block_table + b * max_blocks, block_size, tok, vplane, hbytes, 0, Hkv, G,
-                      t0, t1, scale, work + b * Hkv * max_splits * item_floats + sp * item_floats,
-                      max_splits * item_floats);
-      return;
-    }
-#endif
-    for (int64_t hk = 0; hk < Hkv; ++hk) one((b * Hkv + hk) * max_splits + sp);
+  auto body = [&](int64_t bs_it) { heads(bs_it / max_splits, 0, Hkv, bs_it % max_splits); };
+  auto one = [&](int64_t it) {
+    heads(it / (Hkv * max_splits), (it / max_splits) % Hkv, 1, it % max_splits);
   };
   if (B * max_splits >= 2 * nthreads()) parallel_for(B * max_splits, body);
   else parallel_for(items, one);
