@@ -729,48 +729,73 @@ inline __m512i dpbusd_b(__m512i acc, __m512i w, const int32_t* x) {
 }
 #endif
 
-template <int MC, int BR>
-inline void x16_tile(const ActQ& a, int64_t K, const uint8_t* w, const float* d, const float* mn,
-                     int64_t G, float* y, int64_t N) {
 #if SL_ISA == 2
-  // per group: the BR blocks' codes unpacked once (8 registers each), then for each of the MC
-  // activation rows one chain of 8 dpbusd, its int32 sums scaled into the float accumulator
+// x16_tile's AVX-512 body; HAS_MN: the weights have per-group offsets (Q4_1). Every loop is
+// unrolled so that the MC x BR accumulators stay in registers (g++ left the MC = 16 loop rolled,
+// its accumulators on the stack, a load and a store per 8 dpbusd, and tested `mn` in it)
+template <int MC, int BR, bool HAS_MN>
+inline void x16_tile_avx512(const ActQ& a, int64_t K, const uint8_t* w, const float* d,
+                            const float* mn, int64_t G, float* y, int64_t N) {
   __m512 acc[MC][BR];
+#pragma GCC unroll 16
   for (int mi = 0; mi < MC; ++mi)
+#pragma GCC unroll 2
     for (int br = 0; br < BR; ++br) acc[mi][br] = _mm512_setzero_ps();
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < G; ++g) {
     __m512i lo[BR][4], hi[BR][4];
     __m512 dv[BR], mv[BR];
+#pragma GCC unroll 2
     for (int br = 0; br < BR; ++br) {
       const uint8_t* wb = w + (br * G + g) * 256;
       // the weights stream from memory once per step: fetch a few groups ahead (the vector
       // work of a group's 16 rows fills the out-of-order window, which then holds too few
       // loads to keep the memory busy: 12 GB/s without this at 16 rows, 38 at 1)
+#pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(wb + kX16Prefetch + 64 * c), _MM_HINT_T0);
+#pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) {
         const __m512i v = _mm512_loadu_si512(wb + 64 * c);
         lo[br][c] = _mm512_and_si512(v, m4);
         hi[br][c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
       }
       dv[br] = _mm512_loadu_ps(d + (br * G + g) * kX16);
-      if (mn) mv[br] = _mm512_loadu_ps(mn + (br * G + g) * kX16);
+      if constexpr (HAS_MN) mv[br] = _mm512_loadu_ps(mn + (br * G + g) * kX16);
     }
+    const int8_t* xg = a.q + g * 32;
+#pragma GCC unroll 16
     for (int mi = 0; mi < MC; ++mi) {
-      const int32_t* xq = reinterpret_cast<const int32_t*>(a.q + mi * K + g * 32);
+      const int32_t* xq = reinterpret_cast<const int32_t*>(xg + mi * K);
       const __m512 dx = _mm512_set1_ps(a.d[mi * G + g]);
+#pragma GCC unroll 2
       for (int br = 0; br < BR; ++br) {
         __m512i i = _mm512_setzero_si512();
+#pragma GCC unroll 4
         for (int c = 0; c < 4; ++c) i = dpbusd_b(i, lo[br][c], xq + c);
+#pragma GCC unroll 4
         for (int c = 0; c < 4; ++c) i = dpbusd_b(i, hi[br][c], xq + 4 + c);
         acc[mi][br] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(dv[br], dx),
                                       acc[mi][br]);
-        if (mn) acc[mi][br] = _mm512_fmadd_ps(mv[br], _mm512_set1_ps(a.s[mi * G + g]), acc[mi][br]);
+        if constexpr (HAS_MN)
+          acc[mi][br] = _mm512_fmadd_ps(mv[br], _mm512_set1_ps(a.s[mi * G + g]), acc[mi][br]);
       }
     }
   }
+#pragma GCC unroll 16
   for (int mi = 0; mi < MC; ++mi)
+#pragma GCC unroll 2
     for (int br = 0; br < BR; ++br) _mm512_storeu_ps(y + mi * N + br * kX16, acc[mi][br]);
+}
+#endif
+
+template <int MC, int BR>
+inline void x16_tile(const ActQ& a, int64_t K, const uint8_t* w, const float* d, const float* mn,
+                     int64_t G, float* y, int64_t N) {
+#if SL_ISA == 2
+  // per group: the BR blocks' codes unpacked once (8 registers each), then for each of the MC
+  // activation rows one chain of 8 dpbusd, its int32 sums scaled into the float accumulator
+  if (mn) x16_tile_avx512<MC, BR, true>(a, K, w, d, mn, G, y, N);
+  else x16_tile_avx512<MC, BR, false>(a, K, w, d, mn, G, y, N);
 #elif SL_ISA == 1
   // two 8-lane halves per block; pmaddubsw (u8 codes x s8 activations, |sum of 2| <= 3810)
   __m256 acc[MC][BR][2];
@@ -811,6 +836,54 @@ inline void x16_tile(const ActQ& a, int64_t K, const uint8_t* w, const float* d,
 #endif
 }
 
+#if SL_ISA == 2
+// x16_tile8's AVX-512 body, unrolled as x16_tile_avx512 is (and for the same reason)
+template <int MC, int BR, bool HAS_MN>
+inline void x16_tile8_avx512(const ActQ& a, const int32_t* isum, int64_t K, const uint8_t* w,
+                             const float* d, const float* mn, int64_t G, float* y, int64_t N) {
+  __m512 acc[MC][BR];
+#pragma GCC unroll 16
+  for (int mi = 0; mi < MC; ++mi)
+#pragma GCC unroll 2
+    for (int br = 0; br < BR; ++br) acc[mi][br] = _mm512_setzero_ps();
+  const __m512i off = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i wv[BR][8];
+    __m512 dv[BR], mv[BR];
+#pragma GCC unroll 2
+    for (int br = 0; br < BR; ++br) {
+      const uint8_t* wb = w + (br * G + g) * 512;
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) _mm_prefetch(reinterpret_cast<const char*>(wb + 2 * kX16Prefetch + 64 * c), _MM_HINT_T0);
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) wv[br][c] = _mm512_xor_si512(_mm512_loadu_si512(wb + 64 * c), off);
+      dv[br] = _mm512_loadu_ps(d + (br * G + g) * kX16);
+      if constexpr (HAS_MN) mv[br] = _mm512_loadu_ps(mn + (br * G + g) * kX16);
+    }
+#pragma GCC unroll 16
+    for (int mi = 0; mi < MC; ++mi) {
+      const int32_t* xq = reinterpret_cast<const int32_t*>(a.q + mi * K + g * 32);
+      const __m512 dx = _mm512_set1_ps(a.d[mi * G + g]);
+      const __m512i corr = _mm512_set1_epi32(-128 * isum[mi * G + g]);
+#pragma GCC unroll 2
+      for (int br = 0; br < BR; ++br) {
+        __m512i i = corr;
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; ++c) i = dpbusd_b(i, wv[br][c], xq + c);
+        acc[mi][br] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i),
+                                      _mm512_mul_ps(dv[br], dx), acc[mi][br]);
+        if constexpr (HAS_MN)
+          acc[mi][br] = _mm512_fmadd_ps(mv[br], _mm512_set1_ps(a.s[mi * G + g]), acc[mi][br]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int mi = 0; mi < MC; ++mi)
+#pragma GCC unroll 2
+    for (int br = 0; br < BR; ++br) _mm512_storeu_ps(y + mi * N + br * kX16, acc[mi][br]);
+}
+#endif
+
 // 8-bit codes (signed), same interleave: 8 chunks of 64 bytes per block and group. AVX-512
 // dpbusd wants unsigned x signed: the codes are offset by 128 at load (xor 0x80) and 128 times the
 // group's integer activation sum (isum) is taken off again, so the dot product stays exact.
@@ -818,35 +891,8 @@ template <int MC, int BR>
 inline void x16_tile8(const ActQ& a, const int32_t* isum, int64_t K, const uint8_t* w,
                       const float* d, const float* mn, int64_t G, float* y, int64_t N) {
 #if SL_ISA == 2
-  __m512 acc[MC][BR];
-  for (int mi = 0; mi < MC; ++mi)
-    for (int br = 0; br < BR; ++br) acc[mi][br] = _mm512_setzero_ps();
-  const __m512i off = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int64_t g = 0; g < G; ++g) {
-    __m512i wv[BR][8];
-    __m512 dv[BR], mv[BR];
-    for (int br = 0; br < BR; ++br) {
-      const uint8_t* wb = w + (br * G + g) * 512;
-      for (int c = 0; c < 8; ++c) _mm_prefetch(reinterpret_cast<const char*>(wb + 2 * kX16Prefetch + 64 * c), _MM_HINT_T0);
-      for (int c = 0; c < 8; ++c) wv[br][c] = _mm512_xor_si512(_mm512_loadu_si512(wb + 64 * c), off);
-      dv[br] = _mm512_loadu_ps(d + (br * G + g) * kX16);
-      if (mn) mv[br] = _mm512_loadu_ps(mn + (br * G + g) * kX16);
-    }
-    for (int mi = 0; mi < MC; ++mi) {
-      const int32_t* xq = reinterpret_cast<const int32_t*>(a.q + mi * K + g * 32);
-      const __m512 dx = _mm512_set1_ps(a.d[mi * G + g]);
-      const __m512i corr = _mm512_set1_epi32(-128 * isum[mi * G + g]);
-      for (int br = 0; br < BR; ++br) {
-        __m512i i = corr;
-        for (int c = 0; c < 8; ++c) i = dpbusd_b(i, wv[br][c], xq + c);
-        acc[mi][br] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i),
-                                      _mm512_mul_ps(dv[br], dx), acc[mi][br]);
-        if (mn) acc[mi][br] = _mm512_fmadd_ps(mv[br], _mm512_set1_ps(a.s[mi * G + g]), acc[mi][br]);
-      }
-    }
-  }
-  for (int mi = 0; mi < MC; ++mi)
-    for (int br = 0; br < BR; ++br) _mm512_storeu_ps(y + mi * N + br * kX16, acc[mi][br]);
+  if (mn) x16_tile8_avx512<MC, BR, true>(a, isum, K, w, d, mn, G, y, N);
+  else x16_tile8_avx512<MC, BR, false>(a, isum, K, w, d, mn, G, y, N);
 #elif SL_ISA == 1
   // |x| * sign(w, x) keeps pmaddubsw's pair sums <= 2 * 127 * 127 (no int16 saturation)
   __m256 acc[MC][BR][2];
