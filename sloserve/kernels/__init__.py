@@ -37,6 +37,8 @@ _SIGS = {
     "sl_repack_x16": ([_P, _P, _P, _I64, _I64, _I32, _P, _P, _P], _I32),
     "sl_qlinear_x16": ([_P, _I64, _I64, _P, _P, _P, _I32, _I64, _P, _P], None),
     "sl_qlinear_x16_swiglu": ([_P, _I64, _I64, _P, _P, _P, _I32, _I64, _P, _P], None),
+    "sl_x16_layer_tail": ([_P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P,
+                           _I64, _I64, _I64, _F, _P], None),
     "sl_qembed": ([_P, _I64, _P, _P, _P, _I32, _I32, _I64, _P], _I32),
     "sl_rms_norm": ([_P, _P, _I64, _I64, _F, _P, _I32], None),
     "sl_add_rms_norm": ([_P, _P, _P, _I64, _I64, _F, _P, _I32, _I32], None),
@@ -83,6 +85,11 @@ class X16Weight:
         return n + (self.mins.numel() * 4 if self.mins is not None else 0)
 
 
+class _SlX16(ctypes.Structure):
+    """The C side's ``SlX16``: an x16 weight's pointers, bits and shape."""
+    _fields_ = [("qw", _P), ("d", _P), ("mn", _P), ("bits", _I64), ("N", _I64), ("K", _I64)]
+
+
 @dataclasses.dataclass(frozen=True)
 class AmxWeight:
     """A bfloat16 weight [N, K] packed for the AMX GEMM (``amx_linear``): per 32 output rows and
@@ -126,6 +133,7 @@ class Kernels:
             fn.argtypes, fn.restype = args, res
         self.isa = self.lib.sl_isa()
         self._tls = threading.local()
+        self._x16_structs: dict[int, tuple] = {}
         #: the AMX bf16 GEMM is usable: AVX-512 library, a CPU with AMX-BF16, the OS granting
         #: the tile state, and ``$SLOSERVE_AMX`` not ``0``
         self.amx = os.environ.get(AMX_ENV, "1") != "0" and bool(self.lib.sl_amx_init())
@@ -242,6 +250,79 @@ class Kernels:
         self.lib.sl_qlinear_x16_swiglu(x.data_ptr(), M, K, qw, d, mn, w.bits, F, y.data_ptr(),
                                        self._x16_scratch(M, K))
         return y
+
+    def _x16_struct(self, w: X16Weight) -> int:
+        """The address of ``w``'s ``SlX16`` (made once per weight, kept with it)."""
+        hit = self._x16_structs.get(id(w))
+        if hit is None or hit[0] is not w:
+            qw, d, mn = w.ptrs
+            st = _SlX16(qw, d, mn, w.bits, w.shape[0], w.shape[1])
+            hit = self._x16_structs[id(w)] = (w, st, ctypes.addressof(st))
+        return hit[2]
+
+    def x16_layer_tail(self, o: torch.Tensor, h: torch.Tensor, wo: X16Weight, ln2: torch.Tensor,
+                       gate_up: X16Weight, down: X16Weight, eps: float,
+                       bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                       nxt: tuple[torch.Tensor, X16Weight, torch.Tensor | None] | None = None,
+                       rope: tuple[torch.Tensor, torch.Tensor, int, int, int] | None = None
+                       ) -> torch.Tensor:
+        """One decoder layer after its attention, and the next one up to its attention, in one
+        call: ``delta = o Wo^T``, ``h += delta`` (in place), ``a = rmsnorm(h) * ln2``,
+        ``f = silu(a Wg^T) * (a Wu^T)`` (``gate_up`` packed by :meth:`pack_x16_swiglu`),
+        ``delta = f Wd^T``; then, given ``nxt = (ln1, qkv weight, qkv bias or None)`` of the next
+        layer and ``rope = (cos, sin, Hq, Hk, D)``: ``h += delta``, ``a = rmsnorm(h) * ln1``,
+        ``qkv = a Wqkv^T (+ bias)`` with RoPE on its query and key heads. The same numbers as
+        :meth:`qlinear_x16`, :meth:`add_rms_norm`, :meth:`qlinear_x16_swiglu` and :meth:`rope`
+        one after another, without a Python call, allocation or thread start between them.
+
+        Args:
+            o: the attention output [T, Hq * D] float32 contiguous.
+            h: the residual stream [T, d] float32 contiguous, updated in place.
+            bufs: (delta [T, d], a [T, d], f [T, F]) float32 contiguous work buffers, reusable
+                from layer to layer.
+
+        Returns:
+            the next layer's qkv [T, (Hq + 2 Hk) D] float32 with RoPE applied, or without
+            ``nxt`` the down projection's output ``delta`` (``bufs[0]``; not yet added to h).
+
+        Raises:
+            ValueError: a shape, dtype or packing that does not fit.
+        """
+        T = o.shape[0]
+        d, F = wo.shape[0], gate_up.shape[0] // 2
+        delta, a, f = bufs
+        _check_x("x16_layer_tail", o, wo.shape[1])
+        ok = (not wo.swiglu and gate_up.swiglu and not down.swiglu and gate_up.shape[1] == d
+              and down.shape == (d, F) and h.shape == (T, d) and h.dtype == torch.float32
+              and h.is_contiguous() and all(b.dtype == torch.float32 and b.is_contiguous()
+                                            and b.shape[0] >= T for b in bufs)
+              and delta.shape[1] == d and a.shape[1] == d and f.shape[1] == F
+              and _vec(ln2, d) and (nxt is None or _vec(nxt[0], d)))
+        if not ok:
+            raise ValueError(f"x16_layer_tail: weights / buffers that do not fit: o {list(o.shape)},"
+                             f" h {list(h.shape)}, wo {wo.shape}, gate_up {gate_up.shape}"
+                             f" (swiglu {gate_up.swiglu}), down {down.shape}")
+        scratch = self._x16_scratch(T, max(F, wo.shape[1], d))
+        if nxt is None:
+            self.lib.sl_x16_layer_tail(_ptr(o), T, _ptr(h), _ptr(delta), _ptr(a), _ptr(f),
+                                       self._x16_struct(wo), _ptr(ln2), self._x16_struct(gate_up),
+                                       self._x16_struct(down), None, None, None, None, None,
+                                       None, 0, 0, 0, eps, scratch)
+            return delta[:T]
+        ln1, wqkv, bias = nxt
+        cos, sin, hq, hk, hd = rope
+        if (wqkv.swiglu or wqkv.shape != ((hq + 2 * hk) * hd, d) or cos.shape != (T, hd // 2)
+                or sin.shape != cos.shape or not (cos.is_contiguous() and sin.is_contiguous())
+                or (bias is not None and bias.shape != (wqkv.shape[0],))):
+            raise ValueError(f"x16_layer_tail: qkv weight {wqkv.shape} / rope tables "
+                             f"{list(cos.shape)} do not fit {hq} + 2 x {hk} heads of {hd}")
+        qkv = torch.empty(T, wqkv.shape[0], dtype=torch.float32)
+        self.lib.sl_x16_layer_tail(_ptr(o), T, _ptr(h), _ptr(delta), _ptr(a), _ptr(f),
+                                   self._x16_struct(wo), _ptr(ln2), self._x16_struct(gate_up),
+                                   self._x16_struct(down), _ptr(ln1), self._x16_struct(wqkv),
+                                   _ptr(bias) if bias is not None else None, _ptr(qkv), _ptr(cos),
+                                   _ptr(sin), hq, hk, hd, eps, scratch)
+        return qkv
 
     def pack_amx(self, w: torch.Tensor) -> AmxWeight | None:
         """``w`` [N, K] (any float dtype; rounded to bfloat16) packed for :meth:`amx_linear`;
@@ -436,6 +517,11 @@ def _check_x(name: str, x: torch.Tensor, k: int) -> tuple[int, int]:
         raise ValueError(f"{name}: x must be float32 and contiguous, got {x.dtype}"
                          f"{'' if x.is_contiguous() else ' (strided)'}")
     return x.shape[0], k
+
+
+def _vec(t: torch.Tensor, n: int) -> bool:
+    """t is a contiguous float32 vector of n values."""
+    return t.shape == (n,) and t.dtype == torch.float32 and t.is_contiguous()
 
 
 def _kv_kind(dtype: torch.dtype) -> int:

@@ -142,6 +142,90 @@ def test_fused_swiglu_product_equals_the_product_then_silu_mul(k, kind, m):
         k.qlinear_x16(x, fused)
 
 
+def _layer(kind: str, seed: int, d: int = 64, f: int = 96, hq: int = 4, hk: int = 2, hd: int = 16):
+    """A small decoder layer's x16 weights (o, gate/up packed for SwiGLU, down, q/k/v) and
+    float32 norm weights, of one kind."""
+    ws = {}
+    for i, (name, n, kk) in enumerate((("o", d, hq * hd), ("gate_up", 2 * f, d), ("down", d, f),
+                                       ("qkv", (hq + 2 * hk) * hd, d))):
+        w = _weights("int4" if kind.startswith("int4") else "int8", n, kk, seed + i)
+        if kind == "int4-no-mins":
+            w = QuantizedWeight(w.qweight, w.scales, None, 4, 32, w.shape, "t")
+        ws[name] = w
+    g = torch.Generator().manual_seed(seed)
+    return ws, (torch.rand(d, generator=g) + 0.5, torch.rand(d, generator=g) + 0.5,
+                torch.randn((hq + 2 * hk) * hd, generator=g) * 0.1)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int4-no-mins", "int8"])
+@pytest.mark.parametrize("m", [0, 1, 7, 16, 17, 130])
+def test_fused_layer_tail_equals_the_kernels_one_after_another(k, kind, m):
+    """x16_layer_tail (the layer after attention and the next one up to its attention, in one
+    call) gives bit for bit what the separate kernels give: the o product, add + RMSNorm, the
+    SwiGLU product, the down product, add + RMSNorm, the q/k/v product + bias and RoPE; the last
+    layer's call (no next layer) returns the down product and leaves h without it. 130 rows:
+    the activation quantization splits into work items and the products into 64-row items."""
+    d, f, hq, hk, hd = 64, 96, 4, 2, 16
+    ws, (ln2, ln1, bias) = _layer(kind, 50 + m)
+    wo, wgu, wd, wqkv = (k.pack_x16(ws["o"]), k.pack_x16_swiglu(ws["gate_up"]),
+                         k.pack_x16(ws["down"]), k.pack_x16(ws["qkv"]))
+    g = torch.Generator().manual_seed(m)
+    o, h0 = torch.randn(m, hq * hd, generator=g), torch.randn(m, d, generator=g)
+    cos, sin = k.rope_tables(torch.arange(m) + 3, 1.0 / (10000 ** (torch.arange(0, hd, 2) / hd)))
+
+    def separate(last: bool, b):
+        h = h0.clone()
+        a = k.add_rms_norm(h, k.qlinear_x16(o, wo), ln2, 1e-5)
+        delta = k.qlinear_x16(k.qlinear_x16_swiglu(a, wgu), wd)
+        if last:
+            return h, delta
+        qkv = k.qlinear_x16(k.add_rms_norm(h, delta, ln1, 1e-5), wqkv)
+        if b is not None:
+            qkv += b
+        k.rope(qkv[:, :hq * hd].view(m, hq, hd), qkv[:, hq * hd:(hq + hk) * hd].view(m, hk, hd),
+               cos, sin)
+        return h, qkv
+
+    bufs = (torch.empty(m, d), torch.empty(m, d), torch.empty(m, f))
+    for b in (None, bias):
+        h = h0.clone()
+        out = k.x16_layer_tail(o, h, wo, ln2, wgu, wd, 1e-5, bufs, (ln1, wqkv, b),
+                               (cos, sin, hq, hk, hd))
+        ref_h, ref = separate(False, b)
+        assert out.shape == (m, (hq + 2 * hk) * hd)
+        assert torch.equal(out, ref) and torch.equal(h, ref_h)
+    h = h0.clone()
+    out = k.x16_layer_tail(o, h, wo, ln2, wgu, wd, 1e-5, bufs)
+    ref_h, ref = separate(True, None)
+    assert torch.equal(out, ref) and torch.equal(h, ref_h)
+
+
+def test_fused_layer_tail_refuses_what_does_not_fit(k):
+    ws, (ln2, ln1, bias) = _layer("int4", 1)
+    wo, wgu, wd, wqkv = (k.pack_x16(ws["o"]), k.pack_x16_swiglu(ws["gate_up"]),
+                         k.pack_x16(ws["down"]), k.pack_x16(ws["qkv"]))
+    o, h = torch.randn(4, 64), torch.randn(4, 64)
+    bufs = (torch.empty(4, 64), torch.empty(4, 64), torch.empty(4, 96))
+    cos, sin = k.rope_tables(torch.arange(4), torch.ones(8))
+    with pytest.raises(ValueError, match="weight's input width"):
+        k.x16_layer_tail(torch.randn(4, 65), h, wo, ln2, wgu, wd, 1e-5, bufs)
+    bad = [dict(gate_up=k.pack_x16(ws["gate_up"])),            # not packed for SwiGLU
+           dict(h=torch.randn(4, 32)), dict(h=torch.randn(5, 64)),
+           dict(bufs=(torch.empty(4, 64), torch.empty(4, 64), torch.empty(4, 48))),
+           dict(bufs=(torch.empty(2, 64), torch.empty(4, 64), torch.empty(4, 96))),
+           dict(ln2=torch.ones(32)), dict(down=wo)]
+    for change in bad:
+        args = dict(h=h, gate_up=wgu, down=wd, ln2=ln2, bufs=bufs) | change
+        with pytest.raises(ValueError, match="do not fit"):
+            k.x16_layer_tail(o, args["h"], wo, args["ln2"], args["gate_up"], args["down"], 1e-5,
+                             args["bufs"])
+    with pytest.raises(ValueError, match="do not fit"):  # 3 heads' worth of q/k/v rows
+        k.x16_layer_tail(o, h, wo, ln2, wgu, wd, 1e-5, bufs, (ln1, wqkv, bias), (cos, sin, 3, 2, 16))
+    with pytest.raises(ValueError, match="do not fit"):
+        k.x16_layer_tail(o, h, wo, ln2, wgu, wd, 1e-5, bufs, (ln1, wqkv, bias[:8]),
+                         (cos, sin, 4, 2, 16))
+
+
 def test_fused_swiglu_packing_needs_whole_block_pairs(k):
     assert k.pack_x16_swiglu(_weights("int4", 48, 64, 1)) is None  # 24 gate rows: 1.5 blocks
 

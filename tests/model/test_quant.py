@@ -121,3 +121,29 @@ def test_greedy_tokens_identical_for_32_tokens(engines):
                         final = o
             outs.append(final.token_ids)
         assert outs[0] == outs[1] and len(outs[0]) == 32, p
+
+
+def test_fused_layer_calls_give_the_separate_kernels_logits_bit_for_bit():
+    """With int8 activations (the default dtype) and every weight in the x16 layout, a quantized
+    step runs each layer after its attention as one ``x16_layer_tail`` call: its logits are the
+    separate kernels' bit for bit, for a 16-token and a 130-token prefill (the longer one splits
+    the activation quantization into work items) and a decode-sized step."""
+    from sloserve.config import EngineConfig
+    from sloserve.engine.llm_engine import LLMEngine
+    from sloserve import kernels
+    if kernels.load() is None:
+        pytest.skip("no CPU kernels on this machine")
+    eng = LLMEngine(EngineConfig(num_kv_blocks=64, max_num_batched_tokens=256))
+    fp = eng.runner.fast_path
+    assert fp.fused_layers and fp.quant_max_tokens >= 1
+    ids = eng.tokenizer.encode(" ".join(PROMPTS) * 8)
+    assert len(ids) >= 130
+    for n in (1, 16, 130):
+        if n > fp.quant_max_tokens:  # a dense step: no fused layers to compare
+            continue
+        out = []
+        for fused in (True, False):
+            fp.fused_layers = fused
+            out.append(_logits(eng, ids[:n]))
+        fp.fused_layers = True
+        assert torch.equal(out[0], out[1]), n

@@ -150,18 +150,42 @@ Pool& pool() {
 
 #ifdef SL_USE_OMP
 #include <omp.h>
-inline int64_t nthreads() { return omp_get_max_threads(); }
+// (inside a parallel region: its team's size; omp_get_max_threads() there is a nested team's)
+inline int64_t nthreads() { return omp_in_parallel() ? omp_get_num_threads() : omp_get_max_threads(); }
+// Called by every thread of an enclosing parallel region (the fused layer, sl_x16_layer_tail),
+// the loop is shared out among them (and ends with their barrier); else it opens its own.
 template <class F>
 void parallel_for(int64_t total, F& f) {
+  if (omp_in_parallel()) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < total; ++i) f(i);
+  } else {
 #pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t i = 0; i < total; ++i) f(i);
+    for (int64_t i = 0; i < total; ++i) f(i);
+  }
+}
+inline bool in_region() { return omp_in_parallel(); }
+// parallel_for for cheap uniform items (rows of a norm): each thread one contiguous range (a
+// dynamic claim per row made a 272-row add + RMSNorm 3x slower, measured)
+template <class F>
+void parallel_rows(int64_t total, F& f) {
+  if (omp_in_parallel()) {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < total; ++i) f(i);
+  } else {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < total; ++i) f(i);
+  }
 }
 #else
+inline bool in_region() { return false; }
 inline int64_t nthreads() { return pool().size(); }
 template <class F>
 void parallel_for(int64_t total, F& f) {
   pool().run(total, [](void* c, int64_t i) { (*static_cast<F*>(c))(i); }, &f);
 }
+template <class F>
+void parallel_rows(int64_t total, F& f) { parallel_for(total, f); }
 #endif
 
 // ------------------------------------------------------------------------------------ helpers
@@ -483,11 +507,11 @@ inline void quantize_row(const float* xr, int64_t G, int8_t* qr, float* d, float
 // threads when there are many.
 inline void quantize_act(const float* x, int64_t M, int64_t K, int8_t* q, float* d, float* s) {
   const int64_t G = K / 32;
-  if (M * K < 65536) {
+  if (M * K < 65536 && !in_region()) {
     for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, G, q + m * K, d + m * G, s + m * G);
     return;
   }
-  const int64_t rows = 16, items = (M + rows - 1) / rows;
+  const int64_t rows = M * K < 65536 ? 4 : 16, items = (M + rows - 1) / rows;
   auto body = [&](int64_t i) {
     for (int64_t m = i * rows; m < std::min(M, (i + 1) * rows); ++m)
       quantize_row(x + m * K, G, q + m * K, d + m * G, s + m * G);
@@ -987,12 +1011,17 @@ X16In x16_quantize(const float* x, int64_t M, int64_t K, void* scratch) {
   float* xs = xd + M * G;
   int32_t* isum = reinterpret_cast<int32_t*>(xs + M * G);
   quantize_act(x, M, K, xq, xd, xs);
-  if (BITS == 8)
-    for (int64_t i = 0; i < M * G; ++i) {
-      int32_t t = 0;
-      for (int j = 0; j < 32; ++j) t += xq[i * 32 + j];
-      isum[i] = t;
-    }
+  if (BITS == 8) {
+    auto sums = [&](int64_t m) {
+      for (int64_t i = m * G; i < (m + 1) * G; ++i) {
+        int32_t t = 0;
+        for (int j = 0; j < 32; ++j) t += xq[i * 32 + j];
+        isum[i] = t;
+      }
+    };
+    if (in_region()) parallel_for(M, sums);
+    else for (int64_t m = 0; m < M; ++m) sums(m);
+  }
   return X16In{xq, xd, xs, isum, K, G};
 }
 
@@ -2122,6 +2151,17 @@ void sl_rms_norm(const float* x, const float* w, int64_t T, int64_t D, float eps
   }
 }
 
+// hr += dr (float32, D values); returns the sum of squares of the new hr.
+inline float add_sumsq(float* hr, const float* dr, int64_t D) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < D; ++i) {
+    hr[i] += dr[i];
+    ss += hr[i] * hr[i];
+  }
+  return ss;
+}
+
 // h += delta (the residual stream, float32, in place), then out = rmsnorm(h) * w. [T, D];
 // delta and out float32, or bfloat16 where the flag says so.
 void sl_add_rms_norm(float* h, const void* delta, const float* w, int64_t T, int64_t D,
@@ -2140,12 +2180,7 @@ void sl_add_rms_norm(float* h, const void* delta, const float* w, int64_t T, int
         ss += hr[i] * hr[i];
       }
     } else {
-      const float* dr = static_cast<const float*>(delta) + t * D;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < D; ++i) {
-        hr[i] += dr[i];
-        ss += hr[i] * hr[i];
-      }
+      ss = add_sumsq(hr, static_cast<const float*>(delta) + t * D, D);
     }
     store_scaled(hr, 1.f / std::sqrt(ss / float(D) + eps), w, D, out, t * D, out_bf16);
   }
@@ -2179,6 +2214,21 @@ void sl_silu_mul(const void* gu, int64_t T, int64_t F, void* out, int bf16) {
   }
 }
 
+// RoPE of one token's Hq query heads q and Hk key heads k (D values each, in place).
+inline void rope_row(float* q, float* k, const float* c, const float* s, int64_t Hq, int64_t Hk,
+                     int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < Hq + Hk; ++h) {
+    float* v = h < Hq ? q + h * D : k + (h - Hq) * D;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float x0 = v[i], x1 = v[i + half];
+      v[i] = x0 * c[i] - x1 * s[i];
+      v[i + half] = x1 * c[i] + x0 * s[i];
+    }
+  }
+}
+
 // RoPE in place (Hugging Face rotate_half layout): q [T, Hq, D], k [T, Hk, D] float32 with
 // row strides q_stride / k_stride (floats between tokens); cos / sin [T, D / 2] float32, the
 // step's angles pos[t] * inv_freq[i] computed once for all layers (by the caller, as
@@ -2189,17 +2239,77 @@ void sl_rope(float* q, int64_t q_stride, float* k, int64_t k_stride, const float
 #ifdef SL_USE_OMP
 #pragma omp parallel for schedule(static) if (T * (Hq + Hk) * D * 4 >= 32768)
 #endif
-  for (int64_t t = 0; t < T; ++t) {
-    const float* c = cos_t + t * half;
-    const float* s = sin_t + t * half;
-    for (int64_t h = 0; h < Hq + Hk; ++h) {
-      float* v = h < Hq ? q + t * q_stride + h * D : k + t * k_stride + (h - Hq) * D;
-#pragma omp simd
-      for (int64_t i = 0; i < half; ++i) {
-        const float x0 = v[i], x1 = v[i + half];
-        v[i] = x0 * c[i] - x1 * s[i];
-        v[i + half] = x1 * c[i] + x0 * s[i];
-      }
+  for (int64_t t = 0; t < T; ++t)
+    rope_row(q + t * q_stride, k + t * k_stride, cos_t + t * half, sin_t + t * half, Hq, Hk, D);
+}
+
+// ------------------------------------------------------------------ fused layer (x16 weights)
+// An x16 weight as the fused layer takes it: codes, scales, offsets (or null), bits, and its
+// shape [N, K] (N = 2F for a gate/up weight packed for the SwiGLU epilogue).
+struct SlX16 {
+  const uint8_t* qw;
+  const float* d;
+  const float* mn;
+  int64_t bits, N, K;
+};
+
+inline void x16_product(const float* x, int64_t M, const SlX16& w, float* y, void* scratch) {
+  if (w.bits == 4) qlinear_x16<4>(x, M, w.K, w.qw, w.d, w.mn, w.N, y, scratch);
+  else qlinear_x16<8>(x, M, w.K, w.qw, w.d, w.mn, w.N, y, scratch);
+}
+
+inline void x16_swiglu(const float* x, int64_t M, const SlX16& w, float* y, void* scratch) {
+  if (w.bits == 4) qlinear_x16_swiglu<4>(x, M, w.K, w.qw, w.d, w.mn, w.N / 2, y, scratch);
+  else qlinear_x16_swiglu<8>(x, M, w.K, w.qw, w.d, w.mn, w.N / 2, y, scratch);
+}
+
+// h += delta; a = rmsnorm(h) * w, row by row (work-shared inside a region). [T, D] float32.
+inline void add_rms_norm_rows(float* h, const float* delta, const float* w, int64_t T,
+                              int64_t D, float eps, float* a) {
+  auto row = [&](int64_t t) {
+    const float ss = add_sumsq(h + t * D, delta + t * D, D);
+    store_scaled(h + t * D, 1.f / std::sqrt(ss / float(D) + eps), w, D, a, t * D, 0);
+  };
+  parallel_rows(T, row);
+}
+
+// One decoder layer after its attention and the next layer up to its attention, in one call
+// and one parallel region (the phases separated by the work-sharing loops' barriers), with the
+// same numbers as the separate kernels (sl_qlinear_x16, sl_add_rms_norm, sl_qlinear_x16_swiglu,
+// sl_rope) called one after another:
+//   delta = o Wo^T; h += delta; a = rmsnorm(h) * ln2; f = silu(a Wg^T) * (a Wu^T);
+//   delta = f Wd^T;
+//   and where ln1n is given (not the last layer): h += delta; a = rmsnorm(h) * ln1n;
+//   qkv = a Wqkv^T (+ bias); RoPE on its query and key heads (cos / sin [T, D / 2]).
+// o [T, Hq * D]; h, delta, a [T, d] (d = wo.N); f [T, wgu.N / 2]; qkv [T, (Hq + 2 Hk) D];
+// every buffer float32 contiguous. scratch: sl_qlinear_x16's for the widest input (f).
+// Without ln1n, delta holds the down projection's output and h lacks it (the caller adds it).
+void sl_x16_layer_tail(const float* o, int64_t T, float* h, float* delta, float* a, float* f,
+                       const SlX16* wo, const float* ln2, const SlX16* wgu, const SlX16* wd,
+                       const float* ln1n, const SlX16* wqkv, const float* bias, float* qkv,
+                       const float* cos_t, const float* sin_t, int64_t Hq, int64_t Hk,
+                       int64_t D, float eps, void* scratch) {
+  if (T <= 0) return;
+  const int64_t d = wo->N;
+#ifdef SL_USE_OMP
+#pragma omp parallel
+#endif
+  {
+    x16_product(o, T, *wo, delta, scratch);
+    add_rms_norm_rows(h, delta, ln2, T, d, eps, a);
+    x16_swiglu(a, T, *wgu, f, scratch);
+    x16_product(f, T, *wd, delta, scratch);
+    if (ln1n) {
+      add_rms_norm_rows(h, delta, ln1n, T, d, eps, a);
+      x16_product(a, T, *wqkv, qkv, scratch);
+      const int64_t nq = wqkv->N, half = D / 2;
+      auto row = [&](int64_t t) {
+        float* r = qkv + t * nq;
+        if (bias)
+          for (int64_t i = 0; i < nq; ++i) r[i] += bias[i];
+        rope_row(r, r + Hq * D, cos_t + t * half, sin_t + t * half, Hq, Hk, D);
+      };
+      parallel_rows(T, row);
     }
   }
 }
