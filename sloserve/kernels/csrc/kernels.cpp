@@ -1049,12 +1049,15 @@ inline void x16_pass(const X16In& in, int64_t m, int64_t rows, const uint8_t* qw
 template <class F>
 inline void x16_split(int64_t M, int64_t units, F& fn) {
   const int64_t nt = nthreads();
-  const int64_t chunk = std::max<int64_t>(2, std::min<int64_t>(16, units / (4 * nt)));
-  const int64_t nchunks = (units + chunk - 1) / chunk;
+  // at least 2 items per thread and at most 16 units per item, their count a multiple of the
+  // threads', the units spread evenly (chunks of a fixed size left e.g. 9 items of 4 of a
+  // 576-row weight's 36 blocks: 5 on one thread, 4 on the other; 3-5 % slower at 16 rows)
+  int64_t nchunks = std::max<int64_t>(2 * nt, (units + 15) / 16);
+  nchunks = std::min<int64_t>(units, (nchunks + nt - 1) / nt * nt);
   const int64_t mrows = M <= kX16MRows ? M : kX16MRows, mparts = (M + mrows - 1) / mrows;
   auto body = [&](int64_t item) {
     const int64_t c = item % nchunks, m0 = (item / nchunks) * mrows;
-    fn(c * chunk, std::min(units, (c + 1) * chunk), m0, std::min(M, m0 + mrows));
+    fn(c * units / nchunks, (c + 1) * units / nchunks, m0, std::min(M, m0 + mrows));
   };
   parallel_for(nchunks * mparts, body);
 }
