@@ -33,6 +33,7 @@ the AMX steps from the oneDNN ones. The LM head follows the same rules for the r
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from sloserve.model import hugepages
 from sloserve.model.quant import QuantizedWeight, concat_rows
 from sloserve.kernels import AmxWeight, X16Weight
 
@@ -134,6 +136,7 @@ class FastPath:
                                  if len(L.gate_up) == 1 else [self._pack(w) for w in L.gate_up])
                     L.o, L.down = self._pack(L.o), self._pack(L.down)
             self.layers.append(L)
+        self._onto_hugepages()
         use_amx = kernels.amx and self.dtype == torch.bfloat16 and amx_max_tokens != 0
         self.lm_amx = kernels.pack_amx(self.lm_dense) if use_amx else None
         if use_amx:
@@ -169,6 +172,30 @@ class FastPath:
         for L in self.layers:
             n += sum(w.nbytes for w in (*L.qkv, L.o, *L.gate_up, L.down))
         return n
+
+    def _onto_hugepages(self) -> None:
+        """Every x16 weight (layers and LM head) copied into one buffer on 2 MB pages (see
+        :mod:`sloserve.model.hugepages`: a decode step streams all of them)."""
+        ws = [w for L in self.layers for w in (*(L.qkv or ()), L.o, *(L.gate_up or ()), L.down)
+              if isinstance(w, X16Weight)]
+        if isinstance(self.lm_q, X16Weight):
+            ws.append(self.lm_q)
+        if not ws:
+            return
+        parts = [[t for t in (w.qweight, w.scales, w.mins) if t is not None] for w in ws]
+        moved = iter(hugepages.pack([t for p in parts for t in p]))
+        new = {}
+        for w, p in zip(ws, parts):
+            qw, d = next(moved), next(moved)
+            mn = next(moved) if w.mins is not None else None
+            new[id(w)] = dataclasses.replace(w, qweight=qw, scales=d, mins=mn, ptrs=(
+                qw.data_ptr(), d.data_ptr(), mn.data_ptr() if mn is not None else None))
+        get = lambda w: new.get(id(w), w)  # noqa: E731
+        for L in self.layers:
+            if L.qkv is not None:
+                L.qkv, L.gate_up = [get(w) for w in L.qkv], [get(w) for w in L.gate_up]
+                L.o, L.down = get(L.o), get(L.down)
+        self.lm_q = get(self.lm_q)
 
     # ------------------------------------------------------------------ projections
     def _pack(self, w: QuantizedWeight):

@@ -15,6 +15,7 @@ import time
 import torch
 
 from sloserve.model.attention import AttentionBackend, StepInputs, kv_int8
+from sloserve.model import hugepages
 from sloserve.model.config import ModelConfig
 from sloserve.model import logprobs as lp
 from sloserve.model.sampler import Sampler, apply_token_bitmask
@@ -123,7 +124,8 @@ class ModelRunner:
         self.logprobs_mode = logprobs_mode
         shape = attn_backend.kv_cache_shape(num_blocks, block_size, config.num_key_value_heads,
                                             kv_int8.entry_width(config.head_dim, kv_cache_dtype))
-        self.kv_caches = [torch.zeros(shape, dtype=kv_cache_dtype)
+        # on 2 MB pages where the OS allows (see hugepages): a decode step streams the cache
+        self.kv_caches = [hugepages.zeros(shape, kv_cache_dtype)
                           for _ in range(config.num_hidden_layers)]
         #: bytes of K and V of one token over all layers, in the cache's dtype
         self.kv_bytes_per_token = kv_bytes_per_token(config, kv_cache_dtype)

@@ -1,0 +1,58 @@
+"""Tensors on 2 MB pages (Linux transparent huge pages), for the memory a step streams: the KV
+cache and the quantized weights.
+
+A decode step reads ~100 MB of weights and, at 16 requests of 256 tokens, ~95 MB of KV cache
+(the embedded model). On 4 KB pages that is ~50,000 pages per step, far more than the TLB
+holds: every new page costs a page walk. The memory here is an anonymous private mapping
+advised ``MADV_HUGEPAGE`` before anything touches it, so the kernel backs it with 2 MB pages
+where it can (``/sys/kernel/mm/transparent_hugepage/enabled`` set to ``madvise`` or ``always``).
+Measured on the Zen 5 host, weights and cache copied onto 2 MB pages vs as torch allocated them,
+steps alternated in one process: 1 decode 3.87 -> 3.76 ms, 16 decodes at context 256 9.87 ->
+9.45 ms, at 1,024 16.9 -> 16.3 ms. Where the kernel says no (THP ``never``, another OS) the
+memory is ordinary pages: same numbers, same speed as before.
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+
+import torch
+
+HUGE_PAGE = 2 << 20
+_ALIGN = 64  # each packed tensor starts on a cache line
+
+
+def zeros(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled contiguous tensor (an anonymous mapping is zeros) on 2 MB pages where the
+    OS allows it; torch.zeros where this Python has no ``madvise``."""
+    n = 1
+    for s in shape:
+        n *= s
+    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0 or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype)
+    mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    off = -addr % HUGE_PAGE
+    try:
+        mm.madvise(mmap.MADV_HUGEPAGE, off, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
+    except OSError:  # the kernel has no THP: ordinary pages
+        pass
+    # the tensor keeps the mapping alive (torch.frombuffer holds the buffer)
+    return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=off).view(dtype).view(shape)
+
+
+def pack(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``tensors`` (any dtypes and shapes) in one buffer on 2 MB pages, each starting
+    on a 64-byte boundary; contiguous, the same values."""
+    offs, n = [], 0
+    for t in tensors:
+        offs.append(n)
+        n += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    buf = zeros((max(n, 1),), torch.uint8)
+    out = []
+    for t, o in zip(tensors, offs):
+        v = buf[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        v.copy_(t)
+        out.append(v)
+    return out
