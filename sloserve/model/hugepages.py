@@ -23,8 +23,10 @@ _ALIGN = 64  # each packed tensor starts on a cache line
 
 
 def zeros(shape, dtype: torch.dtype) -> torch.Tensor:
-    """A zero-filled contiguous tensor (an anonymous mapping is zeros) on 2 MB pages where the
-    OS allows it; torch.zeros where this Python has no ``madvise``."""
+    """A zero-filled contiguous tensor on 2 MB pages where the OS allows it (torch.zeros where
+    this Python has no ``madvise``). Its memory is written once here, so that it is committed
+    now, as torch.zeros commits it: a machine short of memory fails at start-up, not in the
+    middle of serving."""
     n = 1
     for s in shape:
         n *= s
@@ -39,7 +41,9 @@ def zeros(shape, dtype: torch.dtype) -> torch.Tensor:
     except OSError:  # the kernel has no THP: ordinary pages
         pass
     # the tensor keeps the mapping alive (torch.frombuffer holds the buffer)
-    return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=off).view(dtype).view(shape)
+    t = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=off)
+    t.zero_()
+    return t.view(dtype).view(shape)
 
 
 def pack(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
