@@ -47,14 +47,16 @@ class FinishedRequestStats:
     """A finished request. Times in seconds.
 
     TPOT = (E2E - TTFT) / (output tokens - 1), undefined (None) for <= 1 output token
-    (vLLM's definition). Queue time = first scheduled - arrival.
+    (vLLM's definition). Queue time = first scheduled - arrival, prefill time = first token -
+    first scheduled: both None for a request the front end finished (a client gone), whose
+    first scheduling it did not hear of.
     """
 
     finish_reason: str
     num_prompt_tokens: int
     num_generation_tokens: int
     e2e_latency: float
-    queue_time: float
+    queue_time: float | None
     ttft: float | None
     tpot: float | None
     prefill_time: float | None

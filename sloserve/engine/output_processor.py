@@ -216,11 +216,15 @@ class OutputProcessor:
         arrival = st.request.arrival_time
         e2e = now - arrival
         ttft = None if st.first_token_time is None else st.first_token_time - arrival
-        sched = first_scheduled if first_scheduled is not None else now
+        # first_scheduled is None where the front end finished the request (a client gone): when
+        # the core first scheduled it is not known here, so neither are its queue and prefill
+        # times (taking `now` for it had made the prefill time negative)
+        sched = first_scheduled
         return FinishedRequestStats(
             finish_reason=reason, num_prompt_tokens=len(st.request.prompt_token_ids),
             num_generation_tokens=len(st.output_token_ids), e2e_latency=e2e,
-            queue_time=max(0.0, sched - arrival), ttft=ttft,
+            queue_time=None if sched is None else max(0.0, sched - arrival), ttft=ttft,
             tpot=tpot(e2e, ttft, len(st.output_token_ids)),
-            prefill_time=None if st.first_token_time is None else st.first_token_time - sched,
+            prefill_time=(None if st.first_token_time is None or sched is None
+                          else max(0.0, st.first_token_time - sched)),
             decode_time=None if st.first_token_time is None else now - st.first_token_time)

@@ -185,7 +185,8 @@ class PrometheusStatLogger:
                                                                               reason)
             self.c_request_success[reason].inc()
             self.h_e2e.observe(f.e2e_latency)
-            self.h_queue.observe(f.queue_time)
+            if f.queue_time is not None:
+                self.h_queue.observe(f.queue_time)
             self.h_prompt_tokens.observe(f.num_prompt_tokens)
             self.h_generation_tokens.observe(f.num_generation_tokens)
             if f.tpot is not None:
