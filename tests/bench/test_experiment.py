@@ -38,6 +38,13 @@ def test_static_is_not_called_lowest_when_it_is_not():
     assert lines[-1].startswith("static: P99 TPOT 151 ms, but mean TTFT 5580 ms")
 
 
+def test_static_is_not_said_to_cost_ttft_when_its_ttft_was_the_lowest():
+    lines = reading([row("naive", 662, ttft=3377), row("chunked", 869, ttft=7660),
+                     row("static", 46, ttft=557)])
+    assert lines[-1] == ("static: P99 TPOT 46 ms (the lowest: no prefill joins a running batch), "
+                         "and mean TTFT 557 ms, the lowest here too.")
+
+
 def test_nothing_to_read_without_both_policies():
     assert reading([row("static", 100)]) == []
 
