@@ -17,6 +17,7 @@ import functools
 import logging
 import os
 import threading
+from typing import Any
 
 import torch
 
@@ -58,6 +59,11 @@ _SIGS = {
 }
 
 
+class _SlX16(ctypes.Structure):
+    """The C side's ``SlX16``: an x16 weight's pointers, bits and shape."""
+    _fields_ = [("qw", _P), ("d", _P), ("mn", _P), ("bits", _I64), ("N", _I64), ("K", _I64)]
+
+
 @dataclasses.dataclass(frozen=True)
 class X16Weight:
     """A 4- or 8-bit group-32 weight in the kernels' x16 layout (rows interleaved in blocks of 16
@@ -76,18 +82,21 @@ class X16Weight:
     bits: int = 4
     #: the blocks alternate gate and up rows (``pack_x16_swiglu``): only ``qlinear_x16_swiglu``
     swiglu: bool = False
-    # the pointers, taken once (a step makes ~120 products; each saved call costs ~1 us)
-    ptrs: tuple[int, int, int | None] = (0, 0, None)
+    # the pointers, taken once (a step makes ~120 products; each saved call costs ~1 us), and
+    # the C side's SlX16 for the fused layer call, which lives exactly as long as the weight
+    ptrs: tuple[int, int, int | None] = dataclasses.field(init=False, repr=False, compare=False)
+    c_struct: Any = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        ptrs = (_ptr(self.qweight), _ptr(self.scales),
+                _ptr(self.mins) if self.mins is not None else None)
+        object.__setattr__(self, "ptrs", ptrs)
+        object.__setattr__(self, "c_struct", _SlX16(*ptrs, self.bits, *self.shape))
 
     @property
     def nbytes(self) -> int:
         n = self.qweight.numel() + self.scales.numel() * 4
         return n + (self.mins.numel() * 4 if self.mins is not None else 0)
-
-
-class _SlX16(ctypes.Structure):
-    """The C side's ``SlX16``: an x16 weight's pointers, bits and shape."""
-    _fields_ = [("qw", _P), ("d", _P), ("mn", _P), ("bits", _I64), ("N", _I64), ("K", _I64)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +142,6 @@ class Kernels:
             fn.argtypes, fn.restype = args, res
         self.isa = self.lib.sl_isa()
         self._tls = threading.local()
-        self._x16_structs: dict[int, tuple] = {}
         #: the AMX bf16 GEMM is usable: AVX-512 library, a CPU with AMX-BF16, the OS granting
         #: the tile state, and ``$SLOSERVE_AMX`` not ``0``
         self.amx = os.environ.get(AMX_ENV, "1") != "0" and bool(self.lib.sl_amx_init())
@@ -192,8 +200,7 @@ class Kernels:
                                     _ptr(mn) if mn is not None else None)
         if rc:
             return None
-        return X16Weight(qw, d, mn, (N, K), w.bits,
-                         ptrs=(_ptr(qw), _ptr(d), _ptr(mn) if mn is not None else None))
+        return X16Weight(qw, d, mn, (N, K), w.bits)
 
     def pack_x16_swiglu(self, gate_up) -> X16Weight | None:
         """A fused gate/up weight (QuantizedWeight [2F, K]: gate rows, then up rows) in the x16
@@ -210,8 +217,7 @@ class Kernels:
             return t.view(2, nb // 2, -1).transpose(0, 1).contiguous().view(-1)
         qw, d = pairs(w.qweight), pairs(w.scales)
         mn = pairs(w.mins) if w.mins is not None else None
-        return X16Weight(qw, d, mn, w.shape, w.bits, swiglu=True,
-                         ptrs=(_ptr(qw), _ptr(d), _ptr(mn) if mn is not None else None))
+        return X16Weight(qw, d, mn, w.shape, w.bits, swiglu=True)
 
     def _scratch(self, nbytes: int) -> int:
         """A per-thread scratch buffer of at least ``nbytes`` (reused: no allocation per call)."""
@@ -251,14 +257,10 @@ class Kernels:
                                        self._x16_scratch(M, K))
         return y
 
-    def _x16_struct(self, w: X16Weight) -> int:
-        """The address of ``w``'s ``SlX16`` (made once per weight, kept with it)."""
-        hit = self._x16_structs.get(id(w))
-        if hit is None or hit[0] is not w:
-            qw, d, mn = w.ptrs
-            st = _SlX16(qw, d, mn, w.bits, w.shape[0], w.shape[1])
-            hit = self._x16_structs[id(w)] = (w, st, ctypes.addressof(st))
-        return hit[2]
+    @staticmethod
+    def _x16_struct(w: X16Weight) -> int:
+        """The address of ``w``'s ``SlX16`` (made with the weight, freed with it)."""
+        return ctypes.addressof(w.c_struct)
 
     def x16_layer_tail(self, o: torch.Tensor, h: torch.Tensor, wo: X16Weight, ln2: torch.Tensor,
                        gate_up: X16Weight, down: X16Weight, eps: float,
@@ -294,8 +296,9 @@ class Kernels:
         _check_x("x16_layer_tail", o, wo.shape[1])
         ok = (not wo.swiglu and gate_up.swiglu and not down.swiglu and gate_up.shape[1] == d
               and down.shape == (d, F) and h.shape == (T, d) and h.dtype == torch.float32
-              and h.is_contiguous() and all(b.dtype == torch.float32 and b.is_contiguous()
-                                            and b.shape[0] >= T for b in bufs)
+              and h.is_contiguous() and all(b.dim() == 2 and b.dtype == torch.float32
+                                            and b.is_contiguous() and b.shape[0] >= T
+                                            for b in bufs)
               and delta.shape[1] == d and a.shape[1] == d and f.shape[1] == F
               and _vec(ln2, d) and (nxt is None or _vec(nxt[0], d)))
         if not ok:
@@ -309,13 +312,19 @@ class Kernels:
                                        self._x16_struct(down), None, None, None, None, None,
                                        None, 0, 0, 0, eps, scratch)
             return delta[:T]
+        if rope is None:
+            raise ValueError("x16_layer_tail: the next layer's q/k/v needs the rope tables and "
+                             "head counts")
         ln1, wqkv, bias = nxt
         cos, sin, hq, hk, hd = rope
-        if (wqkv.swiglu or wqkv.shape != ((hq + 2 * hk) * hd, d) or cos.shape != (T, hd // 2)
-                or sin.shape != cos.shape or not (cos.is_contiguous() and sin.is_contiguous())
-                or (bias is not None and bias.shape != (wqkv.shape[0],))):
+        if (min(hq, hk) < 1 or hd < 2 or hd % 2 or hq * hd != wo.shape[1] or wqkv.swiglu
+                or wqkv.shape != ((hq + 2 * hk) * hd, d) or cos.shape != (T, hd // 2)
+                or sin.shape != cos.shape or not all(t.dtype == torch.float32
+                                                     and t.is_contiguous() for t in (cos, sin))
+                or (bias is not None and not _vec(bias, wqkv.shape[0]))):
             raise ValueError(f"x16_layer_tail: qkv weight {wqkv.shape} / rope tables "
-                             f"{list(cos.shape)} do not fit {hq} + 2 x {hk} heads of {hd}")
+                             f"{list(cos.shape)} {cos.dtype} / bias do not fit {hq} + 2 x {hk} "
+                             f"heads of {hd}")
         qkv = torch.empty(T, wqkv.shape[0], dtype=torch.float32)
         self.lib.sl_x16_layer_tail(_ptr(o), T, _ptr(h), _ptr(delta), _ptr(a), _ptr(f),
                                    self._x16_struct(wo), _ptr(ln2), self._x16_struct(gate_up),

@@ -188,8 +188,7 @@ class FastPath:
         for w, p in zip(ws, parts):
             qw, d = next(moved), next(moved)
             mn = next(moved) if w.mins is not None else None
-            new[id(w)] = dataclasses.replace(w, qweight=qw, scales=d, mins=mn, ptrs=(
-                qw.data_ptr(), d.data_ptr(), mn.data_ptr() if mn is not None else None))
+            new[id(w)] = dataclasses.replace(w, qweight=qw, scales=d, mins=mn)
         get = lambda w: new.get(id(w), w)  # noqa: E731
         for L in self.layers:
             if L.qkv is not None:

@@ -27,6 +27,9 @@ def zeros(shape, dtype: torch.dtype) -> torch.Tensor:
     this Python has no ``madvise``). Its memory is written once here, so that it is committed
     now, as torch.zeros commits it: a machine short of memory fails at start-up, not in the
     middle of serving."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    if any(s < 0 for s in shape):
+        raise ValueError(f"hugepages.zeros: negative dimension in {list(shape)}")
     n = 1
     for s in shape:
         n *= s

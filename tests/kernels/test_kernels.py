@@ -224,6 +224,35 @@ def test_fused_layer_tail_refuses_what_does_not_fit(k):
     with pytest.raises(ValueError, match="do not fit"):
         k.x16_layer_tail(o, h, wo, ln2, wgu, wd, 1e-5, bufs, (ln1, wqkv, bias[:8]),
                          (cos, sin, 4, 2, 16))
+    # a breaker helper's cases: (10, -1) heads of 16 passed the weight's row count and RoPE
+    # wrote past the output (heap corruption); tables or bias of another dtype or strided were
+    # read as float32; 1-D buffers and a missing rope gave IndexError / TypeError
+    nxt = (ln1, wqkv, bias)
+    for rope in ((cos, sin, 10, -1, 16), (cos, sin, 4, 2, 0), (cos.double(), sin.double(), 4, 2, 16),
+                 (cos.bfloat16(), sin.bfloat16(), 4, 2, 16)):
+        with pytest.raises(ValueError, match="do not fit"):
+            k.x16_layer_tail(o, h, wo, ln2, wgu, wd, 1e-5, bufs, nxt, rope)
+    for b in (bias.double(), torch.stack([bias, bias], 1)[:, 0]):
+        with pytest.raises(ValueError, match="do not fit"):
+            k.x16_layer_tail(o, h, wo, ln2, wgu, wd, 1e-5, bufs, (ln1, wqkv, b), (cos, sin, 4, 2, 16))
+    with pytest.raises(ValueError, match="do not fit"):
+        k.x16_layer_tail(o, h, wo, ln2, wgu, wd, 1e-5, (torch.empty(256), bufs[1], bufs[2]))
+    with pytest.raises(ValueError, match="rope tables"):
+        k.x16_layer_tail(o, h, wo, ln2, wgu, wd, 1e-5, bufs, nxt)
+
+
+def test_x16_weights_own_their_c_struct(k):
+    """The fused call's view of a weight lives and dies with the weight (a per-library cache of
+    them had kept every engine's weights alive: ~75 MiB per LLM created and deleted)."""
+    import gc
+    import weakref
+    w = k.pack_x16(_weights("int4", 64, 576, 2))
+    st = w.c_struct
+    assert (st.qw, st.d, st.mn, st.bits, st.N, st.K) == (*w.ptrs, 4, 64, 576)
+    ref = weakref.ref(w)
+    del w, st
+    gc.collect()
+    assert ref() is None
 
 
 def test_fused_swiglu_packing_needs_whole_block_pairs(k):

@@ -34,3 +34,9 @@ def test_pack_copies_exactly_onto_cache_line_starts():
         assert b.data_ptr() % 64 == 0 or b.numel() == 0
     out[0].fill_(0)  # copies: the sources are untouched
     assert ts[0].abs().sum() > 0
+
+
+def test_zeros_takes_an_int_and_refuses_a_negative_dimension():
+    assert hugepages.zeros(5, torch.float32).shape == (5,)
+    with pytest.raises(ValueError, match="negative dimension"):
+        hugepages.zeros((3, -1), torch.float32)
