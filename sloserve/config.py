@@ -56,6 +56,11 @@ class EngineConfig:
             (they set the two fields below).
         enable_chunked_prefill: split prompts into chunks under the token budget (default on;
             off: a prompt is prefilled whole, Orca-style).
+        long_prefill_token_threshold: with chunked prefill, at most this many of a request's
+            prompt tokens per step (vLLM's flag; 0, the default: no cap but the budget). A
+            smaller cap spreads a long prompt over more steps: decodes running beside it see
+            shorter gaps, and those that outlive its prefill less of it in their TPOT; its own
+            TTFT grows.
         static_batching: admit a batch only when nothing runs (for comparison; our own flag).
         ttft_slo_ms: with it, SLO-aware admission: a request whose estimated TTFT exceeds it is
             rejected at arrival (429) or, with slo_admission "defer", moved behind the
@@ -93,6 +98,7 @@ class EngineConfig:
     max_model_len: int | None = None
     scheduling_policy: str = "fcfs"
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
     static_batching: bool = False
     ttft_slo_ms: float | None = None
     slo_admission: str = "reject"
@@ -132,6 +138,9 @@ class EngineConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        v = self.long_prefill_token_threshold
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0, got {v!r}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or \
                 self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
@@ -208,6 +217,10 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
                    default=_D.enable_chunked_prefill,
                    help="split long prompts into chunks under the token budget (default on; "
                         "--no-enable-chunked-prefill prefills each prompt whole)")
+    p.add_argument("--long-prefill-token-threshold", type=int,
+                   default=_D.long_prefill_token_threshold, metavar="N",
+                   help="with chunked prefill, at most N of a request's prompt tokens per step "
+                        "(default 0: no cap but the token budget)")
     p.add_argument("--static-batching", action="store_true",
                    help="admit a batch only when nothing runs (static batching, for comparison)")
     p.add_argument("--ttft-slo-ms", type=float, default=None, metavar="MS",

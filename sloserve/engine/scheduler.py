@@ -81,6 +81,8 @@ class SchedulerConfig:
         queue_policy: "fcfs" or "priority" (``--scheduling-policy``): the waiting queue's order.
         ttft_slo_s: TTFT limit (s) of SLO-aware deferral, None: off.
         slo_deferral: move waiting requests that can no longer meet ttft_slo_s behind the others.
+        long_prefill_token_threshold: chunked only: at most this many query tokens of one
+            request's prefill per step (0: no cap but the budget).
     """
 
     max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
@@ -90,6 +92,7 @@ class SchedulerConfig:
     queue_policy: str = EngineConfig.scheduling_policy
     ttft_slo_s: float | None = None
     slo_deferral: bool = False
+    long_prefill_token_threshold: int = 0
 
     @classmethod
     def of(cls, config: EngineConfig, max_model_len: int) -> "SchedulerConfig":
@@ -98,7 +101,8 @@ class SchedulerConfig:
                    max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
                    policy=config.batching, queue_policy=config.scheduling_policy,
                    ttft_slo_s=config.ttft_slo_ms / 1e3 if config.ttft_slo_ms else None,
-                   slo_deferral=config.slo_admission == "defer")
+                   slo_deferral=config.slo_admission == "defer",
+                   long_prefill_token_threshold=config.long_prefill_token_threshold)
 
     def __post_init__(self) -> None:
         self.policy = SchedulingPolicy(self.policy)
@@ -286,6 +290,9 @@ class Scheduler:
         cfg = self.config
         chunked = cfg.policy is SchedulingPolicy.CHUNKED
         budget = cfg.token_budget
+        # a prefill's most query tokens in this step (vLLM's long_prefill_token_threshold)
+        cap = cfg.long_prefill_token_threshold if chunked and cfg.long_prefill_token_threshold > 0 \
+            else budget
         out = SchedulerOutput()
         scheduled: dict[str, int] = {}  # request id -> query tokens this step
 
@@ -315,6 +322,7 @@ class Scheduler:
                 if not chunked:
                     continue
                 n = budget
+            n = min(n, cap)
             ok, refund = self._allocate_or_preempt(req, n, out, scheduled)
             budget += refund
             if ok:
@@ -351,6 +359,7 @@ class Scheduler:
                 if not chunked:
                     break  # head-of-line: the whole prompt must fit
                 n = budget
+            n = min(n, cap)
             if not self.kv.allocate_slots(req.request_id, start + n, hit_blocks):
                 refund = self._preempt_for(req, out, scheduled)
                 if refund is None:

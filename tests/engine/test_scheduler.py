@@ -40,6 +40,28 @@ def test_config_validation_and_token_budget():
     assert SchedulerConfig(policy="naive").policy is SchedulingPolicy.NAIVE
 
 
+def test_long_prefill_token_threshold_caps_each_prefill_per_step():
+    """Budget 16, cap 5: a 12-token prompt goes 5, 5, 2 beside a running decode, and two prompts
+    admitted in one step each get 5 (vLLM's long_prefill_token_threshold); 0 is no cap."""
+    kv_sched = make_scheduler(budget=16, block_size=4)
+    kv_sched.config.long_prefill_token_threshold = 5
+    kv_sched.add_request(make_request("d", 3, max_tokens=20))
+    drive_step(kv_sched)                                     # d's prompt (3 < 5) and first token
+    kv_sched.add_request(make_request("p", 12, max_tokens=2))
+    kv_sched.add_request(make_request("q", 7, max_tokens=2))
+    seen = [composition(drive_step(kv_sched)[0]) for _ in range(3)]
+    assert seen == [[("d", 3, 1), ("p", 0, 5), ("q", 0, 5)],
+                    [("d", 4, 1), ("p", 5, 5), ("q", 5, 2)],
+                    [("d", 5, 1), ("q", 7, 1), ("p", 10, 2)]]
+    check_kv_invariants(kv_sched)
+    off = make_scheduler(budget=16, block_size=4)
+    off.add_request(make_request("p", 12, max_tokens=2))
+    assert composition(drive_step(off)[0]) == [("p", 0, 12)]
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        from sloserve.config import EngineConfig
+        EngineConfig(long_prefill_token_threshold=-1).validate()
+
+
 def test_scheduled_request_is_plain_data():
     """Budget 4, block size 4: a 10-token prompt runs as chunks 0-3, 4-7, 8-9 (+ its first decode
     in the last step), then decodes; each record carries its token ids and whole block table."""
