@@ -38,8 +38,7 @@ _SIGS = {
     "sl_repack_x16": ([_P, _P, _P, _I64, _I64, _I32, _P, _P, _P], _I32),
     "sl_qlinear_x16": ([_P, _I64, _I64, _P, _P, _P, _I32, _I64, _P, _P], None),
     "sl_qlinear_x16_swiglu": ([_P, _I64, _I64, _P, _P, _P, _I32, _I64, _P, _P], None),
-    "sl_x16_layer_tail": ([_P, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P,
-                           _I64, _I64, _I64, _F, _P], None),
+    "sl_x16_layer_tail": ([_P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _P], None),
     "sl_qembed": ([_P, _I64, _P, _P, _P, _I32, _I32, _I64, _P], _I32),
     "sl_rms_norm": ([_P, _P, _I64, _I64, _F, _P, _I32], None),
     "sl_add_rms_norm": ([_P, _P, _P, _I64, _I64, _F, _P, _I32, _I32], None),
@@ -97,6 +96,46 @@ class X16Weight:
     def nbytes(self) -> int:
         n = self.qweight.numel() + self.scales.numel() * 4
         return n + (self.mins.numel() * 4 if self.mins is not None else 0)
+
+
+class _SlX16Layer(ctypes.Structure):
+    """The C side's ``SlX16Layer``: a layer's constant part for ``sl_x16_layer_tail``."""
+    _fields_ = [("wo", _P), ("wgu", _P), ("wd", _P), ("ln2", _P), ("ln1n", _P), ("wqkv", _P),
+                ("bias", _P), ("Hq", _I64), ("Hk", _I64), ("D", _I64), ("eps", _F)]
+
+
+@dataclasses.dataclass(frozen=True)
+class X16Layer:
+    """A decoder layer's weights for :meth:`Kernels.x16_layer_tail`, checked once by
+    :meth:`Kernels.x16_layer` (a step then checks only its own tensors).
+
+    Attributes:
+        wo, gate_up, down: the output projection [d, Hq * D], the gate/up weight packed for
+            the SwiGLU epilogue [2F, d], the down projection [d, F].
+        ln2: the post-attention norm's weight [d] float32.
+        nxt: the next layer's (input norm weight [d], q/k/v weight [(Hq + 2 Hk) D, d], q/k/v
+            bias or None), or None for the last layer.
+        heads: (Hq, Hk, D) of the next layer's q/k/v (None for the last layer).
+        eps: the norms' epsilon.
+    """
+
+    wo: X16Weight
+    ln2: torch.Tensor
+    gate_up: X16Weight
+    down: X16Weight
+    eps: float
+    nxt: tuple[torch.Tensor, X16Weight, torch.Tensor | None] | None = None
+    heads: tuple[int, int, int] | None = None
+    c_struct: Any = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        ln1, wqkv, bias = self.nxt or (None, None, None)
+        hq, hk, hd = self.heads or (0, 0, 0)
+        addr = lambda w: ctypes.addressof(w.c_struct) if w is not None else None  # noqa: E731
+        ptr = lambda t: _ptr(t) if t is not None else None  # noqa: E731
+        object.__setattr__(self, "c_struct", _SlX16Layer(
+            addr(self.wo), addr(self.gate_up), addr(self.down), _ptr(self.ln2), ptr(ln1),
+            addr(wqkv), ptr(bias), hq, hk, hd, self.eps))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,9 +297,90 @@ class Kernels:
         return y
 
     @staticmethod
-    def _x16_struct(w: X16Weight) -> int:
-        """The address of ``w``'s ``SlX16`` (made with the weight, freed with it)."""
-        return ctypes.addressof(w.c_struct)
+    def x16_layer(wo: X16Weight, ln2: torch.Tensor, gate_up: X16Weight, down: X16Weight,
+                  eps: float,
+                  nxt: tuple[torch.Tensor, X16Weight, torch.Tensor | None] | None = None,
+                  heads: tuple[int, int, int] | None = None) -> X16Layer:
+        """A layer's weights for :meth:`x16_layer_tail`, checked: ``gate_up`` packed by
+        :meth:`pack_x16_swiglu`, the others plain x16; norm weights and bias contiguous float32
+        vectors of their widths; with ``nxt`` (the next layer's input norm, q/k/v weight and
+        bias or None), ``heads`` = (Hq, Hk, D) with Hq * D the output projection's input width
+        and (Hq + 2 Hk) D the q/k/v weight's rows.
+
+        Raises:
+            ValueError: weights, vectors or head counts that do not fit.
+        """
+        d, F = wo.shape[0], gate_up.shape[0] // 2
+        if not (not wo.swiglu and gate_up.swiglu and not down.swiglu and gate_up.shape[1] == d
+                and down.shape == (d, F) and _vec(ln2, d)):
+            raise ValueError(f"x16_layer_tail: weights that do not fit: wo {wo.shape}, gate_up "
+                             f"{gate_up.shape} (swiglu {gate_up.swiglu}), down {down.shape}, "
+                             f"ln2 {list(ln2.shape)} {ln2.dtype}")
+        if nxt is not None:
+            if heads is None:
+                raise ValueError("x16_layer_tail: the next layer's q/k/v needs the rope tables "
+                                 "and head counts")
+            ln1, wqkv, bias = nxt
+            hq, hk, hd = heads
+            if (min(hq, hk) < 1 or hd < 2 or hd % 2 or hq * hd != wo.shape[1] or wqkv.swiglu
+                    or wqkv.shape != ((hq + 2 * hk) * hd, d) or not _vec(ln1, d)
+                    or (bias is not None and not _vec(bias, wqkv.shape[0]))):
+                raise ValueError(f"x16_layer_tail: qkv weight {wqkv.shape} / norm / bias do not "
+                                 f"fit {hq} + 2 x {hk} heads of {hd}")
+        return X16Layer(wo, ln2, gate_up, down, eps, nxt, heads if nxt is not None else None)
+
+    def run_x16_layer(self, layer: X16Layer, o: torch.Tensor, h: torch.Tensor,
+                      bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                      cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+        """One decoder layer after its attention, and the next one up to its attention, in one
+        call: ``delta = o Wo^T``, ``h += delta`` (in place), ``a = rmsnorm(h) * ln2``,
+        ``f = silu(a Wg^T) * (a Wu^T)``, ``delta = f Wd^T``; then, where ``layer`` has the next
+        layer's weights: ``h += delta``, ``a = rmsnorm(h) * ln1``, ``qkv = a Wqkv^T (+ bias)``
+        with RoPE (``cos`` / ``sin`` [T, D / 2], :meth:`rope_tables`) on its query and key
+        heads. The same numbers as :meth:`qlinear_x16`, :meth:`add_rms_norm`,
+        :meth:`qlinear_x16_swiglu` and :meth:`rope` one after another, without a Python call,
+        allocation or thread start between them.
+
+        Args:
+            layer: :meth:`x16_layer`'s result (its weights checked there, once).
+            o: the attention output [T, Hq * D] float32 contiguous.
+            h: the residual stream [T, d] float32 contiguous, updated in place.
+            bufs: (delta [T, d], a [T, d], f [T, F]) float32 contiguous work buffers, reusable
+                from layer to layer.
+
+        Returns:
+            the next layer's qkv [T, (Hq + 2 Hk) D] float32 with RoPE applied, or for the last
+            layer the down projection's output ``delta`` (``bufs[0]``; not yet added to h).
+
+        Raises:
+            ValueError: a shape, dtype or layout of these tensors that does not fit.
+        """
+        wo = layer.wo
+        T, _ = _check_x("x16_layer_tail", o, wo.shape[1])
+        d, F = wo.shape[0], layer.gate_up.shape[0] // 2
+        if not (h.shape == (T, d) and h.dtype == torch.float32 and h.is_contiguous()
+                and len(bufs) == 3 and all(b.dim() == 2 and b.shape[0] >= T and b.shape[1] == n
+                                           and b.dtype == torch.float32 and b.is_contiguous()
+                                           for b, n in zip(bufs, (d, d, F)))):
+            raise ValueError(f"x16_layer_tail: buffers that do not fit: o {list(o.shape)}, h "
+                             f"{list(h.shape)}, bufs {[list(b.shape) for b in bufs]}")
+        qkv = None
+        if layer.nxt is not None:
+            hd = layer.heads[2]
+            if cos is None or sin is None or not all(
+                    t.shape == (T, hd // 2) and t.dtype == torch.float32 and t.is_contiguous()
+                    for t in (cos, sin)):
+                raise ValueError(f"x16_layer_tail: rope tables that do not fit [{T}, {hd // 2}] "
+                                 f"float32")
+            qkv = torch.empty(T, layer.nxt[1].shape[0], dtype=torch.float32)
+        delta, a, f = bufs
+        self.lib.sl_x16_layer_tail(
+            ctypes.addressof(layer.c_struct), _ptr(o), T, _ptr(h), _ptr(delta), _ptr(a),
+            _ptr(f), _ptr(qkv) if qkv is not None else None,
+            _ptr(cos) if qkv is not None else None, _ptr(sin) if qkv is not None else None,
+            self._x16_scratch(T, max(F, wo.shape[1], d)))
+        return qkv if qkv is not None else delta[:T]
 
     def x16_layer_tail(self, o: torch.Tensor, h: torch.Tensor, wo: X16Weight, ln2: torch.Tensor,
                        gate_up: X16Weight, down: X16Weight, eps: float,
@@ -268,70 +388,13 @@ class Kernels:
                        nxt: tuple[torch.Tensor, X16Weight, torch.Tensor | None] | None = None,
                        rope: tuple[torch.Tensor, torch.Tensor, int, int, int] | None = None
                        ) -> torch.Tensor:
-        """One decoder layer after its attention, and the next one up to its attention, in one
-        call: ``delta = o Wo^T``, ``h += delta`` (in place), ``a = rmsnorm(h) * ln2``,
-        ``f = silu(a Wg^T) * (a Wu^T)`` (``gate_up`` packed by :meth:`pack_x16_swiglu`),
-        ``delta = f Wd^T``; then, given ``nxt = (ln1, qkv weight, qkv bias or None)`` of the next
-        layer and ``rope = (cos, sin, Hq, Hk, D)``: ``h += delta``, ``a = rmsnorm(h) * ln1``,
-        ``qkv = a Wqkv^T (+ bias)`` with RoPE on its query and key heads. The same numbers as
-        :meth:`qlinear_x16`, :meth:`add_rms_norm`, :meth:`qlinear_x16_swiglu` and :meth:`rope`
-        one after another, without a Python call, allocation or thread start between them.
-
-        Args:
-            o: the attention output [T, Hq * D] float32 contiguous.
-            h: the residual stream [T, d] float32 contiguous, updated in place.
-            bufs: (delta [T, d], a [T, d], f [T, F]) float32 contiguous work buffers, reusable
-                from layer to layer.
-
-        Returns:
-            the next layer's qkv [T, (Hq + 2 Hk) D] float32 with RoPE applied, or without
-            ``nxt`` the down projection's output ``delta`` (``bufs[0]``; not yet added to h).
-
-        Raises:
-            ValueError: a shape, dtype or packing that does not fit.
-        """
-        T = o.shape[0]
-        d, F = wo.shape[0], gate_up.shape[0] // 2
-        delta, a, f = bufs
-        _check_x("x16_layer_tail", o, wo.shape[1])
-        ok = (not wo.swiglu and gate_up.swiglu and not down.swiglu and gate_up.shape[1] == d
-              and down.shape == (d, F) and h.shape == (T, d) and h.dtype == torch.float32
-              and h.is_contiguous() and all(b.dim() == 2 and b.dtype == torch.float32
-                                            and b.is_contiguous() and b.shape[0] >= T
-                                            for b in bufs)
-              and delta.shape[1] == d and a.shape[1] == d and f.shape[1] == F
-              and _vec(ln2, d) and (nxt is None or _vec(nxt[0], d)))
-        if not ok:
-            raise ValueError(f"x16_layer_tail: weights / buffers that do not fit: o {list(o.shape)},"
-                             f" h {list(h.shape)}, wo {wo.shape}, gate_up {gate_up.shape}"
-                             f" (swiglu {gate_up.swiglu}), down {down.shape}")
-        scratch = self._x16_scratch(T, max(F, wo.shape[1], d))
-        if nxt is None:
-            self.lib.sl_x16_layer_tail(_ptr(o), T, _ptr(h), _ptr(delta), _ptr(a), _ptr(f),
-                                       self._x16_struct(wo), _ptr(ln2), self._x16_struct(gate_up),
-                                       self._x16_struct(down), None, None, None, None, None,
-                                       None, 0, 0, 0, eps, scratch)
-            return delta[:T]
-        if rope is None:
-            raise ValueError("x16_layer_tail: the next layer's q/k/v needs the rope tables and "
-                             "head counts")
-        ln1, wqkv, bias = nxt
-        cos, sin, hq, hk, hd = rope
-        if (min(hq, hk) < 1 or hd < 2 or hd % 2 or hq * hd != wo.shape[1] or wqkv.swiglu
-                or wqkv.shape != ((hq + 2 * hk) * hd, d) or cos.shape != (T, hd // 2)
-                or sin.shape != cos.shape or not all(t.dtype == torch.float32
-                                                     and t.is_contiguous() for t in (cos, sin))
-                or (bias is not None and not _vec(bias, wqkv.shape[0]))):
-            raise ValueError(f"x16_layer_tail: qkv weight {wqkv.shape} / rope tables "
-                             f"{list(cos.shape)} {cos.dtype} / bias do not fit {hq} + 2 x {hk} "
-                             f"heads of {hd}")
-        qkv = torch.empty(T, wqkv.shape[0], dtype=torch.float32)
-        self.lib.sl_x16_layer_tail(_ptr(o), T, _ptr(h), _ptr(delta), _ptr(a), _ptr(f),
-                                   self._x16_struct(wo), _ptr(ln2), self._x16_struct(gate_up),
-                                   self._x16_struct(down), _ptr(ln1), self._x16_struct(wqkv),
-                                   _ptr(bias) if bias is not None else None, _ptr(qkv), _ptr(cos),
-                                   _ptr(sin), hq, hk, hd, eps, scratch)
-        return qkv
+        """:meth:`run_x16_layer` of ``x16_layer(wo, ln2, gate_up, down, eps, nxt, heads)``,
+        ``rope`` = (cos, sin, Hq, Hk, D): the weights checked on every call (a step's loop
+        makes its X16Layer once instead)."""
+        layer = self.x16_layer(wo, ln2, gate_up, down, eps, nxt,
+                               tuple(rope[2:]) if rope is not None else None)
+        cos, sin = rope[:2] if rope is not None else (None, None)
+        return self.run_x16_layer(layer, o, h, bufs, cos, sin)
 
     def pack_amx(self, w: torch.Tensor) -> AmxWeight | None:
         """``w`` [N, K] (any float dtype; rounded to bfloat16) packed for :meth:`amx_linear`;

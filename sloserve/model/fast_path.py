@@ -6,7 +6,7 @@ place, the attention backend, the output projection, add residual + RMSNorm, gat
 SiLU(gate) * up (in the epilogue of the quantized int8 product and of the AMX GEMM), the down
 projection. No Python work per layer grows with the batch. Where every quantized weight is in
 the kernels' x16 layout (the embedded model with int8 activations), a quantized step makes two
-kernel calls per layer: the attention backend's, then ``Kernels.x16_layer_tail`` from the output
+kernel calls per layer: the attention backend's, then ``Kernels.run_x16_layer`` from the output
 projection to the next layer's RoPE'd Q/K/V in one parallel region (bit-identical; a 1-decode
 step 4.2-4.4 -> 3.7-3.8 ms, 16 decodes 1-2 % faster, measured alternated in one process).
 
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from sloserve.model import hugepages
 from sloserve.model.quant import QuantizedWeight, concat_rows
-from sloserve.kernels import AmxWeight, X16Weight
+from sloserve.kernels import AmxWeight, X16Layer, X16Weight
 
 
 @dataclass
@@ -60,6 +60,7 @@ class FastLayer:
     gate_up: list[QuantizedWeight | X16Weight] | None = None
     down: QuantizedWeight | X16Weight | None = None
     amx: dict[str, AmxWeight] | None = None      # the dense weights packed for the AMX GEMM
+    tail: X16Layer | None = None  # this layer + the next one's input part, for x16_layer_tail
 
 
 class FastPath:
@@ -150,16 +151,21 @@ class FastPath:
         # gate_up's copy is interleaved for the fused SwiGLU (_swiglu), never a plain product
         self._amx = ({id(L.dense[n]): a for L in self.layers for n, a in L.amx.items()
                       if n != "gate_up"} | {id(self.lm_dense): self.lm_amx}) if use_amx else {}
-        # each crossover: 0 without its path, else as given, else measured (AMX's first: the
-        # quantized one races the dense path that will serve those steps)
         #: every layer's quantized weights are x16 (Q/K/V one weight, gate/up packed for the
         #: SwiGLU epilogue): a quantized step runs each layer after its attention as one
-        #: ``Kernels.x16_layer_tail`` call (same numbers, ~8 fewer calls per layer)
+        #: ``Kernels.run_x16_layer`` call (same numbers, ~8 fewer calls per layer)
         self.fused_layers = bool(q) and all(
             len(L.qkv) == 1 and isinstance(L.qkv[0], X16Weight) and not L.qkv[0].swiglu
             and isinstance(L.o, X16Weight) and isinstance(L.down, X16Weight)
             and len(L.gate_up) == 1 and getattr(L.gate_up[0], "swiglu", False)
             for L in self.layers)
+        if self.fused_layers:  # each layer's call checked once, here
+            heads = (config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+            for L, n in zip(self.layers, [*self.layers[1:], None]):
+                L.tail = kernels.x16_layer(L.o, L.ln2, L.gate_up[0], L.down, self.eps,
+                                           (n.ln1, n.qkv[0], n.qkv_bias) if n else None, heads)
+        # each crossover: 0 without its path, else as given, else measured (AMX's first: the
+        # quantized one races the dense path that will serve those steps)
         self.amx_max_tokens = _given_or(amx_max_tokens, use_amx, lambda: amx_crossover(self))
         self.quant_max_tokens = _given_or(quant_max_tokens, bool(q), lambda: quant_crossover(self))
 
@@ -317,28 +323,26 @@ class FastPath:
         if fused:
             bufs = (torch.empty(T, c.hidden_size), torch.empty(T, c.hidden_size),
                     torch.empty(T, c.intermediate_size))
-        for i, (L, cache) in enumerate(zip(self.layers, kv_caches)):
+        for L, cache in zip(self.layers, kv_caches):
             w = L.dense
-            if qkv is None:  # else the previous layer's fused call made it, RoPE applied
+            roped = qkv is not None  # the previous layer's fused call made it, RoPE applied
+            if not roped:
                 a = k.rms_norm(h, L.ln1, self.eps, act) if delta is None else \
                     k.add_rms_norm(h, delta, L.ln1, self.eps, act)
                 qkv = self._q(a, L.qkv) if quant else self._d(a, w["qkv"])
                 if L.qkv_bias is not None:
                     qkv += L.qkv_bias
-                k.rope(qkv[:, :H * D].view(T, H, D), qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D),
-                       cos, sin)
             q = qkv[:, :H * D].view(T, H, D)
             kk = qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D)
             v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
+            if not roped:
+                k.rope(q, kk, cos, sin)
             o = attn_backend.forward(q, kk, v, cache, attn_meta, D ** -0.5)
             o = o.reshape(T, H * D).float().contiguous()
             qkv = None
             if fused:
-                n = self.layers[i + 1] if i + 1 < len(self.layers) else None
-                out = k.x16_layer_tail(o, h, L.o, L.ln2, L.gate_up[0], L.down, self.eps, bufs,
-                                       (n.ln1, n.qkv[0], n.qkv_bias) if n else None,
-                                       (cos, sin, H, Hkv, D))
-                qkv, delta = (out, None) if n else (None, out)
+                out = k.run_x16_layer(L.tail, o, h, bufs, cos, sin)
+                qkv, delta = (out, None) if L.tail.nxt else (None, out)
                 continue
             delta = self._lin(o, L.o) if quant else self._d(o, w["o"], out_dtype=act)
             a = k.add_rms_norm(h, delta, L.ln2, self.eps, act)

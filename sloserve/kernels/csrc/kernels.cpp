@@ -2282,6 +2282,19 @@ inline void add_rms_norm_rows(float* h, const float* delta, const float* w, int6
   parallel_rows(T, row);
 }
 
+// A decoder layer's constant part for sl_x16_layer_tail: its output projection, post-attention
+// norm, gate/up (packed for the SwiGLU epilogue) and down weights; the next layer's input norm,
+// q/k/v weight and bias (ln1n null: the last layer); head counts and size, the norms' epsilon.
+struct SlX16Layer {
+  const SlX16 *wo, *wgu, *wd;
+  const float* ln2;
+  const float* ln1n;
+  const SlX16* wqkv;
+  const float* bias;
+  int64_t Hq, Hk, D;
+  float eps;
+};
+
 // One decoder layer after its attention and the next layer up to its attention, in one call
 // and one parallel region (the phases separated by the work-sharing loops' barriers), with the
 // same numbers as the separate kernels (sl_qlinear_x16, sl_add_rms_norm, sl_qlinear_x16_swiglu,
@@ -2293,30 +2306,28 @@ inline void add_rms_norm_rows(float* h, const float* delta, const float* w, int6
 // o [T, Hq * D]; h, delta, a [T, d] (d = wo.N); f [T, wgu.N / 2]; qkv [T, (Hq + 2 Hk) D];
 // every buffer float32 contiguous. scratch: sl_qlinear_x16's for the widest input (f).
 // Without ln1n, delta holds the down projection's output and h lacks it (the caller adds it).
-void sl_x16_layer_tail(const float* o, int64_t T, float* h, float* delta, float* a, float* f,
-                       const SlX16* wo, const float* ln2, const SlX16* wgu, const SlX16* wd,
-                       const float* ln1n, const SlX16* wqkv, const float* bias, float* qkv,
-                       const float* cos_t, const float* sin_t, int64_t Hq, int64_t Hk,
-                       int64_t D, float eps, void* scratch) {
+void sl_x16_layer_tail(const SlX16Layer* L, const float* o, int64_t T, float* h, float* delta,
+                       float* a, float* f, float* qkv, const float* cos_t, const float* sin_t,
+                       void* scratch) {
   if (T <= 0) return;
-  const int64_t d = wo->N;
+  const int64_t d = L->wo->N;
 #ifdef SL_USE_OMP
 #pragma omp parallel
 #endif
   {
-    x16_product(o, T, *wo, delta, scratch);
-    add_rms_norm_rows(h, delta, ln2, T, d, eps, a);
-    x16_swiglu(a, T, *wgu, f, scratch);
-    x16_product(f, T, *wd, delta, scratch);
-    if (ln1n) {
-      add_rms_norm_rows(h, delta, ln1n, T, d, eps, a);
-      x16_product(a, T, *wqkv, qkv, scratch);
-      const int64_t nq = wqkv->N, half = D / 2;
+    x16_product(o, T, *L->wo, delta, scratch);
+    add_rms_norm_rows(h, delta, L->ln2, T, d, L->eps, a);
+    x16_swiglu(a, T, *L->wgu, f, scratch);
+    x16_product(f, T, *L->wd, delta, scratch);
+    if (L->ln1n) {
+      add_rms_norm_rows(h, delta, L->ln1n, T, d, L->eps, a);
+      x16_product(a, T, *L->wqkv, qkv, scratch);
+      const int64_t nq = L->wqkv->N, D = L->D, half = D / 2;
       auto row = [&](int64_t t) {
         float* r = qkv + t * nq;
-        if (bias)
-          for (int64_t i = 0; i < nq; ++i) r[i] += bias[i];
-        rope_row(r, r + Hq * D, cos_t + t * half, sin_t + t * half, Hq, Hk, D);
+        if (L->bias)
+          for (int64_t i = 0; i < nq; ++i) r[i] += L->bias[i];
+        rope_row(r, r + L->Hq * D, cos_t + t * half, sin_t + t * half, L->Hq, L->Hk, D);
       };
       parallel_rows(T, row);
     }
