@@ -819,7 +819,8 @@ inline void x16_tile(const ActQ& a, int64_t K, const uint8_t* w, const float* d,
                      int64_t G, float* y, int64_t N) {
 #if SL_ISA == 2
   // per group: the BR blocks' codes unpacked once (8 registers each), then for each of the MC
-  // activation rows one chain of 8 dpbusd, its int32 sums scaled into the float accumulator
+  // activation rows 8 dpbusd (two chains of 4), their int32 sums scaled into the float
+  // accumulator
   if (mn) x16_tile_avx512<MC, BR, true>(a, K, w, d, mn, G, y, N);
   else x16_tile_avx512<MC, BR, false>(a, K, w, d, mn, G, y, N);
 #elif SL_ISA == 1
