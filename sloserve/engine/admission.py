@@ -44,12 +44,25 @@ class StepRates:
             when its step is one of the slow ones; measured in the simulator, the median ran
             one step optimistic for ~10 % of admitted requests). 0 until measured.
         decode_step_s: median time of the last ``window`` decode-only steps, s; 0 until measured.
+        prefill_token_s: what one more prompt token adds to a step, s: the median, over the last
+            ``window`` steps with prefill tokens, of (step time - decode_step_s) / prefill
+            tokens (a step's weight reads are priced in decode_step_s, so a small chunk is
+            not charged them). 0 until both kinds of step were measured.
+        paced_prefill_tokens: prompt tokens that add about one decode step's time to a step
+            (decode_step_s / prefill_token_s, at least ``PACED_MIN_TOKENS``): the chunk of a
+            paced long prefill (see ``Scheduler``, prefill pacing). 0 until measured.
     """
+
+    #: the smallest paced chunk: under it a long prompt re-reads every weight for a few tokens
+    #: per step (16 rows are one tile of the int8 product; measured on Zen 5, a 2,048-token
+    #: prompt beside 2 decodes took 1.3 s of steps in 16-token chunks and 2.3 s in 8-token ones)
+    PACED_MIN_TOKENS = 16
 
     def __init__(self, window: int = 32):
         self._prefill: collections.deque = collections.deque(maxlen=window)  # (tok/s, tokens)
         self._decode: collections.deque = collections.deque(maxlen=window)
         self._prefill_steps: collections.deque = collections.deque(maxlen=window)
+        self._prefill_cost: collections.deque = collections.deque(maxlen=window)  # (s, tokens)
 
     def update(self, prefill_tokens: int, decode_tokens: int, step_s: float) -> None:
         if step_s <= 0:
@@ -57,6 +70,7 @@ class StepRates:
         if prefill_tokens:
             self._prefill.append((prefill_tokens / step_s, prefill_tokens))
             self._prefill_steps.append(step_s)
+            self._prefill_cost.append((step_s, prefill_tokens))
         elif decode_tokens:
             self._decode.append(step_s)
 
@@ -82,6 +96,22 @@ class StepRates:
     @property
     def decode_step_s(self) -> float:
         return statistics.median(self._decode) if self._decode else 0.0
+
+    @property
+    def prefill_token_s(self) -> float:
+        d = self.decode_step_s
+        if d <= 0 or not self._prefill_cost:
+            return 0.0
+        return statistics.median(max(0.0, s - d) / n for s, n in self._prefill_cost)
+
+    @property
+    def paced_prefill_tokens(self) -> int:
+        d, per_token = self.decode_step_s, self.prefill_token_s
+        if d <= 0 or not self._prefill_cost:
+            return 0
+        if per_token <= 0:  # prompt tokens measured free: no reason to hold them back
+            return 1 << 30
+        return max(self.PACED_MIN_TOKENS, int(d / per_token))
 
 
 @dataclass(frozen=True)

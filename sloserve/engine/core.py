@@ -165,8 +165,17 @@ class EngineCore:
                     self.kv_cache_dtype, num_blocks, config.block_size,
                     self.kv_cache_bytes / GiB, self.max_model_len,
                     f"{config.batching} {config.scheduling_policy}"
-                    f"{', prefix caching' if config.enable_prefix_caching else ''}",
+                    f"{', prefix caching' if config.enable_prefix_caching else ''}"
+                    f"{self._pacing_note()}",
                     attn.describe(self.kv_cache_dtype), torch.get_num_threads())
+
+    def _pacing_note(self) -> str:
+        """The start-up line's words on prefill pacing (empty when it is off)."""
+        s = self.scheduler.config
+        if not (s.enable_prefill_pacing and s.policy.value == "chunked"):
+            return ""
+        return (f", prompts over {s.long_prompt_tokens} tokens paced beside decodes "
+                f"(--no-enable-prefill-pacing: off)")
 
     # ------------------------------------------------------------------ inputs
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -277,6 +286,7 @@ class EngineCore:
         self.num_steps += 1
         self.rates.update(out.num_prefill_tokens, out.num_decode_tokens, now - t0)
         self.scheduler.prefill_step_s = self.rates.prefill_step_s
+        self.scheduler.paced_prefill_tokens = self.rates.paced_prefill_tokens
         step = StepStats(start_time=t0, step_s=now - t0, forward_s=runner_out.forward_s,
                          num_batched_tokens=out.num_batched_tokens,
                          num_prefill_tokens=out.num_prefill_tokens,

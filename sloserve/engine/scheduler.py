@@ -34,6 +34,19 @@ take, at ``prefill_step_s`` each, which the engine measures and sets: see
 :func:`sloserve.engine.admission.estimate_ttft_s`) exceeds the limit go behind those that can
 still meet it; they are served later, never dropped.
 
+Prefill pacing (``enable_prefill_pacing``, chunked only, on by default): in a step that carries
+decodes, a long prompt (over ``long_prompt_tokens``, 4 % of max_model_len, the share vLLM's
+partial prefills call long) advances by at most ``paced_prefill_tokens``, which the engine sets
+from its measured steps: the prompt tokens that add about one decode step's time (see
+:class:`sloserve.engine.admission.StepRates`). A request decoding beside a long prefill then
+sees each of its steps take about twice a decode step, instead of sitting through the whole
+prefill in a few long chunk steps: on a CPU a decode step has no idle compute to hide a chunk
+in, so every chunk token lengthens the step, and the decodes that overlap the prefill pay all of
+it in their TPOT. Sarathi-Serve (Agrawal et al. OSDI'24) likewise derives its token budget
+from the decode latency it must keep. The long prompt keeps about half of each step while
+requests decode and the whole budget when none do; its TTFT grows by up to the decodes' own
+time. Shorter prompts are not paced (a new chat's first token stays one step away).
+
 Progress guarantee: running requests past their prefill are scheduled first, one token each, in
 every step (K = 1: a running, not preempted request gets a token every step, whatever arrives),
 as long as the budget holds them all (max_num_seqs <= max_num_batched_tokens, the default).
@@ -83,6 +96,8 @@ class SchedulerConfig:
         slo_deferral: move waiting requests that can no longer meet ttft_slo_s behind the others.
         long_prefill_token_threshold: chunked only: at most this many query tokens of one
             request's prefill per step (0: no cap but the budget).
+        enable_prefill_pacing: chunked only: pace long prompts beside decodes (module
+            docstring, "Prefill pacing").
     """
 
     max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
@@ -93,6 +108,7 @@ class SchedulerConfig:
     ttft_slo_s: float | None = None
     slo_deferral: bool = False
     long_prefill_token_threshold: int = 0
+    enable_prefill_pacing: bool = EngineConfig.enable_prefill_pacing
 
     @classmethod
     def of(cls, config: EngineConfig, max_model_len: int) -> "SchedulerConfig":
@@ -102,7 +118,8 @@ class SchedulerConfig:
                    policy=config.batching, queue_policy=config.scheduling_policy,
                    ttft_slo_s=config.ttft_slo_ms / 1e3 if config.ttft_slo_ms else None,
                    slo_deferral=config.slo_admission == "defer",
-                   long_prefill_token_threshold=config.long_prefill_token_threshold)
+                   long_prefill_token_threshold=config.long_prefill_token_threshold,
+                   enable_prefill_pacing=config.enable_prefill_pacing)
 
     def __post_init__(self) -> None:
         self.policy = SchedulingPolicy(self.policy)
@@ -112,6 +129,12 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+    @property
+    def long_prompt_tokens(self) -> int:
+        """Prompts longer than this (tokens) are paced: 4 % of max_model_len (vLLM's default
+        long-prefill threshold for partial prefills), at least one block of 16."""
+        return max(16, self.max_model_len * 4 // 100)
 
     @property
     def token_budget(self) -> int:
@@ -135,6 +158,9 @@ class Scheduler:
         #: the engine's measured time of a step with prefill tokens (s), for SLO-aware
         #: deferral; 0: unknown
         self.prefill_step_s = 0.0
+        #: prompt tokens of a paced long prefill per step (prefill pacing), which the engine
+        #: measures and sets; 0: not measured yet, no pacing
+        self.paced_prefill_tokens = 0
         self.num_deferred = 0
         #: finished or aborted since the last schedule(): the runner forgets them next step
         self._finished_ids: list[str] = []
@@ -311,6 +337,11 @@ class Scheduler:
                 scheduled[req.request_id] = 1 + len(spec)
                 budget -= 1 + len(spec)
 
+        # prefill pacing: with decodes in this step, a long prompt takes a paced chunk
+        pace = self.paced_prefill_tokens if (chunked and cfg.enable_prefill_pacing and scheduled
+                                             and self.paced_prefill_tokens > 0) else 0
+        long_prompt = cfg.long_prompt_tokens
+
         # 2. running requests part-way through their prefill (chunked, or a static batch)
         for req in list(self.running):
             if budget <= 0:
@@ -323,6 +354,8 @@ class Scheduler:
                     continue
                 n = budget
             n = min(n, cap)
+            if pace and req.num_prompt_tokens > long_prompt:
+                n = min(n, pace)
             ok, refund = self._allocate_or_preempt(req, n, out, scheduled)
             budget += refund
             if ok:
@@ -360,6 +393,8 @@ class Scheduler:
                     break  # head-of-line: the whole prompt must fit
                 n = budget
             n = min(n, cap)
+            if pace and req.num_prompt_tokens > long_prompt:
+                n = min(n, pace)
             if not self.kv.allocate_slots(req.request_id, start + n, hit_blocks):
                 refund = self._preempt_for(req, out, scheduled)
                 if refund is None:

@@ -131,6 +131,8 @@ class SimSetup:
                              ttft_slo_s=a.ttft_slo_ms / 1e3 if a.ttft_slo_ms else None,
                              slo_deferral=a.slo_admission == "defer" and bool(a.ttft_slo_ms),
                              slo_reject=a.slo_admission == "reject" and bool(a.ttft_slo_ms),
+                             long_prefill_token_threshold=a.long_prefill_token_threshold,
+                             enable_prefill_pacing=a.enable_prefill_pacing,
                              num_kv_blocks=self.num_kv_blocks,
                              block_size=a.block_size, request_in_s=into, token_out_s=out)
         if into or out:

@@ -169,6 +169,8 @@ class LoopResult:
     num_preemptions: int
     num_steps: int
     max_batched_tokens: int
+    #: steps in which a long prompt's chunk was cut to the paced size beside decodes
+    num_paced_steps: int = 0
 
 
 def run_model_loop(tiny: TinyLlama, prompts: dict[str, list[int]],
@@ -177,10 +179,11 @@ def run_model_loop(tiny: TinyLlama, prompts: dict[str, list[int]],
                    max_num_seqs: int = 64, max_model_len: int = 512,
                    arrivals: dict[str, int] | None = None, seed: int = 0,
                    max_steps: int = 2000, kv_cache_dtype=None,
-                   backend: str = "torch-ref") -> LoopResult:
+                   backend: str = "torch-ref", paced_prefill_tokens: int = 0) -> LoopResult:
     """Drive Scheduler + KVCacheManager + ModelRunner + Sampler (float32) to completion, as
     LLMEngine.step does. `arrivals[rid]` = step before which the request is added (default 0);
-    `kv_cache_dtype`: the cache's (default float32)."""
+    `kv_cache_dtype`: the cache's (default float32); `paced_prefill_tokens`: the scheduler's
+    paced chunk, as the engine would set it from its step times (0: no pacing)."""
     import torch
 
     from sloserve.model.attention import get_attention_backend
@@ -198,6 +201,8 @@ def run_model_loop(tiny: TinyLlama, prompts: dict[str, list[int]],
     reqs: dict[str, Request] = {}
     step = 0
     max_tokens_seen = 0
+    paced_steps = 0
+    sched.paced_prefill_tokens = paced_prefill_tokens
     while pending or sched.has_unfinished():
         while pending and arrivals.get(pending[0], 0) <= step:
             rid = pending.pop(0)
@@ -206,6 +211,11 @@ def run_model_loop(tiny: TinyLlama, prompts: dict[str, list[int]],
         out = sched.schedule(float(step))
         if not out.is_empty:
             max_tokens_seen = max(max_tokens_seen, out.num_batched_tokens)
+            if paced_prefill_tokens and any(s.is_decode for s in out.scheduled) and any(
+                    not s.is_decode and s.num_new_tokens == paced_prefill_tokens
+                    and len(reqs[s.request_id].prompt_token_ids) > sched.config.long_prompt_tokens
+                    for s in out.scheduled):
+                paced_steps += 1
             sched.update_from_output(out, runner.execute(out), float(step))
         else:
             assert pending, "scheduler returned an empty step with work left"
@@ -216,7 +226,7 @@ def run_model_loop(tiny: TinyLlama, prompts: dict[str, list[int]],
     return LoopResult(tokens={rid: list(r.output_token_ids) for rid, r in reqs.items()},
                       finish_reasons={rid: r.status.finish_reason for rid, r in reqs.items()},
                       num_preemptions=sched.num_preemptions, num_steps=step,
-                      max_batched_tokens=max_tokens_seen)
+                      max_batched_tokens=max_tokens_seen, num_paced_steps=paced_steps)
 
 
 # ----------------------------------------------------------------------------- real tokenizer

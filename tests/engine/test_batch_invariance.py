@@ -81,6 +81,16 @@ def test_staggered_arrivals_mix_decodes_and_chunks(tiny_llama, reference):
     assert res.tokens == reference
 
 
+def test_paced_long_prefills_beside_decodes_keep_tokens(tiny_llama, reference):
+    """Prefill pacing: the prompts over 4 % of max_model_len (20 of 512 tokens) advance 7
+    tokens a step while others decode, and every request's greedy tokens stay its own."""
+    arrivals = {rid: 2 * i for i, rid in enumerate(PROMPTS)}
+    res = run_model_loop(tiny_llama, PROMPTS, _greedy_params(), policy="chunked", budget=64,
+                         arrivals=arrivals, block_size=16, paced_prefill_tokens=7)
+    assert res.tokens == reference
+    assert res.num_paced_steps >= 10
+
+
 @pytest.mark.parametrize("policy", ["chunked", "naive", "static"])
 def test_preemption_keeps_tokens(tiny_llama, reference, policy):
     # block_size 4: the 120-token prompt needs 33 blocks for its 129 cached tokens; 40 blocks

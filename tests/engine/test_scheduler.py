@@ -62,6 +62,70 @@ def test_long_prefill_token_threshold_caps_each_prefill_per_step():
         EngineConfig(long_prefill_token_threshold=-1).validate()
 
 
+def test_prefill_pacing_cuts_a_long_prompt_beside_decodes_only():
+    """max_model_len 256: prompts over 16 tokens are long. With decodes in the step a 40-token
+    prompt advances by the paced 6 tokens, a 12-token one whole; alone, a long prompt takes the
+    budget; pacing off or not measured yet (0): no cut."""
+    def sched_with(pace: int, enable: bool = True) -> Scheduler:
+        s = make_scheduler(budget=64, block_size=4)
+        s.config.enable_prefill_pacing = enable
+        s.paced_prefill_tokens = pace
+        return s
+
+    s = sched_with(6)
+    assert s.config.long_prompt_tokens == 16
+    s.add_request(make_request("d", 3, max_tokens=20))
+    drive_step(s)
+    s.add_request(make_request("L", 40, max_tokens=2))
+    s.add_request(make_request("s", 12, max_tokens=20))
+    seen = [composition(drive_step(s)[0]) for _ in range(3)]
+    assert seen == [[("d", 3, 1), ("L", 0, 6), ("s", 0, 12)],
+                    [("d", 4, 1), ("s", 12, 1), ("L", 6, 6)],
+                    [("d", 5, 1), ("s", 13, 1), ("L", 12, 6)]]
+    check_kv_invariants(s)
+    alone = sched_with(6)
+    alone.add_request(make_request("L", 40, max_tokens=2))
+    assert composition(drive_step(alone)[0]) == [("L", 0, 40)]
+    for off in (sched_with(6, enable=False), sched_with(0)):
+        off.add_request(make_request("d", 3, max_tokens=20))
+        drive_step(off)
+        off.add_request(make_request("L", 40, max_tokens=2))
+        assert composition(drive_step(off)[0]) == [("d", 3, 1), ("L", 0, 40)]
+    naive = make_scheduler(budget=64, block_size=4, policy="naive")
+    naive.paced_prefill_tokens = 6
+    naive.add_request(make_request("d", 3, max_tokens=20))
+    drive_step(naive)
+    naive.add_request(make_request("L", 40, max_tokens=2))
+    assert composition(drive_step(naive)[0]) == [("d", 3, 1), ("L", 0, 40)]
+
+
+def test_step_rates_paced_prefill_tokens():
+    """decode_step_s 4 ms; steps with prefill cost (step - 4 ms) / tokens each, the median of
+    those prices a token; the paced chunk is one decode step's worth, at least 16 tokens."""
+    from sloserve.engine.admission import StepRates
+    r = StepRates()
+    assert (r.prefill_token_s, r.paced_prefill_tokens) == (0.0, 0)
+    r.update(16, 1, 0.008)                # prefill before any decode-only step: not yet priced
+    assert (r.prefill_token_s, r.paced_prefill_tokens) == (0.0, 0)
+    for _ in range(3):
+        r.update(0, 2, 0.004)
+    assert r.decode_step_s == pytest.approx(0.004)
+    assert r.prefill_token_s == pytest.approx(0.00025)     # (8 - 4) ms / 16
+    assert r.paced_prefill_tokens == 16
+    r.update(40, 2, 0.0048)                                # 0.8 ms / 40 = 0.02 ms a token
+    r.update(100, 0, 0.006)                                # 2 ms / 100
+    assert r.prefill_token_s == pytest.approx(0.00002)
+    assert r.paced_prefill_tokens == 200                   # 4 ms / 0.02 ms
+    for _ in range(4):
+        r.update(512, 0, 0.160)                            # 0.3 ms a token: under 16 -> 16
+    assert r.prefill_token_s == pytest.approx((0.160 - 0.004) / 512)
+    assert r.paced_prefill_tokens == 16
+    free = StepRates()
+    free.update(0, 1, 0.004)
+    free.update(8, 1, 0.003)                               # cheaper than a decode step
+    assert free.prefill_token_s == 0.0 and free.paced_prefill_tokens > 10 ** 6
+
+
 def test_scheduled_request_is_plain_data():
     """Budget 4, block size 4: a 10-token prompt runs as chunks 0-3, 4-7, 8-9 (+ its first decode
     in the last step), then decodes; each record carries its token ids and whole block table."""
