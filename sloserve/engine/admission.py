@@ -111,7 +111,7 @@ class StepRates:
             return 0
         if per_token <= 0:  # prompt tokens measured free: no reason to hold them back
             return 1 << 30
-        return max(self.PACED_MIN_TOKENS, int(d / per_token))
+        return max(self.PACED_MIN_TOKENS, int(d / per_token * (1 + 1e-9)))  # 20.0 is 20, not 19
 
 
 @dataclass(frozen=True)
