@@ -61,10 +61,11 @@ class EngineConfig:
             smaller cap spreads a long prompt over more steps: decodes running beside it see
             shorter gaps, and those that outlive its prefill less of it in their TPOT; its own
             TTFT grows.
-        enable_prefill_pacing: with chunked prefill, while requests decode, a prompt longer
-            than 4 % of max_model_len advances by the chunk that adds about one decode step's
-            time to a step, measured by the engine (default on; our own flag: see
-            ``sloserve.engine.scheduler``, "Prefill pacing").
+        enable_prefill_pacing: with chunked prefill, while requests decode, the prompts longer
+            than 4 % of max_model_len share one chunk per step that adds about one decode
+            step's time, measured by the engine (default on; off with ttft_slo_ms, whose TTFT
+            estimate does not model it; our own flag: see ``sloserve.engine.scheduler``,
+            "Prefill pacing").
         static_batching: admit a batch only when nothing runs (for comparison; our own flag).
         ttft_slo_ms: with it, SLO-aware admission: a request whose estimated TTFT exceeds it is
             rejected at arrival (429) or, with slo_admission "defer", moved behind the
@@ -228,9 +229,10 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
                         "(default 0: no cap but the token budget)")
     p.add_argument("--enable-prefill-pacing", action=argparse.BooleanOptionalAction,
                    default=_D.enable_prefill_pacing,
-                   help="while requests decode, a long prompt (over 4%% of --max-model-len) "
-                        "advances by the chunk that adds about one decode step's time to a step, "
-                        "so the decodes beside it are not stalled by its prefill (default on)")
+                   help="while requests decode, long prompts (over 4%% of --max-model-len) "
+                        "advance by one shared chunk per step that adds about one decode step's "
+                        "time, so the decodes beside them are not stalled by their prefill "
+                        "(default on; off with --ttft-slo-ms)")
     p.add_argument("--static-batching", action="store_true",
                    help="admit a batch only when nothing runs (static batching, for comparison)")
     p.add_argument("--ttft-slo-ms", type=float, default=None, metavar="MS",

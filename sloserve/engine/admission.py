@@ -49,8 +49,9 @@ class StepRates:
             tokens (a step's weight reads are priced in decode_step_s, so a small chunk is
             not charged them). 0 until both kinds of step were measured.
         paced_prefill_tokens: prompt tokens that add about one decode step's time to a step
-            (decode_step_s / prefill_token_s, at least ``PACED_MIN_TOKENS``): the chunk of a
-            paced long prefill (see ``Scheduler``, prefill pacing). 0 until measured.
+            (decode_step_s / prefill_token_s, rounded down to a multiple of
+            ``PACED_MIN_TOKENS``, at least that): the chunk of a paced long prefill (see
+            ``Scheduler``, prefill pacing). 0 until measured.
     """
 
     #: the smallest paced chunk: under it a long prompt re-reads every weight for a few tokens
@@ -111,7 +112,10 @@ class StepRates:
             return 0
         if per_token <= 0:  # prompt tokens measured free: no reason to hold them back
             return 1 << 30
-        return max(self.PACED_MIN_TOKENS, int(d / per_token * (1 + 1e-9)))  # 20.0 is 20, not 19
+        n = int(d / per_token * (1 + 1e-9))  # (20.0 is 20, not 19)
+        # whole multiples of 16: a chunk is tiles of 16 rows, and the chunking (and with it a
+        # bf16 run's rounding) moves only when the measured prices move by a tile's worth
+        return max(self.PACED_MIN_TOKENS, n - n % self.PACED_MIN_TOKENS)
 
 
 @dataclass(frozen=True)

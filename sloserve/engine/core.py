@@ -172,8 +172,10 @@ class EngineCore:
     def _pacing_note(self) -> str:
         """The start-up line's words on prefill pacing (empty when it is off)."""
         s = self.scheduler.config
-        if not (s.enable_prefill_pacing and s.policy.value == "chunked"):
+        if s.policy.value != "chunked" or not self.config.enable_prefill_pacing:
             return ""
+        if not s.enable_prefill_pacing:
+            return ", no prefill pacing (--ttft-slo-ms estimates TTFT without it)"
         return (f", prompts over {s.long_prompt_tokens} tokens paced beside decodes "
                 f"(--no-enable-prefill-pacing: off)")
 

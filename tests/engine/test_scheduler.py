@@ -99,9 +99,42 @@ def test_prefill_pacing_cuts_a_long_prompt_beside_decodes_only():
     assert composition(drive_step(naive)[0]) == [("d", 3, 1), ("L", 0, 40)]
 
 
+def test_long_prompts_share_one_paced_chunk_per_step_in_queue_order():
+    """Three long prompts and a short one wait behind a decode (paced 6): the first long takes
+    the step's 6 paced tokens, the other two keep their place at the front while the short one
+    behind them starts; each step's long chunks add up to 6, the next long prompt taking what the
+    one before it leaves."""
+    s = make_scheduler(budget=64, block_size=4, num_blocks=128)
+    s.paced_prefill_tokens = 6
+    s.add_request(make_request("d", 3, max_tokens=60))
+    drive_step(s)
+    for rid in ("L0", "L1", "L2"):
+        s.add_request(make_request(rid, 20, max_tokens=1))
+    s.add_request(make_request("s", 10, max_tokens=60))
+    first = composition(drive_step(s)[0])
+    assert first == [("d", 3, 1), ("L0", 0, 6), ("s", 0, 10)]
+    assert [r.request_id for r in s.waiting] == ["L1", "L2"]
+    steps = [composition(drive_step(s)[0]) for _ in range(8)]
+    long_chunks = [[c for c in step if c[0].startswith("L")] for step in steps]
+    assert long_chunks == [[("L0", 6, 6)], [("L0", 12, 6)], [("L0", 18, 2), ("L1", 0, 4)],
+                           [("L1", 4, 6)], [("L1", 10, 6)], [("L1", 16, 4), ("L2", 0, 2)],
+                           [("L2", 2, 6)], [("L2", 8, 6)]]
+    assert all(sum(n for _, _, n in chunks) == 6 for chunks in long_chunks)
+    check_kv_invariants(s)
+
+
+def test_prefill_pacing_is_off_with_slo_admission():
+    """--ttft-slo-ms estimates TTFT from whole-budget chunks: pacing would overrun it."""
+    from sloserve.config import EngineConfig
+    assert SchedulerConfig().enable_prefill_pacing
+    assert not SchedulerConfig(ttft_slo_s=1.0).enable_prefill_pacing
+    assert not SchedulerConfig.of(EngineConfig(ttft_slo_ms=500.0), 1024).enable_prefill_pacing
+    assert SchedulerConfig.of(EngineConfig(), 1024).enable_prefill_pacing
+
+
 def test_step_rates_paced_prefill_tokens():
     """decode_step_s 4 ms; steps with prefill cost (step - 4 ms) / tokens each, the median of
-    those prices a token; the paced chunk is one decode step's worth, at least 16 tokens."""
+    those prices a token; the paced chunk is one decode step's worth in whole 16s, at least 16."""
     from sloserve.engine.admission import StepRates
     r = StepRates()
     assert (r.prefill_token_s, r.paced_prefill_tokens) == (0.0, 0)
@@ -115,7 +148,7 @@ def test_step_rates_paced_prefill_tokens():
     r.update(40, 2, 0.0048)                                # 0.8 ms / 40 = 0.02 ms a token
     r.update(100, 0, 0.006)                                # 2 ms / 100
     assert r.prefill_token_s == pytest.approx(0.00002)
-    assert r.paced_prefill_tokens == 200                   # 4 ms / 0.02 ms
+    assert r.paced_prefill_tokens == 192                   # 4 ms / 0.02 ms = 200: 12 x 16
     for _ in range(4):
         r.update(512, 0, 0.160)                            # 0.3 ms a token: under 16 -> 16
     assert r.prefill_token_s == pytest.approx((0.160 - 0.004) / 512)

@@ -147,3 +147,48 @@ def test_fused_layer_calls_give_the_separate_kernels_logits_bit_for_bit():
             out.append(_logits(eng, ids[:n]))
         fp.fused_layers = True
         assert torch.equal(out[0], out[1]), n
+
+
+def test_paced_long_prompt_beside_a_decode_keeps_greedy_tokens(engines, monkeypatch):
+    """Prefill pacing on the fused kernels: a long prompt prefilled in 16-token chunks beside a
+    decoding request (the paced size forced, as the engine would measure it) gives both
+    requests the greedy tokens they get with pacing off (whole-budget chunks)."""
+    from sloserve.engine.admission import StepRates
+    from sloserve.sampling_params import SamplingParams
+    fast, _ = engines
+    sched = fast.scheduler
+    long_ids = fast.tokenizer.encode(" ".join(PROMPTS) * 40)
+    long_ids = long_ids[:min(len(long_ids), sched.config.long_prompt_tokens + 150)]
+    assert len(long_ids) > sched.config.long_prompt_tokens
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    monkeypatch.setattr(StepRates, "paced_prefill_tokens", property(lambda self: 16))
+    tokens, paced = {}, {}
+    schedule = sched.schedule
+    for pacing in (True, False):
+        sched.config.enable_prefill_pacing = pacing
+        comps = []  # (decodes, prefill chunk sizes) of every step
+
+        def spy(now=0.0):
+            out = schedule(now)
+            comps.append((sum(s.is_decode for s in out.scheduled),
+                          [s.num_new_tokens for s in out.scheduled if not s.is_decode]))
+            return out
+        sched.schedule = spy
+        try:
+            short = fast.add_request(PROMPTS[0], sp)
+            fast.step()  # its prompt: from here on it decodes
+            long = fast.add_request(long_ids, SamplingParams(temperature=0.0, max_tokens=8,
+                                                             ignore_eos=True))
+            done = {}
+            while fast.has_unfinished_requests():
+                for o in fast.step():
+                    if o.finished:
+                        done[o.request_id] = o.token_ids
+        finally:
+            sched.schedule = schedule
+            sched.config.enable_prefill_pacing = True
+        tokens[pacing] = (done[short], done[long])
+        paced[pacing] = sum(1 for d, chunks in comps if d and 16 in chunks)
+    assert tokens[True] == tokens[False]
+    assert len(tokens[True][0]) == 40 and len(tokens[True][1]) == 8
+    assert paced[True] >= len(long_ids) // 16 - 1 and paced[False] <= 1

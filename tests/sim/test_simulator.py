@@ -239,9 +239,9 @@ def test_prefix_affinity_keeps_shared_prefix_groups_and_spreads_other_tags():
 @pytest.mark.parametrize("pacing", [True, False])
 def test_a_long_prompt_beside_a_decode_is_paced_by_the_cost_models_prices(pacing):
     """A 4 ms decode step and 0.2 ms a prompt token: beside the running decode, the
-    2,000-token prompt (over 4 % of max_model_len 8,192) advances 20 tokens a step, one decode
-    step's worth, and the decode's steps stay at 8 ms; with pacing off it takes the budget (511
-    tokens beside the decode) and the decode sits through 106 ms steps."""
+    2,000-token prompt (over 4 % of max_model_len 8,192) advances 16 tokens a step (one decode
+    step's worth, 20, in whole 16s), and the decode's steps stay at 7.2 ms; with pacing off it
+    takes the budget (511 tokens beside the decode) and the decode sits through 106 ms steps."""
     reqs = [SampleRequest("", 8, 300), SampleRequest("", 2000, 2)]
     cost = LinearCostModel([0.004, 0.0, 0.0, 0.0002, 0.0, 0.0])
     cfg = SimConfig(max_num_batched_tokens=512, max_model_len=8192, enable_prefill_pacing=pacing)
@@ -249,7 +249,7 @@ def test_a_long_prompt_beside_a_decode_is_paced_by_the_cost_models_prices(pacing
     beside = [sum(n for n, _ in c.prefill_chunks) for _, c in res.steps
               if c.decode_contexts and c.prefill_chunks]
     if pacing:
-        assert beside == [20] * 100
+        assert beside == [16] * 125
     else:
         assert beside == [511, 511, 511, 467]
     assert [r.output_tokens for r in res.records] == [300, 2]
