@@ -229,10 +229,14 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
                         "(default 0: no cap but the token budget)")
     p.add_argument("--enable-prefill-pacing", action=argparse.BooleanOptionalAction,
                    default=_D.enable_prefill_pacing,
-                   help="while requests decode, long prompts (over 4%% of --max-model-len) "
-                        "advance by one shared chunk per step that adds about one decode step's "
-                        "time, so the decodes beside them are not stalled by their prefill "
-                        "(default on; off with --ttft-slo-ms)")
+                   help="chunked prefill only: while requests decode, long prompts (over 4%% "
+                        "of --max-model-len) advance by one shared chunk per step that adds "
+                        "about one decode step's time (at least 16 tokens), so the decodes "
+                        "beside them are not stalled by their prefill; their own first token "
+                        "comes later. The engine prices the chunk from its measured steps, the "
+                        "simulator from its cost model (a cost model whose prefill hides under "
+                        "the decode, like --preset lecture's, is never paced). Default on; off "
+                        "with --ttft-slo-ms")
     p.add_argument("--static-batching", action="store_true",
                    help="admit a batch only when nothing runs (static batching, for comparison)")
     p.add_argument("--ttft-slo-ms", type=float, default=None, metavar="MS",

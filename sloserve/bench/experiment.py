@@ -113,16 +113,23 @@ def reading(rows: Sequence[dict[str, Any]]) -> list[str]:
            f"({_change(c['mean_ttft_ms'], n['mean_ttft_ms'])})."]
     stalls = c["max_itl_ms"] < 0.8 * n["max_itl_ms"]
     tpot = c["p99_tpot_ms"] < 0.95 * n["p99_tpot_ms"]
+    rose = c["p99_tpot_ms"] > 1.05 * n["p99_tpot_ms"]
     out.append(f"Chunking {'cut' if stalls else 'did not cut'} the longest stall (max ITL) and "
-               f"{'cut' if tpot else 'did not cut'} P99 TPOT here.")
+               f"{'cut' if tpot else 'P99 TPOT rose' if rose else 'did not cut'}"
+               f"{' P99 TPOT' if not rose else ''} here.")
     if not tpot:
         out.append(
             "P99 TPOT falls with chunking only where a prefill chunk costs a decode step little "
             "(a memory-bound step with idle compute, Sarathi-Serve); where every token a step "
             "carries costs about the same, a prompt split into chunks delays the running decodes "
             "as much in sum as in one step, only in shorter gaps, and TPOT (a request's mean gap) "
-            "stays. This engine's marginal cost of a prefill token in a decode step is measured "
-            "by benchmarks/step_composition.py (benchmarks/README.md).")
+            "does not fall. This engine's marginal cost of a prefill token in a decode step is "
+            "measured by benchmarks/step_composition.py (benchmarks/README.md).")
+    if c["p99_tpot_ms"] > 1.2 * n["p99_tpot_ms"]:
+        out.append(
+            "A rise of more than 20 % is more than the extra steps of chunking cost on this "
+            "engine (benchmarks/README.md): the policies run one after another, so look for "
+            "other jobs on the cores during the chunked run, and re-run on a quiet host.")
     if "static" in by:
         s = by["static"]
         lowest = s["p99_tpot_ms"] <= min(c["p99_tpot_ms"], n["p99_tpot_ms"])

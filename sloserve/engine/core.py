@@ -176,8 +176,8 @@ class EngineCore:
             return ""
         if not s.enable_prefill_pacing:
             return ", no prefill pacing (--ttft-slo-ms estimates TTFT without it)"
-        return (f", prompts over {s.long_prompt_tokens} tokens paced beside decodes "
-                f"(--no-enable-prefill-pacing: off)")
+        return (f", prefill pacing for prompts over {s.long_prompt_tokens} tokens "
+                f"(--no-enable-prefill-pacing turns it off)")
 
     # ------------------------------------------------------------------ inputs
     def add_request(self, req: EngineCoreRequest) -> None:

@@ -12,8 +12,20 @@ def test_reading_reports_the_changes_and_explains_a_tpot_that_did_not_drop():
     lines = reading([row("naive", 156, 1339, 437), row("chunked", 176, 410, 651)])
     assert lines[0] == ("chunked vs naive: max ITL 1339 -> 410 ms (-69 %), P99 TPOT 156 -> 176 ms "
                         "(+13 %), mean TTFT 437 -> 651 ms (+49 %).")
-    assert lines[1] == "Chunking cut the longest stall (max ITL) and did not cut P99 TPOT here."
+    assert lines[1] == "Chunking cut the longest stall (max ITL) and P99 TPOT rose here."
     assert len(lines) == 3 and "marginal cost of a prefill token" in lines[2]
+    assert "does not fall" in lines[2] and "stays" not in lines[2]
+
+
+def test_reading_says_tpot_did_not_cut_when_it_held_and_flags_a_rise_over_20_percent():
+    """A loaded host's run read "did not cut P99 TPOT ... stays" over a 1327 -> 1752 ms rise
+    (a new user's report): a rise is called one, and over 20 % the reading points at the load."""
+    held = reading([row("naive", 100, 800), row("chunked", 103, 30)])
+    assert held[1] == "Chunking cut the longest stall (max ITL) and did not cut P99 TPOT here."
+    assert len(held) == 3
+    risen = reading([row("naive", 1327, 9000), row("chunked", 1752, 4000)])
+    assert risen[1] == "Chunking cut the longest stall (max ITL) and P99 TPOT rose here."
+    assert risen[3].startswith("A rise of more than 20 %") and len(risen) == 4
 
 
 def test_the_reading_never_claims_a_stall_cut_the_table_does_not_show():
@@ -21,8 +33,8 @@ def test_the_reading_never_claims_a_stall_cut_the_table_does_not_show():
     'chunking removed the long stalls'."""
     lines = reading([row("naive", 156, 9426), row("chunked", 170, 16340)])
     assert "max ITL 9426 -> 16340 ms (+73 %)" in lines[0]
-    assert lines[1] == ("Chunking did not cut the longest stall (max ITL) and did not cut P99 "
-                        "TPOT here.")
+    assert lines[1] == ("Chunking did not cut the longest stall (max ITL) and P99 TPOT rose "
+                        "here.")
 
 
 def test_no_explanation_when_chunking_cuts_p99_tpot():
