@@ -98,18 +98,21 @@ class StepRates:
     def decode_step_s(self) -> float:
         return statistics.median(self._decode) if self._decode else 0.0
 
-    @property
-    def prefill_token_s(self) -> float:
-        d = self.decode_step_s
-        if d <= 0 or not self._prefill_cost:
-            return 0.0
+    def _token_price(self, d: float) -> float:
+        """prefill_token_s against a decode step of ``d`` s (> 0, with prefill steps seen)."""
         return statistics.median(max(0.0, s - d) / n for s, n in self._prefill_cost)
 
     @property
+    def prefill_token_s(self) -> float:
+        d = self.decode_step_s
+        return self._token_price(d) if d > 0 and self._prefill_cost else 0.0
+
+    @property
     def paced_prefill_tokens(self) -> int:
-        d, per_token = self.decode_step_s, self.prefill_token_s
+        d = self.decode_step_s
         if d <= 0 or not self._prefill_cost:
             return 0
+        per_token = self._token_price(d)
         if per_token <= 0:  # prompt tokens measured free: no reason to hold them back
             return 1 << 30
         n = int(d / per_token * (1 + 1e-9))  # (20.0 is 20, not 19)

@@ -287,8 +287,7 @@ class EngineCore:
         self.last_runner_output = runner_out
         self.num_steps += 1
         self.rates.update(out.num_prefill_tokens, out.num_decode_tokens, now - t0)
-        self.scheduler.prefill_step_s = self.rates.prefill_step_s
-        self.scheduler.paced_prefill_tokens = self.rates.paced_prefill_tokens
+        self.scheduler.observe(self.rates)
         step = StepStats(start_time=t0, step_s=now - t0, forward_s=runner_out.forward_s,
                          num_batched_tokens=out.num_batched_tokens,
                          num_prefill_tokens=out.num_prefill_tokens,

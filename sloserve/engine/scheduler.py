@@ -67,7 +67,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from sloserve.config import EngineConfig
-from sloserve.engine.admission import estimate_ttft_s
+from sloserve.engine.admission import StepRates, estimate_ttft_s
 from sloserve.engine.kv_cache_manager import KVCacheManager
 from sloserve.engine.messages import EngineCoreOutput
 from sloserve.engine.request import Request, RequestStatus
@@ -171,6 +171,13 @@ class Scheduler:
         self.num_deferred = 0
         #: finished or aborted since the last schedule(): the runner forgets them next step
         self._finished_ids: list[str] = []
+
+    def observe(self, rates: StepRates) -> None:
+        """Take the engine's measured speeds after a step (the core's from the clock, the
+        simulator's from its cost model): the prefill step time of SLO-aware deferral and the
+        chunk of prefill pacing."""
+        self.prefill_step_s = rates.prefill_step_s
+        self.paced_prefill_tokens = rates.paced_prefill_tokens
 
     # ----------------------------------------------------------------- queue management
     def add_request(self, request: Request) -> None:

@@ -200,8 +200,7 @@ class Replica:
                              f"take more than 0 and at most {MAX_STEP_S:g} s: check its settings")
         end = t + dt
         self.rates.update(out.num_prefill_tokens, out.num_decode_tokens, dt)
-        self.sched.prefill_step_s = self.rates.prefill_step_s
-        self.sched.paced_prefill_tokens = self.rates.paced_prefill_tokens
+        self.sched.observe(self.rates)
         self.running_step = out
         if self.record_steps:
             self.steps.append((end, comp))

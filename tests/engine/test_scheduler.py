@@ -66,11 +66,18 @@ def test_prefill_pacing_cuts_a_long_prompt_beside_decodes_only():
     """max_model_len 256: prompts over 16 tokens are long. With decodes in the step a 40-token
     prompt advances by the paced 6 tokens, a 12-token one whole; alone, a long prompt takes the
     budget; pacing off or not measured yet (0): no cut."""
-    def sched_with(pace: int, enable: bool = True) -> Scheduler:
-        s = make_scheduler(budget=64, block_size=4)
+    def sched_with(pace: int, enable: bool = True, policy: str = "chunked") -> Scheduler:
+        s = make_scheduler(budget=64, block_size=4, policy=policy)
         s.config.enable_prefill_pacing = enable
         s.paced_prefill_tokens = pace
         return s
+
+    def long_beside_a_decode(s: Scheduler) -> list:
+        """The step in which a 40-token prompt arrives while a request decodes."""
+        s.add_request(make_request("d", 3, max_tokens=20))
+        drive_step(s)
+        s.add_request(make_request("L", 40, max_tokens=2))
+        return composition(drive_step(s)[0])
 
     s = sched_with(6)
     assert s.config.long_prompt_tokens == 16
@@ -86,17 +93,8 @@ def test_prefill_pacing_cuts_a_long_prompt_beside_decodes_only():
     alone = sched_with(6)
     alone.add_request(make_request("L", 40, max_tokens=2))
     assert composition(drive_step(alone)[0]) == [("L", 0, 40)]
-    for off in (sched_with(6, enable=False), sched_with(0)):
-        off.add_request(make_request("d", 3, max_tokens=20))
-        drive_step(off)
-        off.add_request(make_request("L", 40, max_tokens=2))
-        assert composition(drive_step(off)[0]) == [("d", 3, 1), ("L", 0, 40)]
-    naive = make_scheduler(budget=64, block_size=4, policy="naive")
-    naive.paced_prefill_tokens = 6
-    naive.add_request(make_request("d", 3, max_tokens=20))
-    drive_step(naive)
-    naive.add_request(make_request("L", 40, max_tokens=2))
-    assert composition(drive_step(naive)[0]) == [("d", 3, 1), ("L", 0, 40)]
+    for off in (sched_with(6, enable=False), sched_with(0), sched_with(6, policy="naive")):
+        assert long_beside_a_decode(off) == [("d", 3, 1), ("L", 0, 40)]
 
 
 def test_long_prompts_share_one_paced_chunk_per_step_in_queue_order():
