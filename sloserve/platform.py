@@ -1,8 +1,8 @@
 """The CPU this process runs on: its instruction sets, and the dtype the engine computes in there.
 
 The CPU kind varies between machines: some expose AVX-512 with bf16 (AVX512_BF16, AMX), others
-only AVX2/FMA, where torch's bfloat16 matmul is emulated and runs 10-200x slower than float32
-(seen: 0.7 against 147 GFLOP/s). So the engine never assumes an instruction set: with
+only AVX2/FMA, where torch's bfloat16 matmul is emulated and runs 10-200x slower than float32.
+So the engine never assumes an instruction set: with
 ``--dtype auto`` (the default) it times one small bfloat16 and one float32 product of each shape
 that matters (a prefill-shaped GEMM and a decode-shaped GEMV) in this process, under whatever caps
 ``ATEN_CPU_CAPABILITY`` / ``ONEDNN_MAX_CPU_ISA`` set, and computes in bfloat16 only where that is
@@ -129,9 +129,8 @@ def probe_matmul(repeats: int = 20) -> MatmulProbe:
     a few ms where bf16 is native, up to ~0.5 s where it is emulated. torch's thread count is
     restored afterwards.
 
-    Alternated because the machines are shared: one dtype's runs back to back last well under a
-    millisecond, so a neighbour's burst could cover all of them (a start-up measured the bf16
-    GEMV at 6.2x float32's time, against 1.3-1.6x in every quiet run, and served float32)."""
+    Alternated because machines are shared: one dtype's runs back to back last well under a
+    millisecond, so a neighbour's burst could cover all of them and flip the choice."""
     import torch
 
     def best_pair(m: int, k: int, n: int) -> tuple[float, float]:

@@ -5,7 +5,7 @@ A long prompt prefilled whole (``naive``) makes the step that carries it as long
 so every running decode waits: a spike in ITL. ``chunked`` splits it under the token budget
 (Sarathi-Serve, Agrawal et al. OSDI'24) so no step is long, at some TTFT cost for the long
 prompt; whether the TPOT tail also drops depends on the hardware (it does where decode steps are
-memory-bound and a chunk rides in them nearly free, as on a GPU; on this CPU every token costs
+memory-bound and a chunk rides in them nearly free, as on a GPU; on a CPU every token costs
 from the first, and the run prints that reading when it applies). ``static`` batches wait for the
 whole batch to finish.
 """
@@ -133,8 +133,8 @@ def reading(rows: Sequence[dict[str, Any]]) -> list[str]:
     if "static" in by:
         s = by["static"]
         lowest = s["p99_tpot_ms"] <= min(c["p99_tpot_ms"], n["p99_tpot_ms"])
-        # the batch-wait cost is claimed only where the table shows it (a run where static's
-        # mean TTFT was the lowest had read "..., but mean TTFT 557 ms: new requests wait")
+        # the batch-wait cost is claimed only where the table shows it (static's mean TTFT can
+        # be the lowest of the three)
         waits = s["mean_ttft_ms"] > min(c["mean_ttft_ms"], n["mean_ttft_ms"])
         out.append(f"static: P99 TPOT {s['p99_tpot_ms']:.0f} ms"
                    + (" (the lowest: no prefill joins a running batch)" if lowest else "")

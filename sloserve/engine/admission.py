@@ -15,9 +15,9 @@ both reject the same requests for the same reasons.
   plus those on their way), P its own, budget ``--max-num-batched-tokens`` and D the running
   decodes, which take their tokens of every step first. Over T it is rejected at arrival
   (``--slo-admission reject``, 429), or queued and moved behind the requests that can still
-  meet T (``--slo-admission defer``, done by the scheduler). (A rate-only estimate, tokens ahead
-  / prefill tokens per second, ran up to 2x optimistic here: a 256-token prompt arriving at an
-  idle queue still waits for the step in flight and then for a whole ~300-450 ms mixed step.)
+  meet T (``--slo-admission defer``, done by the scheduler). Whole steps, not tokens per
+  second: a prompt arriving at an idle queue still waits for the step in flight and then for a
+  whole mixed step, which a rate-only estimate leaves out.
 
 A rejected request costs the server one estimate (no queueing, no KV blocks), so what was
 admitted before is neither lost nor slowed.
@@ -41,8 +41,8 @@ class StepRates:
         prefill_step_s: the time of a step with prefill tokens the estimate plans for, s: the
             larger of the 90th percentile over the last ``window`` such steps and the latest
             one (steps grow as admitted requests turn into decodes, and a first token is late
-            when its step is one of the slow ones; measured in the simulator, the median ran
-            one step optimistic for ~10 % of admitted requests). 0 until measured.
+            when its step is one of the slow ones, which a median would miss). 0 until
+            measured.
         decode_step_s: median time of the last ``window`` decode-only steps, s; 0 until measured.
         prefill_token_s: what one more prompt token adds to a step, s: the median, over the last
             ``window`` steps with prefill tokens, of (step time - decode_step_s) / prefill
@@ -55,8 +55,7 @@ class StepRates:
     """
 
     #: the smallest paced chunk: under it a long prompt re-reads every weight for a few tokens
-    #: per step (16 rows are one tile of the int8 product; measured on Zen 5, a 2,048-token
-    #: prompt beside 2 decodes took 1.3 s of steps in 16-token chunks and 2.3 s in 8-token ones)
+    #: per step, and its prefill's total time grows (16 rows are one tile of the int8 product)
     PACED_MIN_TOKENS = 16
 
     def __init__(self, window: int = 32):

@@ -1,64 +1,34 @@
 """Unified token-budget scheduler (iteration-level batching).
 
-Each engine step the scheduler decides which requests run and how many of their tokens go
-through the model, under a token budget (`max_num_batched_tokens`) and a sequence cap
-(`max_num_seqs`). Policies:
+Each step it picks which requests run and how many of their tokens go through the model, under
+a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`):
 
-* ``chunked`` (default, Sarathi-Serve, Agrawal et al. OSDI'24, section 4): running decodes first,
-  one token each; the rest of the budget to prefill in FCFS order, splitting a prompt that does not
-  fit into chunks over several steps. Prefill chunks and decodes share one forward pass.
-* ``naive`` (Orca-style continuous batching without chunking, Yu et al. OSDI'22): a waiting prompt
-  is prefilled whole in one step together with the running decodes. The token budget is
-  max(max_num_batched_tokens, max_model_len) so any admissible prompt fits.
-* ``static``: a batch is admitted only when nothing runs; it runs until all of it finishes.
+* ``chunked`` (default; Sarathi-Serve): running decodes first, one token each, then prefill in
+  queue order, a prompt that does not fit split into chunks; chunks and decodes share a step.
+* ``naive`` (Orca): a prompt is prefilled whole beside the running decodes (budget
+  max(max_num_batched_tokens, max_model_len)). ``static``: admit only when nothing runs.
 
-A request may contribute any number of query tokens to a step: a prefill chunk at any offset,
-one decode token, or a decode token followed by draft tokens to verify (speculative decoding);
-rejected draft tokens are rolled back in `update_from_output`.
+A request may put any number of query tokens in a step (a prefill chunk at any offset, a decode
+token, draft tokens to verify; rejected drafts roll back in `update_from_output`). With prefix
+caching a request starts after its longest run of cached full blocks. When a running request
+cannot get a KV block the most recently admitted one is preempted by recompute (vLLM's).
 
-With prefix caching on (``KVCacheManager``), a request is admitted at the end of the longest run
-of cached full blocks matching its tokens, and its full blocks are registered as they are computed.
+``priority`` (vLLM's queue policy): the waiting queue is ordered by (priority, arrival), lower
+first; preemption takes the largest; a waiting request that cannot be admitted preempts running
+ones of a strictly larger priority value. SLO-aware deferral (``ttft_slo_s``, ``slo_deferral``)
+moves waiting requests whose estimated TTFT (:func:`sloserve.engine.admission.estimate_ttft_s`)
+exceeds the limit behind those that can meet it; none is dropped.
 
-When a running request cannot get a KV block the most recently admitted running request is
-preempted: its blocks are freed, it goes back to the front of the waiting queue, and later its
-prompt plus the tokens it already generated are recomputed (vLLM's recompute preemption).
+Prefill pacing (chunked, on by default, off with ``ttft_slo_s``): in a step with decodes, prompts
+over ``long_prompt_tokens`` (4 % of max_model_len) share ``paced_prefill_tokens`` in queue order,
+the tokens that add about one decode step's time (set by the engine from its measured steps,
+:class:`sloserve.engine.admission.StepRates`), because on a CPU a decode step has no idle compute
+to hide a chunk in. With nothing decoding a long prompt takes the whole budget.
 
-Under the ``priority`` queue policy (vLLM's ``--scheduling-policy priority``) the waiting queue
-is ordered by (priority, arrival time), lower first; the victim of a preemption is the running
-request with the largest (priority, arrival time); and a waiting request that cannot be admitted
-(no seat or no KV block) preempts running requests of a strictly larger priority value.
-
-SLO-aware deferral (``ttft_slo_s`` with ``slo_deferral``): before admitting, waiting requests
-whose estimated TTFT (time waited + the steps the prompt tokens ahead of them and their own
-take, at ``prefill_step_s`` each, which the engine measures and sets: see
-:func:`sloserve.engine.admission.estimate_ttft_s`) exceeds the limit go behind those that can
-still meet it; they are served later, never dropped.
-
-Prefill pacing (``enable_prefill_pacing``, chunked only, on by default): in a step that carries
-decodes, a long prompt (over ``long_prompt_tokens``, 4 % of max_model_len, the share vLLM's
-partial prefills call long) advances by at most ``paced_prefill_tokens``, which the engine sets
-from its measured steps: the prompt tokens that add about one decode step's time (see
-:class:`sloserve.engine.admission.StepRates`). The long prompts of a step share that allowance
-in queue order (the first one takes it; a waiting long prompt then stays at the queue's front
-while shorter ones behind it may start), so several long prompts do not each add a chunk. A request decoding beside a long prefill then
-sees each of its steps take about twice a decode step, instead of sitting through the whole
-prefill in a few long chunk steps: on a CPU a decode step has no idle compute to hide a chunk
-in, so every chunk token lengthens the step, and the decodes that overlap the prefill pay all of
-it in their TPOT. Sarathi-Serve (Agrawal et al. OSDI'24) likewise derives its token budget
-from the decode latency it must keep. The long prompt keeps about half of each step while
-requests decode and the whole budget when none do; its TTFT grows by up to the decodes' own
-time. Shorter prompts are not paced (a new chat's first token stays one step away). With
-SLO-aware admission (``ttft_slo_s``) pacing is off: its TTFT estimate counts whole-budget
-chunks, and paced prompts overran it (a breaker's simulator run: 22 of 188 admitted requests
-over the limit with pacing, none without).
-
-Progress guarantee: running requests past their prefill are scheduled first, one token each, in
-every step (K = 1: a running, not preempted request gets a token every step, whatever arrives),
-as long as the budget holds them all (max_num_seqs <= max_num_batched_tokens, the default).
-
-Plain Python: no torch and no clock (the caller passes `now`), so a simulator can drive it with
-a cost model instead of a model runner. Its output (`sloserve.step_io.SchedulerOutput`) is plain
-data with no live objects.
+Every step schedules each running request past its prefill first, one token each (as long as
+max_num_seqs <= max_num_batched_tokens, the default). Plain Python: no torch and no clock (the
+caller passes `now`), so the simulator drives it with a cost model; its output
+(`sloserve.step_io.SchedulerOutput`) is plain data.
 """
 from __future__ import annotations
 

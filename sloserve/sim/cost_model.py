@@ -11,9 +11,8 @@ extended to the hybrid batches of chunked prefill by adding the two parts in one
                                                                 over start + n keys)
            + c5 * prefill chunks                               (fixed cost of each chunk)
 
-fitted by least squares to step times measured on the real engine. (The per-chunk term was
-added after fitting traces of the served engine: without it, steps with short prompts were
-under-predicted by 10-15 %; see docs/sim.md.)
+fitted by least squares to step times measured on the real engine. The per-chunk term carries
+a new request's fixed set-up, without which steps that start short prompts are under-priced.
 """
 from __future__ import annotations
 

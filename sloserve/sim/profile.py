@@ -4,9 +4,9 @@ simulator's linear cost model (:class:`~sloserve.sim.cost_model.LinearCostModel`
 Grid: pure decode steps (batch x context), hybrid steps (decodes + one prefill chunk at a
 start position), and whole-prompt prefills. Every point is the median of a few timed steps
 after warm-up (``sloserve.engine.step_profile``): decode and hybrid points time the model
-runner's whole ``execute`` on plain-data steps of that composition (inputs, forward, sampling:
-the scheduler's ~1 ms is not in them), prefill points the engine's whole ``step()``. Every fourth point is held out of the fit
-and the fit's relative error on it is printed.
+runner's whole ``execute`` on plain-data steps of that composition (inputs, forward, sampling;
+not the scheduler), prefill points the engine's whole ``step()``. Every fourth point is held out
+of the fit and the fit's relative error on it is printed.
 """
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def _step_row(d: dict) -> tuple[float, float, int, StepComposition]:
 
 
 #: a gap this long between one step's end and the next one's start means the engine idled
-#: (a request aborted after the step left nothing to run); busy gaps measured here are < 20 ms
+#: (a request aborted after the step left nothing to run); a busy engine's gaps are far shorter
 IDLE_GAP_S = 0.5
 
 
