@@ -17,7 +17,7 @@ ISA_ENV = "SLOSERVE_KERNEL_ISA"
 AMX_ENV = "SLOSERVE_AMX"
 #: the libraries build.py makes, best first
 VARIANTS = ("avx512", "avx2", "generic")
-#: C API function -> (argument types, result type); the same order and types as kernels.cpp
+#: C API function -> (argument types, result type), as declared in csrc/kernels.cpp
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGS = {
     "sl_isa": ([], _I32),

@@ -314,9 +314,9 @@ class Kernels:
         (positions 0 .. num_computed + n - 1, the chunk's K/V already written), through its
         block table ``blocks`` (int64, at least ceil(context / bs) entries) -> [n, H, D] float32.
         Flash attention over 64-token blocks with Q, K, V and the probabilities in bf16 and
-        float32 accumulation (see the source), on ``isa`` (``amx`` or ``avx512_bf16``; default
-        :attr:`prefill_attn_isa`). ValueError for D % 32 != 0, a non-bf16 cache, too few blocks
-        or an ``isa`` this CPU cannot run."""
+        float32 accumulation (``csrc/prefill_attn.h``), on ``isa`` (``amx`` or ``avx512_bf16``;
+        default :attr:`prefill_attn_isa`). ValueError for D % 32 != 0, a non-bf16 cache, too few
+        blocks or an ``isa`` this CPU cannot run."""
         isa = isa or self.prefill_attn_isa
         if not {"amx": self.amx, "avx512_bf16": self._avx512_bf16}.get(isa):
             raise ValueError(f"prefill_attn: isa {isa!r} is not available here "

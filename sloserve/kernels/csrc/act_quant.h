@@ -39,10 +39,11 @@ inline bool group_scale(float amax, float& dx, float& inv) {
   return false;
 }
 
+// One row x [G * 32] -> its codes qr, scales d [G] and sums s [G].
+#if SL_ISA == 2
 inline void quantize_row(const float* xr, int64_t G, int8_t* qr, float* d, float* s) {
   for (int64_t g = 0; g < G; ++g, xr += 32, qr += 32) {
     float dx, inv;
-#if SL_ISA == 2
     const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
     s[g] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
@@ -58,7 +59,12 @@ inline void quantize_row(const float* xr, int64_t G, int8_t* qr, float* d, float
                      _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x0, vi))));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + 16),
                      _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, vi))));
+  }
+}
 #else
+inline void quantize_row(const float* xr, int64_t G, int8_t* qr, float* d, float* s) {
+  for (int64_t g = 0; g < G; ++g, xr += 32, qr += 32) {
+    float dx, inv;
     float amax = 0.f, sum = 0.f;
     for (int j = 0; j < 32; ++j) {
       amax = std::max(amax, std::fabs(xr[j]));
@@ -68,9 +74,9 @@ inline void quantize_row(const float* xr, int64_t G, int8_t* qr, float* d, float
     const bool ok = group_scale(std::isnan(sum) ? NAN : amax, dx, inv);
     d[g] = dx;
     for (int j = 0; j < 32; ++j) qr[j] = ok ? static_cast<int8_t>(std::nearbyint(xr[j] * inv)) : 0;
-#endif
   }
 }
+#endif
 
 // x [M, K] -> int8 codes q [M, K], scales d [M, K / 32] (the group's largest |x| / 127) and the
 // exact float sums s [M, K / 32] of each group (for the weights' offsets); rows split over the

@@ -4,13 +4,11 @@
 //
 // y [M, N] float32 = x [M, K] (float32, rounded to bf16) @ W^T, W bf16 prepacked by
 // sl_amx_pack_bf16, on the AMX tile unit (TDPBF16PS: a 16 x 16 float32 tile += a 16 x 32 bf16
-// tile times a 32 x 16 bf16 tile, in one instruction). For the compute-bound steps (prefill
-// chunks, large batches): at 32-512 rows it runs the embedded model's shapes at ~0.65-0.73
-// TFLOP/s on 2 cores of the AMX Xeon measured (torch's oneDNN matmul on the same weights:
-// 0.21 at 32 rows, 0.45-0.54 at 256-512). Compiled into the AVX-512 library only, with the
-// instructions enabled for these functions alone; sl_amx_init says at run time whether the CPU has
-// them and the OS lets this process use the tile registers (Linux arch_prctl
-// ARCH_REQ_XCOMP_PERM), else the caller never calls the rest.
+// tile times a 32 x 16 bf16 tile, in one instruction), for the compute-bound steps (prefill
+// chunks, large batches). Compiled into the AVX-512 library only, with the instructions
+// enabled for these functions alone; sl_amx_init says at run time whether the CPU has them and
+// the OS lets this process use the tile registers (Linux arch_prctl ARCH_REQ_XCOMP_PERM), else
+// the caller never calls the rest.
 //
 // Packed W (VNNI pairs): for each block of 32 output rows nb and 32 inputs kb, two 1 KB tiles
 // (rows n 0-15, then 16-31), each [16 pairs p][16 rows n][2]: element (p, n, e) = W[n, 32 kb +

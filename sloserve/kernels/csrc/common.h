@@ -12,8 +12,11 @@
 // only, with those instructions enabled for its own functions alone (SL_AMX); the library asks
 // the CPU at run time whether it may use them.
 //
-// Every part keeps its per-ISA bodies in sections of their own (SL_ISA == 2, then == 1, then the
-// generic one) where the code allows, followed by the function that picks among them.
+// Per-ISA code: where a family has a body per instruction set, the bodies sit in sections of
+// their own (SL_ISA == 2, then 1, then the generic build), each defining the same function
+// (Group, quantize_row, x16_tile / x16_tile8, dot / axpy); a few functions pick their body with
+// one #if inside (tile_i8, the decode kernel's head_dim-64 path, SiLU-and-mul rows), or vectorize
+// a loop and share its scalar tail (load_row).
 // Everything but the C API (kernels.cpp) is in the anonymous namespace: the library exports the
 // sl_* functions only.
 #pragma once

@@ -3,10 +3,9 @@
 // the fused layer (x16_layer.h) shares with them.
 //
 // Inputs and outputs float32, or bfloat16 where the flags say so (a 16-bit dense step feeds its
-// GEMMs bf16 and gets bf16 back: converting every GEMM's input and output with torch cost ~25 %
-// of a 512-token bf16 step); arithmetic float32, bf16 rounded to nearest even. Rows split over
-// the threads (static) above a size threshold. SiLU-and-mul has an AVX-512 row body; the rest
-// is plain C++ under `omp simd`.
+// GEMMs bf16 and gets bf16 back, with no conversion by torch in between); arithmetic float32,
+// bf16 rounded to nearest even. Rows split over the threads (static) above a size threshold.
+// SiLU-and-mul has an AVX-512 row body; the rest is plain C++ under `omp simd`.
 #pragma once
 
 #include "parallel.h"

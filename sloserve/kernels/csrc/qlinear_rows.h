@@ -11,7 +11,7 @@
 //   qlinear_t     float32 activations, float32 accumulation (the weights' exact dequantized
 //                 values; the activations are not requantized). Bodies: Group<BITS, GS> per ISA.
 //   qlinear_i8_t  activations quantized to int8 (act_quant.h) and integer dot products: AVX-512
-//                 VNNI vpdpbusd, AVX2 pmaddubsw + pmaddwd, or scalar (tile_i8_dots per ISA);
+//                 VNNI vpdpbusd, AVX2 pmaddubsw + pmaddwd, or scalar (tile_i8's bodies);
 //                 4-bit or int8 weights in groups of 32.
 // Threads: chunks of 8-64 weight rows, claimed one at a time (parallel_for).
 #pragma once

@@ -14,7 +14,7 @@
 
 namespace {
 
-// ------------------------------------------------------------------ 4-bit x16 interleaved
+// ------------------------------------------------------------------ the x16 layout
 // Rows in blocks of 16 (N % 16 == 0). Block b, group g: 4 chunks of 64 bytes; 32-bit lane r of
 // chunk c holds bytes 4c..4c+3 of row 16b + r's group g in the nibble layout (low nibbles: codes
 // 4c..4c+3, high nibbles: codes 16+4c..16+4c+3). Scales and offsets: [N / 16, G, 16] float32.
@@ -23,37 +23,14 @@ namespace {
 
 constexpr int kX16 = 16;
 
-// The generic build's x16 product (both bit widths): lane r of 64-byte chunk c holds bytes
-// 4c..4c+3 of row r's group; 4-bit: low nibbles are codes 4c+i, high nibbles codes 16+4c+i;
-// 8-bit: signed codes 4c+i.
-template <int BITS, int MC, int BR>
-inline void x16_tile_scalar(const ActQ& a, int64_t K, const uint8_t* w, const float* d,
-                            const float* mn, int64_t G, float* y, int64_t N) {
-  constexpr int chunks = BITS;  // 64-byte chunks per block and group
-  for (int mi = 0; mi < MC; ++mi)
-    for (int br = 0; br < BR; ++br)
-      for (int r = 0; r < kX16; ++r) {
-        float t = 0.f;
-        for (int64_t g = 0; g < G; ++g) {
-          const uint8_t* wb = w + (br * G + g) * 64 * chunks;
-          const int8_t* xg = a.q + mi * K + g * 32;
-          int32_t s = 0;
-          for (int c = 0; c < chunks; ++c)
-            for (int i = 0; i < 4; ++i) {
-              const uint8_t b = wb[64 * c + 4 * r + i];
-              if constexpr (BITS == 4) s += (b & 15) * xg[4 * c + i] + (b >> 4) * xg[16 + 4 * c + i];
-              else s += static_cast<int8_t>(b) * xg[4 * c + i];
-            }
-          const int64_t o = (br * G + g) * kX16 + r;
-          t += float(s) * d[o] * a.d[mi * G + g];
-          if (mn) t += mn[o] * a.s[mi * G + g];
-        }
-        y[mi * N + br * kX16 + r] = t;
-      }
-}
+// x16_tile<MC, BR>: MC activation rows (ActQ) times BR 16-row blocks of a 4-bit weight, G
+// groups -> y [MC, 16 BR] (row stride N). x16_tile8: the same for 8-bit codes (signed; 8
+// chunks of 64 bytes per block and group), isum holding -128 times each group's integer
+// activation sum (see its AVX-512 body). One definition of each per instruction set below.
 
 constexpr int64_t kX16Prefetch = 2048;  // bytes ahead in a 4-bit weight stream (see x16_tile)
 
+// ------------------------------------------------------------------ AVX-512 (VNNI)
 #if SL_ISA == 2
 // acc += dpbusd(w, x[0] broadcast to 16 lanes): the activations' 4 codes come from memory as an
 // embedded broadcast ({1to16}), not a separate vpbroadcastd (which g++ does not fold into
@@ -62,9 +39,7 @@ inline __m512i dpbusd_b(__m512i acc, __m512i w, const int32_t* x) {
   asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
   return acc;
 }
-#endif
 
-#if SL_ISA == 2
 // x16_tile's AVX-512 body; HAS_MN: the weights have per-group offsets (Q4_1). Every loop is
 // unrolled so that the MC x BR accumulators stay in registers (g++ left the MC = 16 loop rolled,
 // its accumulators on the stack, a load and a store per 8 dpbusd, and tested `mn` in it)
@@ -123,58 +98,17 @@ inline void x16_tile_avx512(const ActQ& a, int64_t K, const uint8_t* w, const fl
 #pragma GCC unroll 2
     for (int br = 0; br < BR; ++br) _mm512_storeu_ps(y + mi * N + br * kX16, acc[mi][br]);
 }
-#endif
 
 template <int MC, int BR>
 inline void x16_tile(const ActQ& a, int64_t K, const uint8_t* w, const float* d, const float* mn,
                      int64_t G, float* y, int64_t N) {
-#if SL_ISA == 2
   // per group: the BR blocks' codes unpacked once (8 registers each), then for each of the MC
   // activation rows 8 dpbusd (two chains of 4), their int32 sums scaled into the float
   // accumulator
   if (mn) x16_tile_avx512<MC, BR, true>(a, K, w, d, mn, G, y, N);
   else x16_tile_avx512<MC, BR, false>(a, K, w, d, mn, G, y, N);
-#elif SL_ISA == 1
-  // two 8-lane halves per block; pmaddubsw (u8 codes x s8 activations, |sum of 2| <= 3810)
-  __m256 acc[MC][BR][2];
-  for (int mi = 0; mi < MC; ++mi)
-    for (int br = 0; br < BR; ++br) acc[mi][br][0] = acc[mi][br][1] = _mm256_setzero_ps();
-  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  for (int64_t g = 0; g < G; ++g)
-    for (int br = 0; br < BR; ++br)
-      for (int h = 0; h < 2; ++h) {
-        __m256i lo[4], hi[4];
-        const uint8_t* wb = w + (br * G + g) * 256 + 32 * h;
-        for (int c = 0; c < 4; ++c) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c));
-          lo[c] = _mm256_and_si256(v, m4);
-          hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-        }
-        const __m256 dv = _mm256_loadu_ps(d + (br * G + g) * kX16 + 8 * h);
-        const __m256 mv = mn ? _mm256_loadu_ps(mn + (br * G + g) * kX16 + 8 * h) : dv;
-        for (int mi = 0; mi < MC; ++mi) {
-          const int32_t* xq = reinterpret_cast<const int32_t*>(a.q + mi * K + g * 32);
-          __m256i p = _mm256_setzero_si256();
-          for (int c = 0; c < 4; ++c) {
-            p = _mm256_add_epi16(p, _mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(xq[c])));
-            p = _mm256_add_epi16(p, _mm256_maddubs_epi16(hi[c], _mm256_set1_epi32(xq[4 + c])));
-          }  // 8 pair sums of |.| <= 3810: |p| <= 30480 fits int16
-          const __m256i dp = _mm256_madd_epi16(p, ones);
-          acc[mi][br][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp),
-                                           _mm256_mul_ps(dv, _mm256_set1_ps(a.d[mi * G + g])),
-                                           acc[mi][br][h]);
-          if (mn) acc[mi][br][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.s[mi * G + g]), acc[mi][br][h]);
-        }
-      }
-  for (int mi = 0; mi < MC; ++mi)
-    for (int br = 0; br < BR; ++br)
-      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + mi * N + br * kX16 + 8 * h, acc[mi][br][h]);
-#else
-  x16_tile_scalar<4, MC, BR>(a, K, w, d, mn, G, y, N);
-#endif
 }
 
-#if SL_ISA == 2
 // x16_tile8's AVX-512 body, unrolled as x16_tile_avx512 is (and for the same reason)
 template <int MC, int BR, bool HAS_MN>
 inline void x16_tile8_avx512(const ActQ& a, const int32_t* isum, int64_t K, const uint8_t* w,
@@ -223,19 +157,62 @@ inline void x16_tile8_avx512(const ActQ& a, const int32_t* isum, int64_t K, cons
 #pragma GCC unroll 2
     for (int br = 0; br < BR; ++br) _mm512_storeu_ps(y + mi * N + br * kX16, acc[mi][br]);
 }
-#endif
 
-// 8-bit codes (signed), same interleave: 8 chunks of 64 bytes per block and group. AVX-512
-// dpbusd wants unsigned x signed: the codes are offset by 128 at load (xor 0x80) and 128 times the
-// group's integer activation sum (isum holds -128 times it) is taken off again, so the dot
-// product stays exact.
+// 8-bit codes: AVX-512 dpbusd wants unsigned x signed: the codes are offset by 128 at load
+// (xor 0x80) and 128 times the group's integer activation sum (isum holds -128 times it) is
+// taken off again, so the dot product stays exact.
 template <int MC, int BR>
 inline void x16_tile8(const ActQ& a, const int32_t* isum, int64_t K, const uint8_t* w,
                       const float* d, const float* mn, int64_t G, float* y, int64_t N) {
-#if SL_ISA == 2
   if (mn) x16_tile8_avx512<MC, BR, true>(a, isum, K, w, d, mn, G, y, N);
   else x16_tile8_avx512<MC, BR, false>(a, isum, K, w, d, mn, G, y, N);
-#elif SL_ISA == 1
+}
+#endif  // SL_ISA == 2
+
+// ------------------------------------------------------------------ AVX2
+#if SL_ISA == 1
+template <int MC, int BR>
+inline void x16_tile(const ActQ& a, int64_t K, const uint8_t* w, const float* d, const float* mn,
+                     int64_t G, float* y, int64_t N) {
+  // two 8-lane halves per block; pmaddubsw (u8 codes x s8 activations, |sum of 2| <= 3810)
+  __m256 acc[MC][BR][2];
+  for (int mi = 0; mi < MC; ++mi)
+    for (int br = 0; br < BR; ++br) acc[mi][br][0] = acc[mi][br][1] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < G; ++g)
+    for (int br = 0; br < BR; ++br)
+      for (int h = 0; h < 2; ++h) {
+        __m256i lo[4], hi[4];
+        const uint8_t* wb = w + (br * G + g) * 256 + 32 * h;
+        for (int c = 0; c < 4; ++c) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c));
+          lo[c] = _mm256_and_si256(v, m4);
+          hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        }
+        const __m256 dv = _mm256_loadu_ps(d + (br * G + g) * kX16 + 8 * h);
+        const __m256 mv = mn ? _mm256_loadu_ps(mn + (br * G + g) * kX16 + 8 * h) : dv;
+        for (int mi = 0; mi < MC; ++mi) {
+          const int32_t* xq = reinterpret_cast<const int32_t*>(a.q + mi * K + g * 32);
+          __m256i p = _mm256_setzero_si256();
+          for (int c = 0; c < 4; ++c) {
+            p = _mm256_add_epi16(p, _mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(xq[c])));
+            p = _mm256_add_epi16(p, _mm256_maddubs_epi16(hi[c], _mm256_set1_epi32(xq[4 + c])));
+          }  // 8 pair sums of |.| <= 3810: |p| <= 30480 fits int16
+          const __m256i dp = _mm256_madd_epi16(p, ones);
+          acc[mi][br][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp),
+                                           _mm256_mul_ps(dv, _mm256_set1_ps(a.d[mi * G + g])),
+                                           acc[mi][br][h]);
+          if (mn) acc[mi][br][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.s[mi * G + g]), acc[mi][br][h]);
+        }
+      }
+  for (int mi = 0; mi < MC; ++mi)
+    for (int br = 0; br < BR; ++br)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + mi * N + br * kX16 + 8 * h, acc[mi][br][h]);
+}
+
+template <int MC, int BR>
+inline void x16_tile8(const ActQ& a, const int32_t* isum, int64_t K, const uint8_t* w,
+                      const float* d, const float* mn, int64_t G, float* y, int64_t N) {
   // |x| * sign(w, x) keeps pmaddubsw's pair sums <= 2 * 127 * 127 (no int16 saturation)
   __m256 acc[MC][BR][2];
   for (int mi = 0; mi < MC; ++mi)
@@ -266,12 +243,55 @@ inline void x16_tile8(const ActQ& a, const int32_t* isum, int64_t K, const uint8
   for (int mi = 0; mi < MC; ++mi)
     for (int br = 0; br < BR; ++br)
       for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + mi * N + br * kX16 + 8 * h, acc[mi][br][h]);
-#else
-  (void)isum;
-  x16_tile_scalar<8, MC, BR>(a, K, w, d, mn, G, y, N);
-#endif
+}
+#endif  // SL_ISA == 1
+
+// ------------------------------------------------------------------ generic
+#if SL_ISA == 0
+// The generic build's x16 product (both bit widths): lane r of 64-byte chunk c holds bytes
+// 4c..4c+3 of row r's group; 4-bit: low nibbles are codes 4c+i, high nibbles codes 16+4c+i;
+// 8-bit: signed codes 4c+i.
+template <int BITS, int MC, int BR>
+inline void x16_tile_scalar(const ActQ& a, int64_t K, const uint8_t* w, const float* d,
+                            const float* mn, int64_t G, float* y, int64_t N) {
+  constexpr int chunks = BITS;  // 64-byte chunks per block and group
+  for (int mi = 0; mi < MC; ++mi)
+    for (int br = 0; br < BR; ++br)
+      for (int r = 0; r < kX16; ++r) {
+        float t = 0.f;
+        for (int64_t g = 0; g < G; ++g) {
+          const uint8_t* wb = w + (br * G + g) * 64 * chunks;
+          const int8_t* xg = a.q + mi * K + g * 32;
+          int32_t s = 0;
+          for (int c = 0; c < chunks; ++c)
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t b = wb[64 * c + 4 * r + i];
+              if constexpr (BITS == 4) s += (b & 15) * xg[4 * c + i] + (b >> 4) * xg[16 + 4 * c + i];
+              else s += static_cast<int8_t>(b) * xg[4 * c + i];
+            }
+          const int64_t o = (br * G + g) * kX16 + r;
+          t += float(s) * d[o] * a.d[mi * G + g];
+          if (mn) t += mn[o] * a.s[mi * G + g];
+        }
+        y[mi * N + br * kX16 + r] = t;
+      }
 }
 
+template <int MC, int BR>
+inline void x16_tile(const ActQ& a, int64_t K, const uint8_t* w, const float* d, const float* mn,
+                     int64_t G, float* y, int64_t N) {
+  x16_tile_scalar<4, MC, BR>(a, K, w, d, mn, G, y, N);
+}
+
+template <int MC, int BR>
+inline void x16_tile8(const ActQ& a, const int32_t* isum, int64_t K, const uint8_t* w,
+                      const float* d, const float* mn, int64_t G, float* y, int64_t N) {
+  (void)isum;
+  x16_tile_scalar<8, MC, BR>(a, K, w, d, mn, G, y, N);
+}
+#endif  // SL_ISA == 0
+
+// ------------------------------------------------------------------ the product
 template <int BITS, int MC>
 inline void x16_blocks(const ActQ& a, const int32_t* isum, int64_t K, const uint8_t* qw,
                        const float* d, const float* mn, int64_t G, int64_t N, int64_t b0,

@@ -1,7 +1,7 @@
-// sloserve CPU kernels: vector math shared by several parts: bf16 <-> float32 of one value, the
-// softmax's exp (scalar fast_exp, AVX-512 exp16), SiLU and SiLU-and-mul, dot product and axpy.
-// The scalar functions are exact to the roundings stated; the AVX-512 ones follow the same
-// polynomial (same numbers up to evaluation order).
+// sloserve CPU kernels: math shared by several parts: bf16 <-> float32 of one value (bf16 rounded
+// to nearest even), exp for the softmax (fast_exp; exp16 for 16 lanes on AVX-512, the same
+// polynomial), SiLU and, on AVX-512, SiLU-and-mul of 16 lanes (a reciprocal estimate and one
+// Newton step, ~1 ulp), and dot / axpy (a body per instruction set).
 #pragma once
 
 #include "common.h"
@@ -53,37 +53,59 @@ inline float exp_sub_sum(float* v, int64_t n, float m) {  // v[j] = exp(v[j] - m
 
 inline float silu(float v) { return v / (1.f + fast_exp(std::max(-v, -87.f))); }
 
+// dot(a, b, n) = sum a[i] b[i] and axpy: y += p * x, over n floats: vector lanes, then the
+// rest one by one (the generic build: all of them).
+#if SL_ISA == 2
 inline float dot(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
   float s = 0.f;
-#if SL_ISA == 2
   __m512 acc = _mm512_setzero_ps();
   for (; i + 16 <= n; i += 16)
     acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
   s = _mm512_reduce_add_ps(acc);
-#elif SL_ISA == 1
-  __m256 acc = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8)
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  s = hsum(acc);
-#endif
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
 
 inline void axpy(float p, const float* x, float* y, int64_t n) {  // y += p * x
   int64_t i = 0;
-#if SL_ISA == 2
   const __m512 pv = _mm512_set1_ps(p);
   for (; i + 16 <= n; i += 16)
     _mm512_storeu_ps(y + i, _mm512_fmadd_ps(pv, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += p * x[i];
+}
 #elif SL_ISA == 1
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float s = 0.f;
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float p, const float* x, float* y, int64_t n) {  // y += p * x
+  int64_t i = 0;
   const __m256 pv = _mm256_set1_ps(p);
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(y + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-#endif
   for (; i < n; ++i) y[i] += p * x[i];
 }
+#else
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float s = 0.f;
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float p, const float* x, float* y, int64_t n) {  // y += p * x
+  int64_t i = 0;
+  for (; i < n; ++i) y[i] += p * x[i];
+}
+#endif
 
 #if SL_ISA == 2
 // exp(x) for 16 floats: Cephes' range reduction and polynomial (as fast_exp), the 2^k scaling by

@@ -7,7 +7,7 @@
 #include "elementwise.h"
 #include "qlinear_x16.h"
 
-// The C structs the Python side fills (_SlX16, _SlX16Layer in sloserve/kernels/packing.py).
+// The C structs the Python side fills (_SlX16, _SlX16Layer in sloserve/kernels/_lib.py).
 // An x16 weight as the fused layer takes it: codes, scales, offsets (or null), bits, and its
 // shape [N, K] (N = 2F for a gate/up weight packed for the SwiGLU epilogue).
 struct SlX16 {
