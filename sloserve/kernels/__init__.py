@@ -12,7 +12,9 @@ when the kernels are off or cannot be built (the engine then runs its torch path
 """
 from __future__ import annotations
 
-from sloserve.kernels._lib import _SIGS, AMX_ENV, ISA_ENV, VARIANTS
+from sloserve.kernels._lib import AMX_ENV, ISA_ENV, VARIANTS
+# the C API's signatures, as before the split (A/B scripts under benchmarks/results import it)
+from sloserve.kernels._lib import _SIGS  # noqa: F401
 from sloserve.kernels.build import KernelBuildError, build
 from sloserve.kernels.loader import best_variant, load
 from sloserve.kernels.ops import Kernels
@@ -20,4 +22,3 @@ from sloserve.kernels.packing import AmxWeight, X16Layer, X16Weight
 
 __all__ = ["AMX_ENV", "ISA_ENV", "VARIANTS", "AmxWeight", "KernelBuildError", "Kernels",
            "X16Layer", "X16Weight", "best_variant", "build", "load"]
-_SIGS = _SIGS  # the C API's signatures (read by older A/B scripts under benchmarks/results)

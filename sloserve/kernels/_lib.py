@@ -48,11 +48,9 @@ _SIGS = {
 }
 
 
-
 class _SlX16(ctypes.Structure):
     """The C side's ``SlX16``: an x16 weight's pointers, bits and shape."""
     _fields_ = [("qw", _P), ("d", _P), ("mn", _P), ("bits", _I64), ("N", _I64), ("K", _I64)]
-
 
 
 class _SlX16Layer(ctypes.Structure):

@@ -352,7 +352,6 @@ class Kernels:
         return out
 
 
-
 #: KV cache dtype -> the kernels' ``kv_kind`` (an int8 cache holds codes + a scale per entry)
 _KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
@@ -371,7 +370,6 @@ def _check_x(name: str, x: torch.Tensor, k: int) -> tuple[int, int]:
         raise ValueError(f"{name}: x must be float32 and contiguous, got {x.dtype}"
                          f"{'' if x.is_contiguous() else ' (strided)'}")
     return x.shape[0], k
-
 
 
 def _kv_kind(dtype: torch.dtype) -> int:

@@ -53,7 +53,6 @@ class X16Weight:
         return n + (self.mins.numel() * 4 if self.mins is not None else 0)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class X16Layer:
     """A decoder layer's weights for :meth:`Kernels.run_x16_layer`, checked once by
@@ -88,7 +87,6 @@ class X16Layer:
             addr(wqkv), ptr(bias), hq, hk, hd, self.eps))
 
 
-
 @dataclasses.dataclass(frozen=True)
 class AmxWeight:
     """A bfloat16 weight [N, K] packed for the AMX GEMM (``amx_linear``): per 32 output rows and
@@ -105,7 +103,6 @@ class AmxWeight:
     @property
     def nbytes(self) -> int:
         return self.packed.numel() * 2
-
 
 
 def pack_x16(lib: ctypes.CDLL, w) -> X16Weight | None:

@@ -27,6 +27,36 @@
 
 namespace {
 
+#ifdef SL_USE_OMP
+// ------------------------------------------------------------------------------ OpenMP
+// (inside a parallel region: its team's size; omp_get_max_threads() there is a nested team's)
+inline int64_t nthreads() { return omp_in_parallel() ? omp_get_num_threads() : omp_get_max_threads(); }
+// Called by every thread of an enclosing parallel region (the fused layer, sl_x16_layer_tail),
+// the loop is shared out among them (and ends with their barrier); else it opens its own.
+template <class F>
+void parallel_for(int64_t total, F& f) {
+  if (omp_in_parallel()) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < total; ++i) f(i);
+  } else {
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t i = 0; i < total; ++i) f(i);
+  }
+}
+inline bool in_region() { return omp_in_parallel(); }
+// parallel_for for cheap uniform items (rows of a norm): each thread one contiguous range (a
+// dynamic claim per row made a 272-row add + RMSNorm 3x slower, measured)
+template <class F>
+void parallel_rows(int64_t total, F& f) {
+  if (omp_in_parallel()) {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < total; ++i) f(i);
+  } else {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < total; ++i) f(i);
+  }
+}
+#else
 // ------------------------------------------------------------------------------ thread pool
 // run(total, fn, ctx): fn(ctx, i) for every i in [0, total), on the caller and the workers.
 // The job's generation sits in the high 32 bits of the claim counter, so a worker that read an
@@ -129,35 +159,6 @@ Pool& pool() {
   return p;
 }
 
-#ifdef SL_USE_OMP
-// (inside a parallel region: its team's size; omp_get_max_threads() there is a nested team's)
-inline int64_t nthreads() { return omp_in_parallel() ? omp_get_num_threads() : omp_get_max_threads(); }
-// Called by every thread of an enclosing parallel region (the fused layer, sl_x16_layer_tail),
-// the loop is shared out among them (and ends with their barrier); else it opens its own.
-template <class F>
-void parallel_for(int64_t total, F& f) {
-  if (omp_in_parallel()) {
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < total; ++i) f(i);
-  } else {
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t i = 0; i < total; ++i) f(i);
-  }
-}
-inline bool in_region() { return omp_in_parallel(); }
-// parallel_for for cheap uniform items (rows of a norm): each thread one contiguous range (a
-// dynamic claim per row made a 272-row add + RMSNorm 3x slower, measured)
-template <class F>
-void parallel_rows(int64_t total, F& f) {
-  if (omp_in_parallel()) {
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < total; ++i) f(i);
-  } else {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < total; ++i) f(i);
-  }
-}
-#else
 inline bool in_region() { return false; }
 inline int64_t nthreads() { return pool().size(); }
 template <class F>
