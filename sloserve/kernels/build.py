@@ -1,14 +1,22 @@
-"""Build the CPU kernels (``csrc/kernels.cpp``) into one shared library per instruction set.
+"""Build the CPU kernels (``csrc/``) into one shared library per instruction set.
 
-Plain ``g++ -O3 -shared -fopenmp``: no torch headers, a few seconds per variant. The kernels
-split their work with OpenMP, so they share torch's OpenMP runtime (torch loads its
+Plain ``g++ -O3 -shared -fopenmp``: no torch headers, a few seconds per variant. The sources are
+one translation unit: ``csrc/kernels.cpp`` (the C API) includes every part (``csrc/*.h``: threads,
+quantized products, x16 layout, elementwise ops, KV cache, decode and prefill attention, AMX GEMM,
+the fused layer) once, and only it is compiled. This "unity" build keeps the code the compiler
+generates what it was when the kernels were one file: the hot loops' helpers (tile bodies, vector
+math) stay visible to, and inlined into, their callers in other parts, with no link-time
+optimization and no exported internal symbols.
+
+The kernels split their work with OpenMP, so they share torch's OpenMP runtime (torch loads its
 ``libgomp.so.1`` first; ours resolves to it) and its threads instead of a second pool fighting it
-for the two cores: measured over 40 steps (min/median), a 16-request
-decode step took a median 44-52 ms with OpenMP against 62-64 ms with the library's own pool
-(batch 1: same within noise). ``-DSL_USE_OMP`` off builds the pool variant (see the source).
+for the cores: measured over 40 steps (min/median), a 16-request decode step took a median
+44-52 ms with OpenMP against 62-64 ms with the library's own pool (batch 1: same within noise).
+Without ``-DSL_USE_OMP`` the source builds the pool variant (``csrc/parallel.h``).
 
-Libraries go to ``$SLOSERVE_KERNEL_DIR`` or ``~/.cache/sloserve/kernels``, named by the hash of the
-source and the flags, so an edited source is rebuilt and an unchanged one never is.
+Libraries go to ``$SLOSERVE_KERNEL_DIR`` or ``~/.cache/sloserve/kernels``, named by the hash of
+every source and header and the flags, so an edited source is rebuilt and an unchanged one never
+is.
 
     python -c 'from sloserve.kernels.build import main; main()'   # what `make` runs after installing
 
@@ -24,7 +32,9 @@ import subprocess
 import sys
 import tempfile
 
-SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "kernels.cpp")
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+#: the translation unit g++ compiles (it includes every other source)
+SRC = os.path.join(CSRC, "kernels.cpp")
 #: instruction-set variant -> g++ flags
 VARIANTS: dict[str, list[str]] = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma",
@@ -47,11 +57,19 @@ def kernel_dir() -> str:
         os.path.expanduser("~"), ".cache", "sloserve", "kernels")
 
 
+def sources() -> list[str]:
+    """Every source and header of the library (``csrc/*.cpp``, ``csrc/*.h``), sorted."""
+    return sorted(os.path.join(CSRC, n) for n in os.listdir(CSRC)
+                  if n.endswith((".cpp", ".h")))
+
+
 def library_path(variant: str) -> str:
     """Where ``variant``'s library is (or will be) for the current source and flags."""
     h = hashlib.sha256()
-    with open(SRC, "rb") as f:
-        h.update(f.read())
+    for path in sources():
+        h.update(os.path.basename(path).encode() + b"\0")
+        with open(path, "rb") as f:
+            h.update(f.read())
     h.update(" ".join(COMMON + VARIANTS[variant]).encode())
     return os.path.join(kernel_dir(), f"libsloserve_{variant}_{h.hexdigest()[:12]}.so")
 

@@ -1,0 +1,206 @@
+"""The kernels' weight formats and their packing: :class:`X16Weight` (4- or 8-bit group-32
+weights in the x16 layout), :class:`X16Layer` (a decoder layer's x16 weights for the fused layer
+call), :class:`AmxWeight` (bf16 weights in the AMX GEMM's tile layout), and the functions that
+make them from a ``QuantizedWeight`` or a float tensor through the library ``lib``
+(:class:`sloserve.kernels.Kernels`' ``pack_*`` and ``x16_layer`` methods call these).
+
+A packed weight takes its tensors' data pointers once, and the x16 types their C structs
+(``SlX16``, ``SlX16Layer`` in ``csrc/x16_layer.h``), which live exactly as long as the weight.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from typing import Any
+
+import torch
+
+from sloserve.kernels._lib import _ptr, _SlX16, _SlX16Layer
+
+
+@dataclasses.dataclass(frozen=True)
+class X16Weight:
+    """A 4- or 8-bit group-32 weight in the kernels' x16 layout (rows interleaved in blocks of 16
+    so one integer dot-product instruction covers 16 rows; see ``csrc/qlinear_x16.h``).
+
+    Attributes:
+        qweight: uint8 [N / 16, K / 32, bits, 16, 4] codes (the same bytes as QuantizedWeight's).
+        scales: float32 [N / 16, K / 32, 16]; mins likewise or None.
+        shape: (N, K).
+    """
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    shape: tuple[int, int]
+    bits: int = 4
+    #: the blocks alternate gate and up rows (``pack_x16_swiglu``): only ``qlinear_x16_swiglu``
+    swiglu: bool = False
+    # the pointers, taken once (a step makes ~120 products; each saved call costs ~1 us), and
+    # the C side's SlX16 for the fused layer call, which lives exactly as long as the weight
+    ptrs: tuple[int, int, int | None] = dataclasses.field(init=False, repr=False, compare=False)
+    c_struct: Any = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        ptrs = (_ptr(self.qweight), _ptr(self.scales),
+                _ptr(self.mins) if self.mins is not None else None)
+        object.__setattr__(self, "ptrs", ptrs)
+        object.__setattr__(self, "c_struct", _SlX16(*ptrs, self.bits, *self.shape))
+
+    @property
+    def nbytes(self) -> int:
+        n = self.qweight.numel() + self.scales.numel() * 4
+        return n + (self.mins.numel() * 4 if self.mins is not None else 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class X16Layer:
+    """A decoder layer's weights for :meth:`Kernels.run_x16_layer`, checked once by
+    :func:`x16_layer` (a step then checks only its own tensors).
+
+    Attributes:
+        wo, gate_up, down: the output projection [d, Hq * D], the gate/up weight packed for
+            the SwiGLU epilogue [2F, d], the down projection [d, F].
+        ln2: the post-attention norm's weight [d] float32.
+        nxt: the next layer's (input norm weight [d], q/k/v weight [(Hq + 2 Hk) D, d], q/k/v
+            bias or None), or None for the last layer.
+        heads: (Hq, Hk, D) of the next layer's q/k/v (None for the last layer).
+        eps: the norms' epsilon.
+    """
+
+    wo: X16Weight
+    ln2: torch.Tensor
+    gate_up: X16Weight
+    down: X16Weight
+    eps: float
+    nxt: tuple[torch.Tensor, X16Weight, torch.Tensor | None] | None = None
+    heads: tuple[int, int, int] | None = None
+    c_struct: Any = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        ln1, wqkv, bias = self.nxt or (None, None, None)
+        hq, hk, hd = self.heads or (0, 0, 0)
+        addr = lambda w: ctypes.addressof(w.c_struct) if w is not None else None  # noqa: E731
+        ptr = lambda t: _ptr(t) if t is not None else None  # noqa: E731
+        object.__setattr__(self, "c_struct", _SlX16Layer(
+            addr(self.wo), addr(self.gate_up), addr(self.down), _ptr(self.ln2), ptr(ln1),
+            addr(wqkv), ptr(bias), hq, hk, hd, self.eps))
+
+
+@dataclasses.dataclass(frozen=True)
+class AmxWeight:
+    """A bfloat16 weight [N, K] packed for the AMX GEMM (``amx_linear``): per 32 output rows and
+    32 inputs, two 16 x 16 tiles of input pairs (see ``csrc/amx_gemm.h``).
+
+    Attributes:
+        packed: bfloat16 [N * K] in that layout.
+        shape: (N, K).
+    """
+
+    packed: torch.Tensor
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * 2
+
+
+def pack_x16(lib: ctypes.CDLL, w) -> X16Weight | None:
+    """``w`` (a 4- or 8-bit group-32 QuantizedWeight) repacked for ``Kernels.qlinear_x16``; None
+    when its shape does not allow it (rows not a multiple of 16, other groups)."""
+    N, K = w.shape
+    if w.bits not in (4, 8) or w.group_size != 32 or N % 16 or K % 32:
+        return None
+    qw = torch.empty(N * K * w.bits // 8, dtype=torch.uint8)
+    d = torch.empty(N * K // 32, dtype=torch.float32)
+    mn = torch.empty_like(d) if w.has_mins else None
+    rc = lib.sl_repack_x16(_ptr(w.qweight), _ptr(w.scales),
+                           _ptr(w.mins) if w.has_mins else None, N, K, w.bits, _ptr(qw), _ptr(d),
+                           _ptr(mn) if mn is not None else None)
+    if rc:
+        return None
+    return X16Weight(qw, d, mn, (N, K), w.bits)
+
+
+def pack_x16_swiglu(lib: ctypes.CDLL, gate_up) -> X16Weight | None:
+    """A fused gate/up weight (QuantizedWeight [2F, K]: gate rows, then up rows) in the x16
+    layout with its 16-row blocks reordered gate 0, up 0, gate 1, up 1, ... for
+    ``Kernels.qlinear_x16_swiglu``; None where :func:`pack_x16` would refuse it or F % 16."""
+    if gate_up.shape[0] % 32:
+        return None
+    w = pack_x16(lib, gate_up)
+    if w is None:
+        return None
+    nb = w.shape[0] // 16
+
+    def pairs(t: torch.Tensor) -> torch.Tensor:  # [gate blocks | up blocks] -> alternating
+        return t.view(2, nb // 2, -1).transpose(0, 1).contiguous().view(-1)
+    qw, d = pairs(w.qweight), pairs(w.scales)
+    mn = pairs(w.mins) if w.mins is not None else None
+    return X16Weight(qw, d, mn, w.shape, w.bits, swiglu=True)
+
+
+def x16_layer(wo: X16Weight, ln2: torch.Tensor, gate_up: X16Weight, down: X16Weight,
+              eps: float,
+              nxt: tuple[torch.Tensor, X16Weight, torch.Tensor | None] | None = None,
+              heads: tuple[int, int, int] | None = None) -> X16Layer:
+    """A layer's weights for ``Kernels.run_x16_layer``, checked: ``gate_up`` packed by
+    :func:`pack_x16_swiglu`, the others plain x16; norm weights and bias contiguous float32
+    vectors of their widths; with ``nxt`` (the next layer's input norm, q/k/v weight and
+    bias or None), ``heads`` = (Hq, Hk, D) with Hq * D the output projection's input width
+    and (Hq + 2 Hk) D the q/k/v weight's rows.
+
+    Raises:
+        ValueError: weights, vectors or head counts that do not fit.
+    """
+    d, F = wo.shape[0], gate_up.shape[0] // 2
+    if not (not wo.swiglu and gate_up.swiglu and not down.swiglu and gate_up.shape[1] == d
+            and down.shape == (d, F) and _vec(ln2, d)):
+        raise ValueError(f"x16_layer_tail: weights that do not fit: wo {wo.shape}, gate_up "
+                         f"{gate_up.shape} (swiglu {gate_up.swiglu}), down {down.shape}, "
+                         f"ln2 {list(ln2.shape)} {ln2.dtype}")
+    if nxt is not None:
+        if heads is None:
+            raise ValueError("x16_layer_tail: the next layer's q/k/v needs the rope tables "
+                             "and head counts")
+        ln1, wqkv, bias = nxt
+        hq, hk, hd = heads
+        if (min(hq, hk) < 1 or hd < 2 or hd % 2 or hq * hd != wo.shape[1] or wqkv.swiglu
+                or wqkv.shape != ((hq + 2 * hk) * hd, d) or not _vec(ln1, d)
+                or (bias is not None and not _vec(bias, wqkv.shape[0]))):
+            raise ValueError(f"x16_layer_tail: qkv weight {wqkv.shape} / norm / bias do not "
+                             f"fit {hq} + 2 x {hk} heads of {hd}")
+    return X16Layer(wo, ln2, gate_up, down, eps, nxt, heads if nxt is not None else None)
+
+
+def pack_amx(lib: ctypes.CDLL, w: torch.Tensor) -> AmxWeight | None:
+    """``w`` [N, K] (any float dtype; rounded to bfloat16) packed for ``Kernels.amx_linear``;
+    None when N % 16 or K % 32 is not 0 (the caller checks that the CPU has AMX)."""
+    N, K = w.shape
+    if N % 16 or K % 32:
+        return None
+    src = w.detach().to(torch.bfloat16).contiguous()
+    out = torch.empty(N * K, dtype=torch.bfloat16)
+    if lib.sl_amx_pack_bf16(_ptr(src), N, K, _ptr(out)):
+        return None
+    return AmxWeight(out, (N, K))
+
+
+def pack_amx_swiglu(lib: ctypes.CDLL, gate_up: torch.Tensor) -> AmxWeight | None:
+    """The fused gate/up weight ``gate_up`` [2F, K] (gate rows, then up rows) packed for
+    ``Kernels.amx_swiglu``: rows interleaved by 16 (gate 0-15, up 0-15, gate 16-31, ...) so
+    that each 32-column block of the product is one block of 16 features' gate and up.
+    None where :func:`pack_amx` gives None or F % 16 != 0."""
+    N, K = gate_up.shape
+    if N % 32:
+        return None
+    F = N // 2
+    il = gate_up.detach().reshape(2, F // 16, 16, K).transpose(0, 1).reshape(N, K)
+    return pack_amx(lib, il)
+
+
+def _vec(t: torch.Tensor, n: int) -> bool:
+    """t is a contiguous float32 vector of n values."""
+    return t.shape == (n,) and t.dtype == torch.float32 and t.is_contiguous()
+
+
