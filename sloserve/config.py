@@ -41,6 +41,9 @@ ROOFLINE_DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
 ROOFLINE_DTYPE_OF = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int8": "int8"}
 #: ``--logprobs-mode`` (vLLM's): what the ``logprobs`` API returns
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+#: the server's default ``--max-request-body-bytes`` (larger bodies get HTTP 413, see
+#: ``sloserve.server.body_limit``): ~1000x the embedded model's longest prompt
+DEFAULT_MAX_BODY_BYTES = 10 * 2 ** 20
 
 
 @dataclass
