@@ -87,6 +87,10 @@ def test_the_choice_lists_have_one_home():
     assert roof["load_format"] is config.LOAD_FORMAT_CHOICES
     assert roof["weight_dtype"] is roof["kv_dtype"] is config.ROOFLINE_DTYPES
     assert {"fcfs", "priority"} <= set(choices(sim_parser())["scheduling_policy"])
+    from sloserve.engine.request_queue import QUEUES
+    from sloserve.engine.scheduler import SchedulingPolicy
+    assert tuple(p.value for p in SchedulingPolicy) == config.POLICIES
+    assert tuple(QUEUES) == config.QUEUE_POLICIES
 
 
 @pytest.mark.parametrize("name,value", [("attention_backend", "flash"),
