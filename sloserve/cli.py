@@ -10,11 +10,8 @@ import sys
 from dataclasses import fields
 
 from sloserve.argtypes import port, pos_int
-from sloserve.config import EngineConfig, add_engine_args, engine_config_from_args
-
-#: sloserve.server.body_limit.DEFAULT_MAX_BODY_BYTES (not imported: the other subcommands
-#: need no server code)
-MAX_BODY_BYTES = 10 * 2 ** 20
+from sloserve.config import (DEFAULT_MAX_BODY_BYTES, EngineConfig, add_engine_args,
+                             engine_config_from_args)
 
 
 #: signals that arrived while the server's modules imported (see _stop_before_start)
@@ -77,9 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM/SIGINT, seconds requests in flight get to finish (new ones "
                         "get 503) before the server exits 0")
-    s.add_argument("--max-request-body-bytes", type=pos_int, default=MAX_BODY_BYTES,
+    s.add_argument("--max-request-body-bytes", type=pos_int, default=DEFAULT_MAX_BODY_BYTES,
                    metavar="N", help=f"larger request bodies get HTTP 413 with an OpenAI error "
-                                     f"body (default {MAX_BODY_BYTES} = 10 MiB)")
+                                     f"body (default {DEFAULT_MAX_BODY_BYTES} = "
+                                     f"{DEFAULT_MAX_BODY_BYTES / 2 ** 20:g} MiB)")
     s.add_argument("--step-trace", default=None, metavar="FILE.jsonl",
                    help="write one JSON line per engine step (composition and times), for "
                         "`sloserve profile --from-trace`")

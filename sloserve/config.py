@@ -2,8 +2,9 @@
 
 ``EngineConfig`` holds every engine setting and its default; ``add_engine_args`` /
 ``engine_config_from_args`` are the flags of ``sloserve serve``, ``generate``, ``profile`` and the
-simulator's scheduler flags (``add_scheduler_args``), so one default serves them all. Plain Python:
-no torch; nothing here imports the CLI.
+simulator's scheduler flags (``add_scheduler_args``), so one default serves them all. The choice
+lists of those settings (and the roofline's dtype names) are the constants below, which every
+parser and validator imports. Plain Python: no torch; nothing here imports the CLI.
 """
 from __future__ import annotations
 
@@ -23,12 +24,26 @@ HASH_ALGOS = ("sha256",)
 #: the server flags of each batching mode (for the tools that start servers)
 BATCHING_FLAGS = {"chunked": [], "naive": ["--no-enable-chunked-prefill"],
                   "static": ["--static-batching"]}
+#: ``--quantization``: as stored / dense / requantized (see EngineConfig.quantization)
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
+#: ``--dtype`` (vLLM's spelling; auto: chosen per CPU, ``sloserve.platform.choose_dtype``)
 DTYPE_CHOICES = ("auto", "bfloat16", "float32", "float16")
+#: ``--kv-cache-dtype``: a dtype, or int8 codes with a scale per head and token
 KV_CACHE_DTYPE_CHOICES = (*DTYPE_CHOICES, "int8")
+#: ``--load-format`` ("hf" is another name of "safetensors")
 LOAD_FORMAT_CHOICES = ("auto", "gguf", "safetensors", "hf", "dummy")
+#: ``--attention-backend``: auto, or a backend that ``sloserve.model.attention`` registers
+ATTENTION_BACKEND_CHOICES = ("auto", "cpu-paged", "torch-ref")
+#: the roofline's and the simulator's dtype names (``sloserve roofline --weight-dtype /
+#: --kv-dtype``, ``sloserve sim --dtype``; bytes each in ``sloserve.roofline.kv.DTYPE_BYTES``)
+ROOFLINE_DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8", "int4")
+#: an engine dtype (``--dtype`` or ``--kv-cache-dtype``, resolved) in the roofline's spelling
+ROOFLINE_DTYPE_OF = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int8": "int8"}
 #: ``--logprobs-mode`` (vLLM's): what the ``logprobs`` API returns
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+#: the server's default ``--max-request-body-bytes`` (larger bodies get HTTP 413, see
+#: ``sloserve.server.body_limit``): ~1000x the embedded model's longest prompt
+DEFAULT_MAX_BODY_BYTES = 10 * 2 ** 20
 
 
 @dataclass
@@ -166,6 +181,8 @@ class EngineConfig:
                 and self.ttft_slo_ms > 0):
             raise ValueError(f"ttft_slo_ms must be a positive number of ms, got {self.ttft_slo_ms}")
         for name, choices in (("quantization", QUANTIZATION_CHOICES),
+                              ("load_format", LOAD_FORMAT_CHOICES),
+                              ("attention_backend", ATTENTION_BACKEND_CHOICES),
                               ("scheduling_policy", QUEUE_POLICIES),
                               ("slo_admission", SLO_ADMISSION),
                               ("prefix_caching_hash_algo", HASH_ALGOS),
@@ -290,6 +307,7 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
     add_scheduler_args(p)
     p.add_argument("--seed", type=int, default=_D.seed)
     p.add_argument("--attention-backend", default=_D.attention_backend,
+                   choices=ATTENTION_BACKEND_CHOICES,
                    help="auto (the fastest that runs here) or a backend name")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch intra-op threads of the engine core (default: every core)")

@@ -21,12 +21,12 @@ import platform as _platform
 import time
 from dataclasses import dataclass
 
+from sloserve.config import DTYPE_CHOICES as DTYPES
+from sloserve.config import KV_CACHE_DTYPE_CHOICES as KV_CACHE_DTYPES
+
 #: ISA flags of /proc/cpuinfo that decide which kernels are fast, in the order they are shown
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
              "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
-DTYPES = ("auto", "bfloat16", "float32", "float16")
-#: ``--kv-cache-dtype`` values: the dtypes, or int8 (codes + a scale per head and token)
-KV_CACHE_DTYPES = (*DTYPES, "int8")
 #: ``auto`` picks bfloat16 when its GEMM takes at most this multiple of float32's time (native
 #: bf16: ~0.5x; emulated: 9x under the AVX2 caps on an AMX machine, ~200x on an AVX2-only host) ...
 BF16_MAX_GEMM_RATIO = 1.0

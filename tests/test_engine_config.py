@@ -46,3 +46,56 @@ def test_kv_cache_dtype_int8_is_a_choice_and_others_are_refused():
     with pytest.raises(SystemExit) as e:
         p.parse_args(["--kv-cache-dtype", "fp8"])
     assert e.value.code == 2
+
+
+def test_the_choice_lists_have_one_home():
+    """Every parser and validator of a setting's choices reads them from ``sloserve.config``:
+    the loader's, the platform's, the roofline's and the simulator's flags, and the attention
+    backends that ``sloserve.model.attention`` registers are exactly the listed ones."""
+    import argparse
+
+    from sloserve import config, platform
+    from sloserve.model import attention, loader
+    from sloserve.model.attention.backend import _BACKENDS
+    from sloserve.roofline.cli import build_parser
+    from sloserve.roofline.kv import DTYPE_BYTES
+    from sloserve.sim.cli import _parser as sim_parser
+
+    assert loader.LOAD_FORMATS is config.LOAD_FORMAT_CHOICES
+    assert loader.QUANTIZATIONS is config.QUANTIZATION_CHOICES
+    assert platform.DTYPES is config.DTYPE_CHOICES
+    assert platform.KV_CACHE_DTYPES is config.KV_CACHE_DTYPE_CHOICES
+    assert attention is not None and sorted(_BACKENDS) == sorted(
+        config.ATTENTION_BACKEND_CHOICES[1:])
+    assert sorted(DTYPE_BYTES) == sorted(config.ROOFLINE_DTYPES)
+    assert set(config.ROOFLINE_DTYPE_OF) == set(config.KV_CACHE_DTYPE_CHOICES) - {"auto"}
+    assert set(config.ROOFLINE_DTYPE_OF.values()) <= set(config.ROOFLINE_DTYPES)
+
+    def choices(p: argparse.ArgumentParser) -> dict:
+        return {a.dest: a.choices for a in p._actions if a.choices is not None}
+
+    eng = argparse.ArgumentParser()
+    config.add_engine_args(eng)
+    got = choices(eng)
+    assert got["dtype"] is config.DTYPE_CHOICES
+    assert got["kv_cache_dtype"] is config.KV_CACHE_DTYPE_CHOICES
+    assert got["load_format"] is config.LOAD_FORMAT_CHOICES
+    assert got["quantization"] is config.QUANTIZATION_CHOICES
+    assert got["attention_backend"] is config.ATTENTION_BACKEND_CHOICES
+    roof = choices(build_parser())
+    assert roof["dtype"] is config.DTYPE_CHOICES
+    assert roof["load_format"] is config.LOAD_FORMAT_CHOICES
+    assert roof["weight_dtype"] is roof["kv_dtype"] is config.ROOFLINE_DTYPES
+    assert {"fcfs", "priority"} <= set(choices(sim_parser())["scheduling_policy"])
+    from sloserve.engine.request_queue import QUEUES
+    from sloserve.engine.scheduler import SchedulingPolicy
+    assert tuple(p.value for p in SchedulingPolicy) == config.POLICIES
+    assert tuple(QUEUES) == config.QUEUE_POLICIES
+
+
+@pytest.mark.parametrize("name,value", [("attention_backend", "flash"),
+                                        ("load_format", "pickle")])
+def test_choices_are_checked_by_validate(name, value):
+    """A value outside a setting's choices is refused before any model loads, naming them."""
+    with pytest.raises(ValueError, match=f"{name} must be one of auto, .*, got '{value}'"):
+        EngineConfig(**{name: value}).validate()

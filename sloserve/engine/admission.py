@@ -1,8 +1,9 @@
 """Overload control: the queue limit and SLO-aware admission, decided at arrival.
 
-Plain Python (no torch, no clock of its own), used by the API process on the core's published
-:class:`~sloserve.engine.messages.SchedulerStats` and by the simulator on its own scheduler, so
-both reject the same requests for the same reasons.
+Plain Python (no torch, no clock of its own). :func:`check_arrival` is the one entry: the API
+process calls it on the core's published :class:`~sloserve.engine.messages.SchedulerStats`
+(plus the requests still on their way to the core), the simulator on its own scheduler's
+:class:`EngineLoad`, so both reject the same requests for the same reasons.
 
 * Queue limit (``--max-waiting-requests N``): a request is rejected (HTTP 429) when N requests
   already wait: those the core reports waiting plus those sent to it that it has not queued yet.
@@ -27,7 +28,9 @@ from __future__ import annotations
 import collections
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 
 class StepRates:
@@ -177,3 +180,87 @@ def check_admission(*, num_waiting: int, queue_tokens: int, prompt_tokens: int,
                              f"{wait_s * 1e3:.0f} ms), limit {ttft_slo_s * 1e3:.0f} ms "
                              f"(--ttft-slo-ms); retry in {retry} s", retry)
     return None
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """The overload-control settings (see the module docstring).
+
+    Attributes:
+        max_waiting_requests: ``--max-waiting-requests`` (None: no queue limit).
+        ttft_slo_s: ``--ttft-slo-ms`` in s (None: no TTFT limit).
+        reject_over_slo: ``--slo-admission reject``: a request over ttft_slo_s is refused at
+            arrival (with ``defer`` the scheduler defers it instead).
+    """
+
+    max_waiting_requests: int | None = None
+    ttft_slo_s: float | None = None
+    reject_over_slo: bool = False
+
+    @classmethod
+    def of(cls, config) -> "AdmissionLimits":
+        """The limits of an :class:`~sloserve.config.EngineConfig`."""
+        return cls(config.max_waiting_requests,
+                   config.ttft_slo_ms / 1e3 if config.ttft_slo_ms else None,
+                   config.slo_admission == "reject")
+
+    @property
+    def active(self) -> bool:
+        """Some request may be refused at arrival."""
+        return self.max_waiting_requests is not None or (self.ttft_slo_s is not None
+                                                         and self.reject_over_slo)
+
+
+class LoadView(Protocol):
+    """What admission reads of an engine (a :class:`~sloserve.engine.messages.SchedulerStats`
+    or an :class:`EngineLoad`): the waiting requests and the prompt tokens still to compute
+    (the waiting ones' and the running prefills'), the prompt tokens the next step can take,
+    and the measured step time and prefill rate (0 until measured)."""
+
+    num_waiting: int
+    num_waiting_tokens: int
+    prefill_budget: int
+    prefill_step_s: float
+    prefill_tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A live scheduler's :class:`LoadView` (the fields as in ``SchedulerStats``)."""
+
+    num_waiting: int
+    num_waiting_tokens: int
+    prefill_budget: int
+    prefill_step_s: float
+    prefill_tokens_per_s: float
+
+    @classmethod
+    def of(cls, scheduler, rates: StepRates) -> "EngineLoad":
+        """Of a :class:`~sloserve.engine.scheduler.Scheduler` and the speeds it observes."""
+        return cls(len(scheduler.waiting), scheduler.num_tokens_to_prefill(),
+                   scheduler.prefill_budget(), rates.prefill_step_s, rates.prefill_tokens_per_s)
+
+
+def check_arrival(limits: AdmissionLimits, load: LoadView, prompt_tokens: int, wait_s: float,
+                  in_transit_tokens: Sequence[int] = (), free_seats: int = 0
+                  ) -> Rejection | None:
+    """Overload control for a request of ``prompt_tokens`` arriving at an engine in state
+    ``load``: None to admit, else the Rejection.
+
+    Args:
+        wait_s: time until the engine's next step can start, s: the rest of the step in
+            flight (the API process estimates it), or the time the request already waited
+            (the simulator admits between steps).
+        in_transit_tokens: the prompt tokens of each request sent to the engine that it has not
+            queued yet: they wait ahead of this one, and count as waiting beyond the
+            ``free_seats`` the engine has (running seats not taken by its waiting requests).
+    """
+    if not limits.active:
+        return None
+    return check_admission(
+        num_waiting=load.num_waiting + max(0, len(in_transit_tokens) - free_seats),
+        queue_tokens=load.num_waiting_tokens + sum(in_transit_tokens),
+        prompt_tokens=prompt_tokens, prefill_budget=load.prefill_budget,
+        prefill_step_s=load.prefill_step_s, prefill_tokens_per_s=load.prefill_tokens_per_s,
+        wait_s=wait_s, max_waiting_requests=limits.max_waiting_requests,
+        ttft_slo_s=limits.ttft_slo_s, reject_over_slo=limits.reject_over_slo)

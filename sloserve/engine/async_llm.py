@@ -23,7 +23,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 
 from sloserve.config import EngineConfig
-from sloserve.engine.admission import Rejection, check_admission
+from sloserve.engine.admission import AdmissionLimits, Rejection, check_arrival
 from sloserve.engine.core_client import CoreClient
 from sloserve.engine.llm_engine import log_stats
 from sloserve.engine.messages import (EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest,
@@ -67,6 +67,7 @@ class AsyncLLM:
         from sloserve.model.loader import load_model_tokenizer
 
         self.config = config
+        self.admission_limits = AdmissionLimits.of(config)
         self.client = CoreClient(config, step_trace, log_level)
         try:  # the tokenizer loads here while the core loads the weights
             tokenizer = load_model_tokenizer(config.model, config.load_format)
@@ -147,28 +148,19 @@ class AsyncLLM:
         """Overload control at arrival (``engine.admission``): None to admit, else why not.
         Reads only the core's published snapshot and this process's own counts, so a core
         busy with a long step does not delay the answer."""
-        cfg = self.config
-        if cfg.max_waiting_requests is None and (cfg.ttft_slo_ms is None
-                                                 or cfg.slo_admission != "reject"):
+        if not self.admission_limits.active:
             return None
         s = self.stats
         self._forget_received(s)
-        # requests on their way wait only beyond the seats the core has free
-        free_seats = max(0, cfg.max_num_seqs - s.num_running - s.num_waiting)
-        queue_tokens = s.num_waiting_tokens + sum(n for _, n in self._in_transit)
+        in_transit = [n for _, n in self._in_transit]
         # the step in flight (the core starts the next one as soon as it has sent its outputs)
-        busy = s.num_running + s.num_waiting + len(self._in_transit) > 0
-        step_s = s.prefill_step_s if queue_tokens else s.decode_step_s
+        busy = s.num_running + s.num_waiting + len(in_transit) > 0
+        step_s = s.prefill_step_s if s.num_waiting_tokens or in_transit else s.decode_step_s
         wait = max(0.0, step_s - (time.monotonic() - self._last_step_end)) if busy else 0.0
-        return check_admission(
-            num_waiting=s.num_waiting + max(0, len(self._in_transit) - free_seats),
-            queue_tokens=queue_tokens, prompt_tokens=len(request.prompt_token_ids),
-            prefill_budget=s.prefill_budget,
-            prefill_step_s=s.prefill_step_s, prefill_tokens_per_s=s.prefill_tokens_per_s,
-            wait_s=wait,
-            max_waiting_requests=cfg.max_waiting_requests,
-            ttft_slo_s=cfg.ttft_slo_ms / 1e3 if cfg.ttft_slo_ms else None,
-            reject_over_slo=cfg.slo_admission == "reject")
+        # requests on their way wait only beyond the seats the core has free
+        free_seats = max(0, self.config.max_num_seqs - s.num_running - s.num_waiting)
+        return check_arrival(self.admission_limits, s, len(request.prompt_token_ids), wait,
+                             in_transit, free_seats)
 
     def _forget_received(self, s: SchedulerStats) -> None:
         """Drop the requests the core says it has queued from those counted as on their way."""

@@ -33,14 +33,14 @@ caller passes `now`), so the simulator drives it with a cost model; its output
 from __future__ import annotations
 
 import enum
-from collections import deque
 from dataclasses import dataclass
 
-from sloserve.config import EngineConfig
+from sloserve.config import QUEUE_POLICIES, EngineConfig
 from sloserve.engine.admission import StepRates, estimate_ttft_s
 from sloserve.engine.kv_cache_manager import KVCacheManager
 from sloserve.engine.messages import EngineCoreOutput
 from sloserve.engine.request import Request, RequestStatus
+from sloserve.engine.request_queue import RequestQueue, create_request_queue
 from sloserve.step_io import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 
@@ -100,8 +100,9 @@ class SchedulerConfig:
         self.policy = SchedulingPolicy(self.policy)
         if self.ttft_slo_s is not None:  # its TTFT estimate knows no pacing (module docstring)
             self.enable_prefill_pacing = False
-        if self.queue_policy not in ("fcfs", "priority"):
-            raise ValueError(f"queue_policy must be fcfs or priority, got {self.queue_policy!r}")
+        if self.queue_policy not in QUEUE_POLICIES:
+            raise ValueError(f"queue_policy must be {' or '.join(QUEUE_POLICIES)}, got "
+                             f"{self.queue_policy!r}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
@@ -127,7 +128,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
         self.config = config
         self.kv = kv_cache_manager
-        self.waiting: deque[Request] = deque()
+        #: waiting requests in admission order; the queue policy (fcfs or priority)
+        self.waiting: RequestQueue = create_request_queue(config.queue_policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -151,7 +153,7 @@ class Scheduler:
 
     # ----------------------------------------------------------------- queue management
     def add_request(self, request: Request) -> None:
-        """Queue a request (FCFS).
+        """Queue a request (in the order of the queue policy).
 
         Raises:
             ValueError: empty prompt, prompt longer than max_model_len, prompt + max_tokens over
@@ -173,20 +175,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.num_requests_received += 1
-        self._enqueue(request, front=False)
-
-    def _enqueue(self, req: Request, front: bool) -> None:
-        """FCFS: at the back (new) or the front (preempted). Priority: by (priority, arrival)."""
-        if self.config.queue_policy == "priority":
-            key = (req.priority, req.arrival_time)
-            i = len(self.waiting)
-            while i > 0 and (self.waiting[i - 1].priority, self.waiting[i - 1].arrival_time) > key:
-                i -= 1
-            self.waiting.insert(i, req)
-        elif front:
-            self.waiting.appendleft(req)
-        else:
-            self.waiting.append(req)
+        self.waiting.add_request(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish (abort, ...) a queued or running request and free its blocks.
@@ -200,7 +189,7 @@ class Scheduler:
             self.running.remove(req)
         else:
             try:
-                self.waiting.remove(req)
+                self.waiting.remove_request(req)
             except ValueError:
                 pass
         req.status = status
@@ -238,7 +227,7 @@ class Scheduler:
         req.num_preemptions += 1
         req.spec_token_ids = []
         self.num_preemptions += 1
-        self._enqueue(req, front=True)
+        self.waiting.prepend_request(req)
         out.preempted_request_ids.append(req.request_id)
         return scheduled.pop(req.request_id, 0)
 
@@ -257,19 +246,18 @@ class Scheduler:
         return True, refund
 
     def _victim(self) -> Request:
-        """The running request to preempt: the newest (FCFS), or the largest (priority,
-        arrival time) under the priority policy."""
-        if self.config.queue_policy == "priority":
-            return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
+        """The running request to preempt, by the queue policy: the newest (FCFS), or the
+        largest (priority, arrival time)."""
+        return self.waiting.preemption_victim(self.running)
 
     def _preempt_for(self, req: Request, out: SchedulerOutput, scheduled: dict[str, int]) -> int | None:
-        """Priority policy: preempt the worst running request if its priority value is strictly
-        larger than waiting ``req``'s; returns the budget refunded, None if none qualifies."""
-        if self.config.queue_policy != "priority" or not self.running:
+        """Preempt the running request the queue policy would take if waiting ``req`` outranks
+        it (priority: a strictly larger priority value; FCFS: never); returns the budget
+        refunded, None if it does not."""
+        if not self.running:
             return None
         victim = self._victim()
-        if victim.priority <= req.priority:
+        if not self.waiting.outranks(req, victim):
             return None
         return self._preempt(victim, out, scheduled)
 
@@ -293,7 +281,7 @@ class Scheduler:
             self.num_deferred += sum(1 for r in late if not r.deferred)
             for r in late:
                 r.deferred = True
-            self.waiting = deque(keep + late)
+            self.waiting.move_to_back(late)
 
     def schedule(self, now: float = 0.0) -> SchedulerOutput:
         """Pick this step's work. `now` (seconds) stamps first_scheduled_time for queue time."""
@@ -360,9 +348,9 @@ class Scheduler:
             self._defer_hopeless(now)
         held: list[Request] = []  # passed over this step, kept at the queue's front
         while may_admit and self.waiting and budget > 0:
-            req = self.waiting[0]
+            req = self.waiting.peek_request()
             if self._must_wait(req):
-                held.append(self.waiting.popleft())
+                held.append(self.waiting.pop_request())
                 continue
             if len(self.running) >= cfg.max_num_seqs:
                 refund = self._preempt_for(req, out, scheduled)
@@ -386,7 +374,7 @@ class Scheduler:
             paced = pace and req.num_prompt_tokens > long_prompt
             if paced:
                 if pace_left <= 0:  # the step's paced tokens are spent: shorter prompts may pass
-                    held.append(self.waiting.popleft())
+                    held.append(self.waiting.pop_request())
                     continue
                 n = min(n, pace_left)
             if not self.kv.allocate_slots(req.request_id, start + n, hit_blocks):
@@ -399,7 +387,7 @@ class Scheduler:
             self.kv.record_query(req.num_tokens, n_hit)
             if req.num_preemptions == 0:
                 req.num_cached_tokens = n_hit
-            self.waiting.popleft()
+            self.waiting.pop_request()
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
@@ -410,7 +398,7 @@ class Scheduler:
                 pace_left -= n
 
         if held:
-            self.waiting.extendleft(reversed(held))
+            self.waiting.prepend_requests(held)
         # decodes first, then prefill chunks, each in admission order
         items = [self._scheduled(r, scheduled[r.request_id]) for r in self.running
                  if r.request_id in scheduled]

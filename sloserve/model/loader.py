@@ -21,8 +21,9 @@ from sloserve.tokenizer import Tokenizer
 if TYPE_CHECKING:  # pragma: no cover
     from sloserve.model.llama import LlamaForCausalLM
 
-LOAD_FORMATS = ("auto", "gguf", "safetensors", "hf", "dummy")
-QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
+from sloserve.config import LOAD_FORMAT_CHOICES as LOAD_FORMATS  # noqa: E402
+from sloserve.config import QUANTIZATION_CHOICES as QUANTIZATIONS  # noqa: E402
+
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

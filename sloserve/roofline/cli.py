@@ -11,8 +11,8 @@ import os
 import sys
 
 from sloserve.argtypes import int_list as _int_list
+from sloserve.config import DTYPE_CHOICES, LOAD_FORMAT_CHOICES, ROOFLINE_DTYPES
 from sloserve.roofline.hardware import NIC_PRESETS, get_hardware, get_link, list_hardware
-from sloserve.roofline.kv import DTYPE_BYTES
 from sloserve.roofline.models import get_model, list_models
 from sloserve.roofline.report import Plan, plan
 from sloserve.roofline.textbook import golden_numbers, lecture_table, unit_slips
@@ -32,8 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-len", type=int, default=4096, help="decode context length (tokens)")
     p.add_argument("--prompt-len", type=int, default=1024, help="prefill prompt length (tokens)")
     p.add_argument("--prefill-batch", type=int, default=1, help="prefill batch (sequences)")
-    p.add_argument("--weight-dtype", default="bf16", choices=sorted(DTYPE_BYTES))
-    p.add_argument("--kv-dtype", default=None, choices=sorted(DTYPE_BYTES),
+    p.add_argument("--weight-dtype", default="bf16", choices=ROOFLINE_DTYPES)
+    p.add_argument("--kv-dtype", default=None, choices=ROOFLINE_DTYPES,
                    help="default: the weight dtype")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs")
     p.add_argument("--memory-efficiency", type=float, default=1.0,
@@ -55,11 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--measure", action="store_true",
                    help="time the engine's model forward for decode batches and prefill chunks "
                         "and compare with the roofline")
-    g.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+    g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="engine dtype for --measure (weights, activations and KV counted in it; "
                         "auto: what the engine picks on this CPU)")
-    g.add_argument("--load-format", default="auto",
-                   help="engine load format for --measure (auto, gguf, safetensors, dummy)")
+    g.add_argument("--load-format", default="auto", choices=LOAD_FORMAT_CHOICES,
+                   help="engine load format for --measure")
     g.add_argument("--measure-batches", type=_int_list, default=[1, 4, 16, 64],
                    help="decode batches, comma-separated (default 1,4,16,64)")
     g.add_argument("--measure-context-len", type=int, default=256,

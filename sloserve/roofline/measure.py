@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from sloserve.config import EngineConfig
+from sloserve.config import ROOFLINE_DTYPE_OF, EngineConfig
 from sloserve.engine.llm_engine import LLMEngine
 from sloserve.engine.step_profile import time_decode_steps, time_prefill_steps
 from sloserve.roofline.hardware import Hardware
@@ -51,7 +51,6 @@ from sloserve.roofline.ops import Workload, operator_costs
 from sloserve.roofline.roofline import roofline_point
 from sloserve.roofline.units import fmt_bandwidth, fmt_bytes, fmt_flops, fmt_flops_rate
 
-ENGINE_TO_OPS_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 DECODE_BATCHES = (1, 4, 16, 64)
 #: prefill points of --measure (tokens; 512 is the default step budget)
 PREFILL_CHUNKS = (64, 256, 512, 1024)
@@ -219,9 +218,9 @@ def measure(config: EngineConfig, spec: ModelSpec, hw: Hardware, *,
         raise ValueError("warmup must be >= 0 and repeats >= 1")
     from sloserve.platform import choose_dtype
     dtype = choose_dtype(config.dtype).dtype  # "auto" -> the dtype the engine will pick here
-    if dtype not in ENGINE_TO_OPS_DTYPE:
-        raise ValueError(f"engine dtype {dtype!r}; known: {', '.join(ENGINE_TO_OPS_DTYPE)}")
-    dt = ENGINE_TO_OPS_DTYPE[dtype]
+    if dtype not in ROOFLINE_DTYPE_OF:
+        raise ValueError(f"engine dtype {dtype!r}; known: {', '.join(ROOFLINE_DTYPE_OF)}")
+    dt = ROOFLINE_DTYPE_OF[dtype]
     notes: list[str] = []
     peak_dtype = dt
     try:
@@ -234,7 +233,7 @@ def measure(config: EngineConfig, spec: ModelSpec, hw: Hardware, *,
         notes.append(f"timed on this machine's CPU, bound taken on {hw.name}")
     eng = LLMEngine(engine_config_for(config, decode_batches, context_len, prefill_chunks, warmup, repeats))
     # an int8 cache counts 1 byte per value (its per-entry scales, 4 bytes per 64, are not)
-    kv_dt = (ENGINE_TO_OPS_DTYPE | {"int8": "int8"}).get(
+    kv_dt = ROOFLINE_DTYPE_OF.get(
         str(eng.runner.kv_caches[0].dtype).removeprefix("torch."), dt)
     peaks: dict = {}
     points: list[MeasuredPoint] = []

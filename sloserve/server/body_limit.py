@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-#: the default limit of a request body (bytes): ~1000x the embedded model's longest prompt
-DEFAULT_MAX_BODY_BYTES = 10 * 2 ** 20
+from sloserve.config import DEFAULT_MAX_BODY_BYTES
+
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "BodyLimitMiddleware", "BodyTooLarge"]
 
 
 class BodyTooLarge(BaseException):

@@ -63,7 +63,10 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
     def make_choices_sync(prompts: list[str | list[int]], body, base_id: str) -> list[Choice]:
         """Validate and tokenize each prompt once; its ``n`` choices are copies with their own
         ids (``<id>-<prompt>-<choice>``; the id alone for a single choice), a shared parent id
-        and, with a seed, seeds ``seed + i`` (n different but reproducible samples)."""
+        and, with a seed, seeds ``seed + i`` (n different but reproducible samples). Only the
+        first choice asks for the prompt's logprobs: they are computed once per prompt and
+        every choice answers with them (``serving.PromptLogprobsShare``); its siblings then
+        start from its cached prompt blocks."""
         try:
             body.unsupported()
             sp = body.to_sampling_params()
@@ -92,6 +95,8 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
                     csp = req.sampling_params
                     if csp.seed is not None:
                         csp = replace(csp, seed=child_seed(csp.seed, i))
+                    if csp.prompt_logprobs is not None:  # choice 0 computes them for all
+                        csp = replace(csp, prompt_logprobs=None)
                     choices.append(Choice(msgspec.structs.replace(
                         req, request_id=f"{base_id}-{p}-{i}", sampling_params=csp), p, echo_text))
             return choices

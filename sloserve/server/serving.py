@@ -4,7 +4,9 @@ An API request becomes one engine request per choice (``n`` per prompt; completi
 several prompts): choice ``i`` of prompt ``p`` has index ``p * n + i``, as in vLLM. The choices
 run together (``AsyncLLM.generate_group``); the endpoints differ only in their JSON shapes,
 built by a :class:`CompletionBuilder` or a :class:`ChatBuilder` from per-choice
-:class:`ChoiceState` and run through :func:`stream_response` or :func:`whole_response`.
+:class:`ChoiceState` and run through :func:`stream_response` or :func:`whole_response`. A
+prompt's ``prompt_logprobs`` are computed once, by its first choice, and every choice of the
+prompt answers with them (:class:`PromptLogprobsShare`).
 """
 from __future__ import annotations
 
@@ -73,6 +75,41 @@ class ChoiceState:
             self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             self.final = out
+
+
+class PromptLogprobsShare:
+    """Prompt logprobs once per prompt, as vLLM answers them (one ``prompt_logprobs`` per
+    prompt, given to each of its choices): the prompt's first choice whose request asks the
+    engine for them computes them (``routes`` asks only the first), and every choice of that
+    prompt answers with the same values. A sibling's outputs that arrive before its prompt's
+    logprobs wait for them, in order (:meth:`release`)."""
+
+    def __init__(self, states: list[ChoiceState]):
+        self._source: dict[int, ChoiceState] = {}
+        for st in states:
+            if st.choice.request.sampling_params.prompt_logprobs is not None:
+                self._source.setdefault(st.choice.prompt_index, st)
+        self._held: dict[int, list[tuple[ChoiceState, RequestOutput]]] = {}
+
+    def release(self, st: ChoiceState, out: RequestOutput
+                ) -> list[tuple[ChoiceState, RequestOutput]]:
+        """The outputs to handle now, in order, once `out` of `st` arrived: none while its
+        prompt's logprobs are still to come; the held ones of its siblings after the output
+        that brings them."""
+        p = st.choice.prompt_index
+        src = self._source.get(p)
+        if src is st:
+            return [(st, out)] + self._held.pop(p, [])
+        if src is not None and not src.started:
+            self._held.setdefault(p, []).append((st, out))
+            return []
+        return [(st, out)]
+
+    def fill(self, st: ChoiceState) -> None:
+        """Give `st`, once its first output is in, its prompt's shared logprobs."""
+        src = self._source.get(st.choice.prompt_index)
+        if src is not None and src is not st and st.prompt_token_ids is not None:
+            st.prompt_logprobs = src.prompt_logprobs
 
 
 def usage_of(states: list[ChoiceState]) -> UsageInfo:
@@ -224,26 +261,28 @@ async def _events(engine: AsyncLLM, choices: list[Choice], include_usage: bool,
     content chunks; optional usage once every choice finished; ``[DONE]``. A failure mid-stream
     is an error event before ``[DONE]``."""
     states = [ChoiceState(c, i) for i, c in enumerate(choices)]
+    share = PromptLogprobsShare(states)
     failed = False
     try:
         gen = engine.generate_group([c.request for c in choices])
         async with contextlib.aclosing(gen) as outs:
             async for i, out in outs:
-                st = states[i]
                 if out.error:
                     logger.error("request %s failed: %s", out.request_id, out.error)
                     yield _error_event(_failed(out))
                     failed = True
                     break
-                first = not st.started
-                st.started = True
-                st.add(out)
-                if first:
-                    for ev in b.preamble(st):
+                for st, o in share.release(states[i], out):
+                    first = not st.started
+                    st.started = True
+                    st.add(o)
+                    share.fill(st)
+                    if first:
+                        for ev in b.preamble(st):
+                            yield ev
+                    ev = b.chunk(st, o, first)
+                    if ev is not None:
                         yield ev
-                ev = b.chunk(st, out, first)
-                if ev is not None:
-                    yield ev
     except Exception as e:  # engine died or refused (CancelledError is not an Exception)
         yield _error_event(engine_error(e))
     else:
@@ -279,4 +318,7 @@ async def whole_response(engine: AsyncLLM, choices: list[Choice], raw: Request,
         if out.error:
             raise _failed(out)
         states[i].add(out)
+    share = PromptLogprobsShare(states)
+    for st in states:
+        share.fill(st)
     return JSONResponse(b.response(states).model_dump())

@@ -14,7 +14,7 @@ import sys
 from sloserve.argtypes import parse_given, pos_float, pos_int
 from sloserve.bench.metric_args import add_metric_args
 from sloserve.bench.workload_args import add_workload_args
-from sloserve.config import EngineConfig, add_scheduler_args
+from sloserve.config import ROOFLINE_DTYPES, EngineConfig, add_scheduler_args
 from sloserve.sim.presets import PRESET_REFUSES, PRESETS
 
 
@@ -89,7 +89,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="roofline model: a `sloserve roofline` model preset, config.json or GGUF")
     c.add_argument("--hardware", default="H100-SXM", help="roofline model: hardware preset")
     c.add_argument("--tp", type=pos_int, default=1, help="roofline model: tensor parallel GPUs")
-    c.add_argument("--dtype", default="bf16", help="roofline model: weight/activation/KV dtype")
+    c.add_argument("--dtype", default="bf16", metavar="{" + ",".join(ROOFLINE_DTYPES) + "}",
+                   help="roofline model: weight/activation/KV dtype (the roofline's names)")
     c.add_argument("--compute-efficiency", type=pos_float, default=0.6)
     c.add_argument("--memory-efficiency", type=pos_float, default=0.8)
     o = p.add_argument_group("output")

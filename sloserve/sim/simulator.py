@@ -24,7 +24,7 @@ from typing import Sequence
 from sloserve.bench.datasets import PREFIX_GROUP_TAG, SampleRequest
 from sloserve.bench.request_func import RequestRecord
 from sloserve.config import EngineConfig
-from sloserve.engine.admission import StepRates, check_admission
+from sloserve.engine.admission import AdmissionLimits, EngineLoad, StepRates, check_arrival
 from sloserve.engine.kv_cache_manager import KVCacheManager
 from sloserve.engine.request import Request
 from sloserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -118,6 +118,7 @@ class Replica:
         self.preemptions = 0
         self.cfg = cfg
         self.rates = StepRates()
+        self.limits = AdmissionLimits(cfg.max_waiting_requests, cfg.ttft_slo_s, cfg.slo_reject)
 
     @staticmethod
     def token_ids(r: SampleRequest, index: int) -> list[int]:
@@ -154,16 +155,10 @@ class Replica:
             if self.role == "decode":  # the prompt's KV and the first token came from prefill
                 req.output_token_ids.append(0)
                 req.num_computed_tokens = r.prompt_len
-            sched = self.sched
-            rej = check_admission(
-                num_waiting=len(sched.waiting), queue_tokens=sched.num_tokens_to_prefill(),
-                prompt_tokens=r.prompt_len,
-                prefill_budget=sched.prefill_budget(),
-                prefill_step_s=self.rates.prefill_step_s,
-                prefill_tokens_per_s=self.rates.prefill_tokens_per_s,
-                wait_s=max(0.0, now - float(sent[i])),
-                max_waiting_requests=self.cfg.max_waiting_requests,
-                ttft_slo_s=self.cfg.ttft_slo_s, reject_over_slo=self.cfg.slo_reject)
+            rej = None
+            if self.limits.active:
+                rej = check_arrival(self.limits, EngineLoad.of(self.sched, self.rates),
+                                    r.prompt_len, wait_s=max(0.0, now - float(sent[i])))
             if rej is not None and self.role != "decode":
                 self.recs[i].error = f"HTTP 429: {rej.message}"
                 rejected.append(i)

@@ -54,23 +54,29 @@ def prompt_lps(outs):
     return got[0]
 
 
+def assert_prompt_logprobs_match(lp, ref: torch.Tensor, prompt: list[int], k: int) -> None:
+    """`lp` holds every prompt position once, each within TOL of transformers' `ref` (ranks and
+    the top-k ids up to near-ties within TOL)."""
+    assert len(lp) == len(prompt) - 1
+    for i in range(len(prompt) - 1):  # position i predicts prompt token i + 1
+        tok = prompt[i + 1]
+        assert lp.token_ids[i][0] == tok
+        assert abs(lp.logprobs[i][0] - float(ref[i, tok])) < TOL
+        v = float(ref[i, tok])
+        assert int((ref[i] > v + TOL).sum()) + 1 <= lp.ranks[i] <= int((ref[i] > v - TOL).sum()) + 1
+        top = torch.topk(ref[i], k)
+        assert len(lp.token_ids[i]) == k + 1
+        assert max(abs(a - b) for a, b in zip(lp.logprobs[i][1:], top.values.tolist())) < TOL
+        for t, val in zip(lp.token_ids[i][1:], lp.logprobs[i][1:]):
+            assert abs(float(ref[i, t]) - val) < TOL  # each listed id has the value given
+
+
 @pytest.mark.parametrize("budget", [8, 512])  # 5 chunks of 8 tokens, or the whole prompt
 def test_prompt_logprobs_match_transformers(tiny_llama_dir, hf_model, budget):
     eng = make_engine(tiny_llama_dir, max_num_batched_tokens=budget)
     req = eng.make_request(PROMPT, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3))
     lp = prompt_lps(run(eng, [req])[req.request_id])
-    ref = ref_logprobs(hf_model, PROMPT)
-    assert len(lp) == len(PROMPT) - 1
-    for i in range(len(PROMPT) - 1):  # position i predicts prompt token i + 1
-        tok = PROMPT[i + 1]
-        assert lp.token_ids[i][0] == tok
-        assert abs(lp.logprobs[i][0] - float(ref[i, tok])) < TOL
-        v = float(ref[i, tok])
-        assert int((ref[i] > v + TOL).sum()) + 1 <= lp.ranks[i] <= int((ref[i] > v - TOL).sum()) + 1
-        top = torch.topk(ref[i], 3)
-        assert max(abs(a - b) for a, b in zip(lp.logprobs[i][1:], top.values.tolist())) < TOL
-        for t, val in zip(lp.token_ids[i][1:], lp.logprobs[i][1:]):
-            assert abs(float(ref[i, t]) - val) < TOL  # each listed id has the value given
+    assert_prompt_logprobs_match(lp, ref_logprobs(hf_model, PROMPT), PROMPT, 3)
 
 
 def test_sampled_logprobs_match_transformers_and_greedy_is_rank_1(tiny_llama_dir, hf_model):
@@ -108,20 +114,19 @@ def test_prompt_logprobs_take_no_prefix_cache_blocks(tiny_llama_dir):
     assert len(prompt_lps(outs["lp"])) == len(PROMPT) - 1
 
 
-def test_prompt_logprobs_survive_preemption_once_each(tiny_llama_dir):
-    """Two long requests in a cache too small for both: one is preempted and recomputed; its
-    prompt logprobs still come once per position, equal to an undisturbed run's."""
-    alone = make_engine(tiny_llama_dir, max_num_batched_tokens=16)
+def test_prompt_logprobs_survive_preemption_once_each(tiny_llama_dir, hf_model):
+    """Two long requests in a cache too small for both: one is preempted and recomputed; the
+    prompt logprobs of each still come once per position, within TOL of transformers' (they
+    are computed in other batches than an undisturbed run's, so not compared with it exactly:
+    a top id or rank may differ on a near-tie)."""
     sp = SamplingParams(temperature=0, max_tokens=40, prompt_logprobs=1, ignore_eos=True)
-    ref = prompt_lps(run(alone, [alone.make_request(PROMPT, sp, "a")])["a"])
     eng = make_engine(tiny_llama_dir, num_kv_blocks=8, max_model_len=128,
                       max_num_batched_tokens=16)
     outs = run(eng, [eng.make_request(PROMPT, sp, "a"), eng.make_request(PROMPT[::-1], sp, "b")])
     assert eng.scheduler.num_preemptions > 0
-    got = prompt_lps(outs["a"])
-    assert got.token_ids == ref.token_ids and got.ranks == ref.ranks
-    assert max(abs(x[0] - y[0]) for x, y in zip(got.logprobs, ref.logprobs)) < TOL
-    assert len(prompt_lps(outs["b"])) == len(PROMPT) - 1
+    for rid, prompt in (("a", PROMPT), ("b", PROMPT[::-1])):
+        assert_prompt_logprobs_match(prompt_lps(outs[rid]), ref_logprobs(hf_model, prompt),
+                                     prompt, 1)
 
 
 def test_n_siblings_prefill_the_prompt_once_and_share_its_blocks(tiny_llama_dir):

@@ -6,7 +6,8 @@ import argparse
 import pytest
 
 from sloserve.config import EngineConfig, add_scheduler_args, batching_from_args
-from sloserve.engine.admission import StepRates, check_admission, estimate_ttft_s
+from sloserve.engine.admission import (AdmissionLimits, EngineLoad, StepRates, check_admission,
+                                       check_arrival, estimate_ttft_s)
 from sloserve.engine.kv_cache_manager import KVCacheManager
 from sloserve.engine.request import Request
 from sloserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -144,6 +145,46 @@ def test_check_admission_queue_limit_and_slo():
     unknown = dict(kw, prefill_step_s=0.0)
     assert check_admission(num_waiting=0, max_waiting_requests=None, ttft_slo_s=0.001,
                            reject_over_slo=True, **unknown) is None  # no step time yet: admit
+
+
+def test_admission_limits_of_the_engine_settings():
+    assert AdmissionLimits.of(EngineConfig()) == AdmissionLimits(None, None, True)
+    assert not AdmissionLimits.of(EngineConfig()).active
+    assert AdmissionLimits.of(EngineConfig(max_waiting_requests=3)).active
+    slo = EngineConfig(ttft_slo_ms=250, slo_admission="defer")
+    assert AdmissionLimits.of(slo) == AdmissionLimits(None, 0.25, False)
+    assert not AdmissionLimits.of(slo).active            # deferral is the scheduler's, not here
+    assert AdmissionLimits.of(EngineConfig(ttft_slo_ms=250)).active
+
+
+def test_check_arrival_reads_a_scheduler_or_its_published_stats_alike():
+    """The simulator's live scheduler (EngineLoad.of) and the core's published SchedulerStats
+    give the same inputs, and so the same answer; requests on their way to the core queue ahead
+    (their tokens) and wait beyond the free seats."""
+    from sloserve.engine.messages import SchedulerStats
+    s = _sched("fcfs", max_num_seqs=2, budget=16)
+    for rid, n in (("a", 20), ("b", 12), ("c", 8)):
+        s.add_request(_req(rid, n=n))
+    drive_step(s)  # a: 16 of its 20 prompt tokens; b and c wait
+    rates = StepRates()
+    rates.update(16, 0, 0.5)
+    load = EngineLoad.of(s, rates)
+    assert load == EngineLoad(num_waiting=2, num_waiting_tokens=4 + 12 + 8, prefill_budget=16,
+                              prefill_step_s=0.5, prefill_tokens_per_s=32.0)
+    stats = SchedulerStats(num_running=1, num_waiting=2, num_waiting_tokens=24,
+                           prefill_budget=16, prefill_step_s=0.5, prefill_tokens_per_s=32.0)
+    slo = AdmissionLimits(None, 1.5, True)
+    for view in (load, stats):
+        assert check_arrival(slo, view, 8, wait_s=0.1) is None          # 2 steps of 0.5 s + 0.1 s
+        rej = check_arrival(slo, view, 9, wait_s=0.1)                   # 3 steps
+        assert "estimated TTFT 1600 ms (24 prompt tokens queued ahead + 9" in rej.message
+        rej = check_arrival(slo, view, 8, wait_s=0.1, in_transit_tokens=[10])
+        assert "(34 prompt tokens queued ahead + 8" in rej.message
+    limit = AdmissionLimits(max_waiting_requests=3)
+    assert check_arrival(limit, stats, 8, 0.0, in_transit_tokens=[5, 5], free_seats=2) is None
+    rej = check_arrival(limit, stats, 8, 0.0, in_transit_tokens=[5, 5], free_seats=0)
+    assert "4 requests are waiting, the limit is 3" in rej.message
+    assert check_arrival(AdmissionLimits(), stats, 10 ** 6, 1e9, [1] * 99) is None  # off
 
 
 def _flags(*argv) -> argparse.Namespace:

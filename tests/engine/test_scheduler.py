@@ -203,7 +203,7 @@ def test_add_request_rejects_duplicate_id():
     sched.add_request(make_request("dup", 5))
     with pytest.raises(ValueError, match="duplicate"):
         sched.add_request(make_request("dup", 7))
-    assert len(sched.waiting) == 1 and sched.waiting[0].num_prompt_tokens == 5
+    assert len(sched.waiting) == 1 and sched.waiting.peek_request().num_prompt_tokens == 5
     # a running request's id is also taken
     drive_step(sched)
     with pytest.raises(ValueError, match="duplicate"):

@@ -172,6 +172,7 @@ def test_prompt_logprobs_are_returned(http, stream):
     else:
         d = http.post("/v1/completions", json=body).json()
         plps = {c["index"]: c["prompt_logprobs"] for c in d["choices"]}
+    # computed once for the prompt (by choice 0) and given to both choices: equal exactly
     assert set(plps) == {0, 1} and plps[0] == plps[1]
     plp = plps[0]
     assert len(plp) == len(ids) and plp[0] is None
@@ -186,6 +187,79 @@ def test_prompt_logprobs_are_returned(http, stream):
         assert abs(own["logprob"] - elp["token_logprobs"][i]) < 1e-4
         assert own["decoded_token"] == elp["tokens"][i] and own["rank"] >= 1
         assert {e["rank"] for e in entry.values()} >= {1, 2} and 2 <= len(entry) <= 3
+
+
+def test_n_choices_compute_the_prompt_logprobs_once(http):
+    """The prompt's logprobs are computed by its first choice alone: its sibling asks for none,
+    so it starts from the first one's cached prompt blocks (a request computing prompt logprobs
+    takes none from the cache) and answers with the first one's values."""
+    prompt = "Once upon a time in a land far away, there lived a king who had three daughters. " * 2
+    ids = http.post("/tokenize", json={"prompt": prompt}).json()["tokens"]
+    assert len(ids) > 32
+    d = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                           "prompt_logprobs": 0, "n": 2}).json()
+    assert d["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(ids) - 1) // 16 * 16
+    a, b = (c["prompt_logprobs"] for c in d["choices"])
+    assert a == b and len(a) == len(ids)
+
+
+class _SiblingFirstEngine:
+    """Yields the outputs of a group in a fixed order: choice 1 finishes before choice 0 (the
+    one that computes the prompt's logprobs) sends anything."""
+
+    def __init__(self, order):
+        self.order = order
+
+    async def generate_group(self, requests):
+        for i, out in self.order:
+            yield i, out
+
+
+def test_prompt_logprobs_are_computed_once_and_wait_for_in_a_stream():
+    """Only the prompt's first choice asks the engine for its logprobs; a sibling whose outputs
+    arrive first is held until they came, then streams them as its own (the same object)."""
+    import asyncio
+
+    from sloserve.engine.messages import EngineCoreRequest
+    from sloserve.engine.outputs import RequestOutput
+    from sloserve.logprobs import Logprobs
+    from sloserve.sampling_params import SamplingParams
+    from sloserve.server.logprobs_format import LogprobsFormatter
+    from sloserve.server.serving import Choice, CompletionBuilder, _events
+
+    prompt = [7, 8, 9]
+    lp = Logprobs([[8, 3], [9, 9]], [[-1.5, -0.5], [-0.25, -0.25]], [2, 1])
+    with_lp = SamplingParams(max_tokens=2, prompt_logprobs=1)
+    choices = [Choice(EngineCoreRequest(f"r-{i}", prompt, sp, 0.0), 0)
+               for i, sp in enumerate((with_lp, SamplingParams(max_tokens=2)))]
+    choices.append(Choice(EngineCoreRequest("other", [5, 6], with_lp, 0.0), 1))
+
+    def out(rid, tok, first, finished, plp=None):
+        return RequestOutput(rid, f"t{tok}", [tok], "", finished=finished,
+                             finish_reason="length" if finished else None,
+                             prompt_token_ids=prompt if first else None, prompt_logprobs=plp)
+
+    order = [(1, out("r-1", 4, True, False)), (1, out("r-1", 5, False, True)),
+             (2, out("other", 6, True, True, Logprobs([[6]], [[-2.0]], [4]))),
+             (0, out("r-0", 4, True, False, lp)), (0, out("r-0", 5, False, True))]
+    b = CompletionBuilder("cmpl-x", 0, "m", LogprobsFormatter(None), prompt_logprobs=True)
+
+    async def collect():
+        return [ev async for ev in _events(_SiblingFirstEngine(order), choices, False, b)]
+
+    evs = [json.loads(e[6:]) for e in asyncio.run(collect()) if e.startswith("data: {")]
+    seq = [(c["index"], c["text"]) for ev in evs for c in ev["choices"]]
+    # choice 2 (another prompt, its own logprobs) is not held; choice 1 waits for choice 0
+    assert seq == [(2, "t6"), (0, "t4"), (1, "t4"), (1, "t5"), (0, "t5")]
+    plps = {c["index"]: c["prompt_logprobs"] for ev in evs for c in ev["choices"]
+            if c.get("prompt_logprobs") is not None}
+    assert plps[0] == plps[1] == [None, {"8": {"logprob": -1.5, "rank": 2,
+                                                "decoded_token": "token_id:8"},
+                                         "3": {"logprob": -0.5, "rank": 1,
+                                               "decoded_token": "token_id:3"}},
+                                  {"9": {"logprob": -0.25, "rank": 1,
+                                         "decoded_token": "token_id:9"}}]
+    assert plps[2][1]["6"]["rank"] == 4
 
 
 @pytest.mark.parametrize("path,body,param", [

@@ -240,3 +240,15 @@ def test_the_flag_is_checked_and_documented():
                                         timeout=60).stdout.split())
     assert (f"--max-request-body-bytes N larger request bodies get HTTP 413 with an OpenAI "
             f"error body (default {DEFAULT_MAX_BODY_BYTES} = 10 MiB)") in help_text
+
+
+def test_the_cli_default_is_the_servers_without_importing_the_server():
+    """One default: the CLI's --max-request-body-bytes is the server's DEFAULT_MAX_BODY_BYTES,
+    taken from sloserve.config, so parsing the flags imports no server code."""
+    code = ("import sys, sloserve.cli as c; from sloserve.config import DEFAULT_MAX_BODY_BYTES as D; "
+            "seen = []; c._serve = lambda a: seen.append(a.max_request_body_bytes) or 0; "
+            "assert c.main(['serve']) == 0 and seen == [D], seen; "
+            "assert not [m for m in sys.modules if m.startswith('sloserve.server')]")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert DEFAULT_MAX_BODY_BYTES == 10 * 2 ** 20
