@@ -5,7 +5,6 @@ import json
 import math
 import os
 import shutil
-import time
 
 import numpy as np
 import pytest
@@ -115,13 +114,10 @@ def test_embedded_gguf_chat_template(smollm2_weights):
     assert tok.decode(no_gen, skip_special_tokens=False).endswith("<|im_end|>\n")
 
 
-def test_embedded_gguf_loads_in_a_few_seconds_bf16(gguf_path):
-    t0 = time.perf_counter()
+def test_embedded_gguf_loads_bf16(gguf_path):
     lw = load_weights(None, dtype="bfloat16")  # None -> the embedded model
-    elapsed = time.perf_counter() - t0
     assert lw.source == gguf_path
     assert all(t.dtype == torch.bfloat16 for t in lw.state_dict.values())
-    assert elapsed < 20.0, f"loading the embedded GGUF took {elapsed:.1f} s"
 
 
 def test_gguf_metadata_read(gguf_path):

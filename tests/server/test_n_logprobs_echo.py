@@ -325,12 +325,13 @@ def test_a_long_tokenize_does_not_block_the_event_loop(http, live_server):
     t = threading.Thread(target=big)
     t.start()
     time.sleep(0.2)
-    worst = 0.0
+    answered = 0  # /health answers that came back while /tokenize was still being served
     while t.is_alive():
-        t0 = time.monotonic()
         assert http.get("/health").status_code == 200
-        worst = max(worst, time.monotonic() - t0)
+        answered += t.is_alive()
         time.sleep(0.02)
     t.join()
     assert done["r"].status_code == 200 and done["r"].json()["count"] >= 1_000_000
-    assert worst < max(0.5, done["s"] / 4), (worst, done["s"])
+    # a blocked loop answers at most the one /health sent while it was blocked before /tokenize's
+    # own answer: counts, not wall time, so a loaded host cannot fail it
+    assert answered >= 3, answered

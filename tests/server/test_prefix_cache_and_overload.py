@@ -74,7 +74,7 @@ def test_past_the_queue_limit_requests_get_429_quickly_and_admitted_ones_finish(
         done: dict[int, httpx.Response] = {}
 
         def run(i, n):
-            done[i] = httpx.post(base + "/v1/completions", timeout=120, json={
+            done[i] = httpx.post(base + "/v1/completions", timeout=600, json={
                 "prompt": f"Story {i}:", "max_tokens": n, "temperature": 0, "ignore_eos": True})
         first = threading.Thread(target=run, args=(0, 300))
         first.start()
@@ -83,18 +83,17 @@ def test_past_the_queue_limit_requests_get_429_quickly_and_admitted_ones_finish(
         for t in queued:
             t.start()
         time.sleep(0.5)  # both queued behind the one running request
-        t0 = time.monotonic()
         r = httpx.post(base + "/v1/completions", timeout=30,
                        json={"prompt": "one more", "max_tokens": 4})
-        dt = time.monotonic() - t0
+        # answered at once, not after the running request: that one is still generating
+        assert first.is_alive()
         assert r.status_code == 429, r.text
         body = r.json()["error"]
         assert body["type"] == "RateLimitError" and body["code"] == 429
         assert "2 requests are waiting, the limit is 2" in body["message"]
         assert int(r.headers["Retry-After"]) >= 1
-        assert dt < 0.5  # generous for a loaded CI machine; ~5 ms here
         for t in (first, *queued):
-            t.join(timeout=120)
+            t.join(timeout=600)
         assert [done[i].status_code for i in range(3)] == [200, 200, 200]
         assert done[0].json()["usage"]["completion_tokens"] == 300
         assert httpx.post(base + "/v1/completions", timeout=30,
