@@ -193,19 +193,32 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got "
                                  f"{getattr(self, name)!r}")
 
-    def resolve_max_model_len(self, model_max_len: int, kv_tokens: int) -> int:
-        """max_model_len for a model of context ``model_max_len`` over a cache of ``kv_tokens``.
+    def resolve_kv_cache(self, page_size_bytes: int, available_bytes: int,
+                         model_max_len: int) -> tuple[int, int]:
+        """(KV blocks, max_model_len): the one check of the cache's capacity and the context.
 
-        Unset: the model's context capped at the cache (a request that can never fit would
-        preempt itself for ever). Set: checked against the model's context (as vLLM does:
-        positions past it give garbage; ``SLOSERVE_ALLOW_LONG_MAX_MODEL_LEN=1`` allows it,
-        like vLLM's ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``) and against the cache.
+        Blocks: ``num_kv_blocks``, else the whole blocks of ``page_size_bytes`` (one block over
+        all layers, ``KVCacheSpec.page_size_bytes``) that ``available_bytes`` hold (the
+        workers' ``determine_available_memory``). max_model_len unset: the model's context
+        ``model_max_len`` capped at the cache (a request that can never fit would preempt itself
+        for ever). Set: checked against the model's context (as vLLM does: positions past it
+        give garbage; ``SLOSERVE_ALLOW_LONG_MAX_MODEL_LEN=1`` allows it, like vLLM's
+        ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``) and against the cache.
 
         Raises:
-            ValueError: a set max_model_len over the model's context or the cache.
+            ValueError: a cache of no block, or a set max_model_len over the model's context or
+                the cache.
         """
+        num_blocks = self.num_kv_blocks
+        if num_blocks is None:
+            num_blocks = int(available_bytes // page_size_bytes)
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache must hold at least one block of {page_size_bytes} "
+                             f"bytes (num_kv_blocks={self.num_kv_blocks}, "
+                             f"kv_cache_memory={self.kv_cache_memory} GiB)")
+        kv_tokens = num_blocks * self.block_size
         if self.max_model_len is None:
-            return min(model_max_len, kv_tokens)
+            return num_blocks, min(model_max_len, kv_tokens)
         if (self.max_model_len > model_max_len
                 and os.environ.get("SLOSERVE_ALLOW_LONG_MAX_MODEL_LEN", "0") != "1"):
             raise ValueError(
@@ -215,9 +228,9 @@ class EngineConfig:
         if self.max_model_len > kv_tokens:
             raise ValueError(
                 f"max_model_len={self.max_model_len} tokens does not fit the KV cache of "
-                f"{kv_tokens // self.block_size} blocks x {self.block_size} = {kv_tokens} tokens; "
+                f"{num_blocks} blocks x {self.block_size} = {kv_tokens} tokens; "
                 f"raise --kv-cache-memory / --num-kv-blocks or lower --max-model-len")
-        return self.max_model_len
+        return num_blocks, self.max_model_len
 
 
 _D = EngineConfig()

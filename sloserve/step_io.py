@@ -162,3 +162,25 @@ def encode_runner_output(out: ModelRunnerOutput) -> bytes:
 
 def decode_runner_output(data: bytes) -> ModelRunnerOutput:
     return _runner_decoder.decode(data)
+
+
+@dataclass
+class WorkerInfo:
+    """What a worker tells the engine core about the model it loaded (once, at start-up).
+
+    Attributes:
+        model_name: the served name (``--served-model-name``, else the weights' name).
+        model_path: where the weights came from.
+        model_config: the model's ``sloserve.model.config.ModelConfig`` (plain data).
+        dtype, kv_cache_dtype: what the worker computes in and caches KV in ("bfloat16", ...).
+        dtype_reason: the worker's choice of dtypes and kernels, in words (its log lines).
+        description: the attention backend and threads, for the core's start-up line.
+    """
+
+    model_name: str
+    model_path: str
+    model_config: object
+    dtype: str
+    kv_cache_dtype: str
+    dtype_reason: str = ""
+    description: str = ""

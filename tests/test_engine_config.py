@@ -1,4 +1,5 @@
-"""EngineConfig.resolve_max_model_len: the model's context and the KV cache bound max_model_len."""
+"""EngineConfig.resolve_kv_cache: the KV blocks that fit, and the model's context and the KV
+cache bound max_model_len (the one place both are checked)."""
 from __future__ import annotations
 
 import pytest
@@ -6,26 +7,42 @@ import pytest
 from sloserve.config import EngineConfig
 
 ENV = "SLOSERVE_ALLOW_LONG_MAX_MODEL_LEN"
+PAGE = 1000  # bytes of one block over all layers
+
+
+def resolve(cfg: EngineConfig, model_max_len: int, kv_tokens: int) -> int:
+    """max_model_len over a cache of ``kv_tokens`` (available memory for exactly that many)."""
+    blocks, max_len = cfg.resolve_kv_cache(PAGE, kv_tokens // cfg.block_size * PAGE + PAGE - 1,
+                                           model_max_len)
+    assert blocks == kv_tokens // cfg.block_size
+    return max_len
 
 
 def test_unset_is_the_context_capped_at_the_cache():
-    assert EngineConfig().resolve_max_model_len(8192, 4096) == 4096
-    assert EngineConfig().resolve_max_model_len(2048, 4096) == 2048
+    assert resolve(EngineConfig(), 8192, 4096) == 4096
+    assert resolve(EngineConfig(), 2048, 4096) == 2048
+
+
+def test_blocks_are_the_setting_else_what_the_memory_holds():
+    assert EngineConfig(num_kv_blocks=7).resolve_kv_cache(PAGE, 10 ** 9, 8192) == (7, 7 * 16)
+    assert EngineConfig().resolve_kv_cache(PAGE, 300 * PAGE - 1, 8192) == (299, 299 * 16)
+    with pytest.raises(ValueError, match="at least one block of 1000 bytes"):
+        EngineConfig().resolve_kv_cache(PAGE, PAGE - 1, 8192)
 
 
 def test_over_the_models_context_is_refused_unless_allowed(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     cfg = EngineConfig(max_model_len=9000)
     with pytest.raises(ValueError) as e:
-        cfg.resolve_max_model_len(8192, 16384)
+        resolve(cfg, 8192, 16384)
     assert str(e.value) == ("max_model_len=9000 tokens is over the model's context of 8192 "
                             "tokens; lower --max-model-len (or set "
                             "SLOSERVE_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it)")
-    assert EngineConfig(max_model_len=8192).resolve_max_model_len(8192, 16384) == 8192
+    assert resolve(EngineConfig(max_model_len=8192), 8192, 16384) == 8192
     monkeypatch.setenv(ENV, "1")
-    assert cfg.resolve_max_model_len(8192, 16384) == 9000
+    assert resolve(cfg, 8192, 16384) == 9000
     with pytest.raises(ValueError, match="does not fit the KV cache of 1024 blocks x 16"):
-        EngineConfig(max_model_len=20000).resolve_max_model_len(8192, 16384)
+        resolve(EngineConfig(max_model_len=20000), 8192, 16384)
 
 
 def test_kv_cache_dtype_int8_is_a_choice_and_others_are_refused():

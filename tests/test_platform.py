@@ -87,7 +87,7 @@ def test_under_avx2_caps_auto_falls_back_to_float32():
 def test_engine_logs_its_choice(tiny_llama_dir, caplog):
     from sloserve.config import EngineConfig
     from sloserve.engine.llm_engine import LLMEngine
-    caplog.set_level("INFO", logger="sloserve.engine.core")
+    caplog.set_level("INFO", logger="sloserve.worker.worker")  # the worker chooses the dtypes
     eng = LLMEngine(EngineConfig(model=tiny_llama_dir, dtype="float32", kv_cache_dtype="bfloat16",
                                  num_kv_blocks=16))
     assert eng.runner.kv_caches[0][0].dtype.__repr__() == "torch.bfloat16"

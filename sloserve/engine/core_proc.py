@@ -65,7 +65,7 @@ def run_engine_core(config: EngineConfig, step_trace: str | None, input_addr: st
 
     from sloserve.engine.core import EngineCore
     try:
-        core = EngineCore(config, step_trace)
+        core = EngineCore(config, step_trace=step_trace)
     except (FileNotFoundError, ValueError, OSError) as e:
         send(EngineCoreReady(error=str(e), error_type=type(e).__name__))
         _close(ctx, in_sock, out_sock)

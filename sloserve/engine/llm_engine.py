@@ -49,7 +49,7 @@ class LLMEngine:
         from sloserve.model.loader import load_model_tokenizer
 
         self.config = config
-        self.core = EngineCore(config, step_trace)
+        self.core = EngineCore(config, step_trace=step_trace)
         self.info = self.core.info
         self.tokenizer = load_model_tokenizer(config.model, config.load_format)
         self.processor = Processor(self.tokenizer, self.info)

@@ -3,8 +3,11 @@
 Per request it keeps an incremental detokenizer. New token ids from the core become text; a stop
 string that matches finishes the request here (``finish_reason`` ``stop``) and is handed back as
 an abort for the core (``reqs_to_abort``), and ``usage`` counts only the tokens up to the one
-that completed the stop string (tokens the core made after it are dropped). TTFT and ITL are
-measured when outputs reach the front end, so they include the trip from the core.
+that completed the stop string (tokens the core made after it are dropped). Stop strings are
+the one finish outside the core's scheduler (which finishes requests on stop tokens, EOS,
+lengths and grammars): matching them needs the text, so they stay here, as in vLLM's
+``OutputProcessor``. TTFT and ITL are measured when outputs reach the front end, so they include
+the trip from the core.
 """
 from __future__ import annotations
 

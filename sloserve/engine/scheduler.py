@@ -25,14 +25,22 @@ the tokens that add about one decode step's time (set by the engine from its mea
 :class:`sloserve.engine.admission.StepRates`), because on a CPU a decode step has no idle compute
 to hide a chunk in. With nothing decoding a long prompt takes the whole budget.
 
+Structured outputs: the scheduler owns the injected structured-output manager, as vLLM's does. A
+request whose grammar still compiles waits, one whose grammar failed is finished (``abort``) at
+the next ``schedule``; each sampling request with a grammar gets its token bitmask in the step
+that schedules it, and ``update_from_output`` advances its matcher: a completed grammar finishes
+the request (``stop``), a refused token or a broken matcher aborts it. Requests finish here and
+only here (stop strings, which need text, are checked by the front end's detokenizer, as in vLLM).
+
 Every step schedules each running request past its prefill first, one token each (as long as
-max_num_seqs <= max_num_batched_tokens, the default). Plain Python: no torch and no clock (the
-caller passes `now`), so the simulator drives it with a cost model; its output
+max_num_seqs <= max_num_batched_tokens, the default). Plain Python: no torch, no xgrammar and no
+clock (the caller passes `now`), so the simulator drives it with a cost model; its output
 (`sloserve.step_io.SchedulerOutput`) is plain data.
 """
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass
 
 from sloserve.config import QUEUE_POLICIES, EngineConfig
@@ -42,6 +50,8 @@ from sloserve.engine.messages import EngineCoreOutput
 from sloserve.engine.request import Request, RequestStatus
 from sloserve.engine.request_queue import RequestQueue, create_request_queue
 from sloserve.step_io import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 class SchedulingPolicy(str, enum.Enum):
@@ -123,11 +133,22 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    """Owns the waiting queue, the running list (in admission order) and the KV cache manager."""
+    """Owns the waiting queue, the running list (in admission order), the KV cache manager and
+    the structured-output manager.
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+    Args:
+        config: the limits and policies.
+        kv_cache_manager: the paged KV cache's blocks.
+        structured_output_manager: gives each request with a structured-output spec its grammar
+            (``grammar_for(spec)``, ``sloserve.engine.structured_output.StructuredOutputManager``);
+            None: such requests are refused.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 structured_output_manager=None):
         self.config = config
         self.kv = kv_cache_manager
+        self.structured_output_manager = structured_output_manager
         #: waiting requests in admission order; the queue policy (fcfs or priority)
         self.waiting: RequestQueue = create_request_queue(config.queue_policy)
         self.running: list[Request] = []
@@ -143,6 +164,12 @@ class Scheduler:
         self.num_deferred = 0
         #: finished or aborted since the last schedule(): the runner forgets them next step
         self._finished_ids: list[str] = []
+        #: requests whose grammar was still compiling when last looked at
+        self._grammar_pending: set[str] = set()
+        #: outputs of requests finished outside update_from_output (take_finished_outputs)
+        self._finished_outputs: list[EngineCoreOutput] = []
+        #: this step's requests whose grammar cannot go on: (message, the request's own fault)
+        self._broken_grammars: dict[str, tuple[str, bool]] = {}
 
     def observe(self, rates: StepRates) -> None:
         """Take the engine's measured speeds after a step (the core's from the clock, the
@@ -155,9 +182,12 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request (in the order of the queue policy).
 
+        A request with a structured-output spec gets its grammar here (compiling off the loop).
+
         Raises:
             ValueError: empty prompt, prompt longer than max_model_len, prompt + max_tokens over
-                the KV cache capacity, or a duplicate id.
+                the KV cache capacity, a duplicate id, or a structured-output spec without a
+                structured-output manager.
         """
         n = request.num_prompt_tokens
         if n < 1:
@@ -172,6 +202,13 @@ class Scheduler:
                              f"max_tokens {mt}), over the cache capacity of {capacity} tokens")
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
+        spec = request.sampling_params.structured_outputs
+        if spec is not None and request.grammar is None:
+            if self.structured_output_manager is None:
+                raise ValueError("structured outputs need a structured-output manager")
+            request.grammar = self.structured_output_manager.grammar_for(spec)
+        if request.grammar is not None:
+            self._grammar_pending.add(request.request_id)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.num_requests_received += 1
@@ -195,7 +232,26 @@ class Scheduler:
         req.status = status
         self.kv.free(request_id)
         self._finished_ids.append(request_id)
+        self._grammar_pending.discard(request_id)
         return req
+
+    def take_finished_outputs(self) -> list[EngineCoreOutput]:
+        """The outputs of requests the last ``schedule`` finished without running them (a
+        grammar that failed to compile: an engine fault, the front end checked the spec)."""
+        outs, self._finished_outputs = self._finished_outputs, []
+        return outs
+
+    def _fail_broken_grammars(self) -> None:
+        """Finish the requests whose grammar failed to compile (``abort``, with the reason)."""
+        for rid in list(self._grammar_pending):
+            r = self.requests.get(rid)
+            if r is None or r.grammar.ready:
+                self._grammar_pending.discard(rid)
+            if r is not None and r.grammar.ready and r.grammar.error:
+                self.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+                self._finished_outputs.append(EngineCoreOutput(
+                    request_id=rid, finish_reason="abort",
+                    error=f"grammar compilation failed: {r.grammar.error}"))
 
     def num_tokens_to_prefill(self) -> int:
         """Prompt tokens still to compute: every waiting request's and the running prefills'
@@ -286,6 +342,8 @@ class Scheduler:
     def schedule(self, now: float = 0.0) -> SchedulerOutput:
         """Pick this step's work. `now` (seconds) stamps first_scheduled_time for queue time."""
         cfg = self.config
+        if self._grammar_pending:
+            self._fail_broken_grammars()
         chunked = cfg.policy is SchedulingPolicy.CHUNKED
         budget = cfg.token_budget
         # a prefill's most query tokens in this step (vLLM's long_prefill_token_threshold)
@@ -405,7 +463,34 @@ class Scheduler:
         items.sort(key=lambda s: not s.is_decode)  # stable: admission order kept
         out.scheduled = items
         out.finished_request_ids, self._finished_ids = self._finished_ids, []
+        self._fill_bitmasks(out)
         return out
+
+    def _fill_bitmasks(self, out: SchedulerOutput) -> None:
+        """Set the token bitmask of every sampling request with a grammar, and note (in
+        ``_broken_grammars``, for ``update_from_output``) why a request's grammar cannot go on
+        and whether that is the request's own fault: (message, True) when its mask allows no
+        token, not even EOS (an unsatisfiable spec: a 400), (message, False) when the matcher
+        failed. Those run this step without a mask (a row with every token masked cannot be
+        sampled from) and fail after it: a failure here must neither fail the step's other
+        requests nor stop the engine."""
+        self._broken_grammars = {}
+        for sr in out.scheduled:
+            r = self.requests.get(sr.request_id)
+            if not sr.samples or r is None or r.grammar is None:
+                continue
+            try:
+                mask = r.grammar.fill_bitmask()
+            except Exception as e:
+                self._broken_grammars[sr.request_id] = (
+                    f"structured output failed: {type(e).__name__}: {e}", False)
+                continue
+            if not mask.strip(b"\0"):
+                self._broken_grammars[sr.request_id] = (
+                    "structured output: no token can continue the output under its grammar "
+                    "(the spec cannot be satisfied)", True)
+                continue
+            sr.token_bitmask = [mask]
 
     def _must_wait(self, req: Request) -> bool:
         """Not admitted this step: its grammar still compiles, or (prefix caching on) it is one
@@ -456,8 +541,11 @@ class Scheduler:
 
         Returns:
             One output per request that got tokens or finished: finished by EOS / a stop token id
-            (``stop``) or by max_tokens / max_model_len (``length``); their blocks are already
-            freed. Tokens sampled after a stop condition are dropped.
+            or a completed grammar (``stop``; a grammar completes even under ``ignore_eos``: no
+            token may follow), by max_tokens / max_model_len (``length``), or by a token its
+            grammar refuses or a broken grammar (``abort``, with ``error``; ``bad_request`` when
+            the spec cannot be satisfied); their blocks are already freed. Tokens sampled after
+            a stop condition are dropped.
 
         Raises:
             ValueError: the runner output does not match the scheduler output.
@@ -492,12 +580,25 @@ class Scheduler:
                 req.num_computed_tokens -= k + 1 - len(toks)
             new: list[int] = []
             status = None
+            broken = self._broken_grammars.get(sr.request_id)
+            g = req.grammar if sr.token_bitmask else None
+            why, bad_request = broken or (None, False)
             for tok in toks:
                 req.output_token_ids.append(tok)
                 new.append(tok)
                 status = self._check_stop(req, tok)
+                if g is not None:
+                    if not g.accept(tok):
+                        why = f"structured output: token {tok} is outside the request's grammar"
+                        break
+                    if g.is_terminated:
+                        status = status or RequestStatus.FINISHED_STOPPED
+                        break
                 if status is not None:
                     break
+            if why is not None:
+                logger.warning("%s: %s", req.request_id, why)
+                status = RequestStatus.FINISHED_ABORTED
             if k:
                 req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
                 self.kv.trim(req.request_id, req.num_computed_tokens)
@@ -520,6 +621,8 @@ class Scheduler:
                 o.first_scheduled_time = req.first_scheduled_time
                 if status is RequestStatus.FINISHED_STOPPED:
                     o.stop_reason = new[-1]
+                if why is not None:
+                    o.error, o.bad_request = why, bad_request
             outputs.append(o)
         return outputs
 

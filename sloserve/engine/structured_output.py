@@ -2,17 +2,19 @@
 compiled with xgrammar into a per-step token mask (what vLLM and SGLang use).
 
 The front end checks a request's spec with :func:`validate` (parsing only, no tokenizer: a spec
-that cannot compile is a 400). The engine core's :class:`StructuredOutputManager` compiles
-grammars in a worker thread, off the step loop, cached per spec; a request whose grammar is
-still compiling is not admitted (``ready`` False, see ``Scheduler._must_wait``). Each step the
-core fills the bitmask of every sampling request with a grammar (``fill_bitmask``, into
+that cannot compile is a 400). The engine core builds one :class:`StructuredOutputManager` and
+hands it to the scheduler (which owns it, as vLLM's does); it compiles grammars in a worker
+thread, off the step loop, cached per spec; a request whose grammar is still compiling is not
+admitted (``ready`` False, see ``Scheduler._must_wait``). Each step the scheduler fills the
+bitmask of every sampling request with a grammar (``fill_bitmask``, into
 ``ScheduledRequest.token_bitmask``, applied by the runner) and advances its matcher with the
-accepted tokens (``accept``). The matcher lives in the core, so preemption (recompute) keeps
-its state: recomputed tokens are not sampled again. A grammar that accepted its stop token
-finishes its request (``stop``, also with ``ignore_eos``); one whose mask allows no token at all
-(a spec no string satisfies, e.g. the regex ``[^\\s\\S]``) fails that request alone, as the
-request's own fault (``bad_request``: the API answers 400; the core finds it when the first
-token is sampled, not from the spec).
+accepted tokens (``accept``). The matcher lives with the scheduler's request, so preemption
+(recompute) keeps its state: recomputed tokens are not sampled again. A grammar that accepted
+its stop token finishes its request (``stop``, also with ``ignore_eos``); one whose mask allows
+no token at all (a spec no string satisfies, e.g. the regex ``[^\\s\\S]``) fails that request
+alone, as the request's own fault (``bad_request``: the API answers 400; the scheduler finds it
+when the first token is sampled, not from the spec). This module loads xgrammar only when a
+grammar is compiled or matched.
 """
 from __future__ import annotations
 

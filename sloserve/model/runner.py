@@ -14,27 +14,22 @@ import time
 
 import torch
 
-from sloserve.model.attention import AttentionBackend, StepInputs, kv_int8
+from sloserve.kv_cache_spec import KVCacheSpec
+from sloserve.model.attention import AttentionBackend, StepInputs
 from sloserve.model import hugepages
 from sloserve.model.config import ModelConfig
 from sloserve.model import logprobs as lp
 from sloserve.model.sampler import Sampler, apply_token_bitmask
-from sloserve.roofline.kv import gqa_kv_bytes_per_token
 from sloserve.step_io import ModelRunnerOutput, SchedulerOutput
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of K and V for one token over all layers: 2 * layers * H_kv * head_dim * dtype bytes
-    (vLLM/PagedAttention; ``sloserve.roofline.kv``'s formula); an int8 cache's entries hold
-    head_dim + 4 bytes (codes and a scale, ``kv_int8``)."""
-    return int(gqa_kv_bytes_per_token(config.num_hidden_layers, config.num_key_value_heads,
-                                      kv_int8.entry_width(config.head_dim, dtype),
-                                      torch.tensor([], dtype=dtype).element_size()))
-
-
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block over all layers (:func:`kv_bytes_per_token` x block_size)."""
-    return kv_bytes_per_token(config, dtype) * block_size
+def kv_cache_spec(config: ModelConfig, block_size: int, kv_cache_dtype: torch.dtype) -> KVCacheSpec:
+    """The model's KV cache spec (``sloserve.kv_cache_spec``: bytes per token and block, the
+    entry width of an int8 cache) for blocks of ``block_size`` tokens in ``kv_cache_dtype``."""
+    return KVCacheSpec(block_size=block_size, num_kv_heads=config.num_key_value_heads,
+                       head_dim=config.head_dim,
+                       dtype=str(kv_cache_dtype).removeprefix("torch."),
+                       num_layers=config.num_hidden_layers)
 
 
 def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
@@ -122,13 +117,15 @@ class ModelRunner:
         self.attn_backend = attn_backend
         self.fast_path = fast_path
         self.logprobs_mode = logprobs_mode
-        shape = attn_backend.kv_cache_shape(num_blocks, block_size, config.num_key_value_heads,
-                                            kv_int8.entry_width(config.head_dim, kv_cache_dtype))
+        #: the cache's layout and sizes (the worker sized the block count with the same spec)
+        self.kv_cache_spec = spec = kv_cache_spec(config, block_size, kv_cache_dtype)
+        shape = attn_backend.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads,
+                                            spec.entry_width)
         # on 2 MB pages where the OS allows (see hugepages): a decode step streams the cache
         self.kv_caches = [hugepages.zeros(shape, kv_cache_dtype)
                           for _ in range(config.num_hidden_layers)]
         #: bytes of K and V of one token over all layers, in the cache's dtype
-        self.kv_bytes_per_token = kv_bytes_per_token(config, kv_cache_dtype)
+        self.kv_bytes_per_token = spec.bytes_per_token
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()

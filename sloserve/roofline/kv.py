@@ -10,6 +10,10 @@ vector per head per layer per token):
   ``(kv_lora_rank + qk_rope_head_dim) x layers x bytes``; DeepSeek-V3 in bf16:
   (512 + 64) x 61 x 2 = 70,272 B/token.
 
+The formula itself lives in :class:`sloserve.kv_cache_spec.KVCacheSpec`, which the engine sizes
+its cache with too (an int8 cache adds a 4-byte scale per head entry there; fp8 and int4 are
+counted without scales).
+
 Under tensor parallelism KV heads are split across ranks; when TP exceeds the KV head count each
 rank keeps (a replica of) one head, so the per-GPU share is ``ceil(kv_heads / tp)`` heads. The MLA
 latent has no head axis and is replicated on every rank (as vLLM does).
@@ -19,30 +23,27 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from sloserve.kv_cache_spec import KVCacheSpec
 from sloserve.roofline.models import ModelSpec
 
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
 
 
 def dtype_bytes(dtype: str) -> float:
-    """Bytes per element of ``dtype`` (int4 = 0.5; scales/zero-points of quantized caches ignored)."""
+    """Bytes per element of ``dtype`` (int4 = 0.5), weights, activations or KV."""
     try:
         return DTYPE_BYTES[dtype]
     except KeyError:
         raise KeyError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}") from None
 
 
-def gqa_kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
-                           elem_bytes: float) -> float:
-    """KV bytes per token of MHA/GQA/MQA: 2 x layers x kv_heads x head_dim x bytes (the one
-    formula; the engine sizes its cache with it too)."""
-    return 2 * num_layers * num_kv_heads * head_dim * elem_bytes
-
-
-def blocks_that_fit(memory_bytes: float, bytes_per_token: float, block_size: int) -> int:
-    """Whole KV blocks of ``block_size`` tokens in ``memory_bytes`` (the engine's and the
-    simulator's cache sizing)."""
-    return int(memory_bytes // (bytes_per_token * block_size))
+def kv_cache_spec(spec: ModelSpec, kv_dtype: str = "fp16", block_size: int = 16) -> KVCacheSpec:
+    """The KV cache spec of a model preset (``sloserve.kv_cache_spec``, the engine's one
+    formula; an int8 cache counts its per-entry scale as the engine's does)."""
+    if spec.mla is not None:
+        return KVCacheSpec(block_size, 1, spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim,
+                           kv_dtype, spec.num_layers, use_mla=True)
+    return KVCacheSpec(block_size, spec.num_kv_heads, spec.head_dim, kv_dtype, spec.num_layers)
 
 
 def kv_elems_per_token_per_layer(spec: ModelSpec) -> int:
@@ -54,10 +55,7 @@ def kv_elems_per_token_per_layer(spec: ModelSpec) -> int:
 
 def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str = "fp16") -> float:
     """KV-cache bytes per token over all layers (see module docstring)."""
-    if spec.mla is None:
-        return gqa_kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
-                                      dtype_bytes(kv_dtype))
-    return kv_elems_per_token_per_layer(spec) * spec.num_layers * dtype_bytes(kv_dtype)
+    return kv_cache_spec(spec, kv_dtype).bytes_per_token
 
 
 def kv_bytes_per_token_per_gpu(spec: ModelSpec, kv_dtype: str = "fp16", tp: int = 1) -> float:

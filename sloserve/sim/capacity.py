@@ -1,8 +1,8 @@
-"""KV-cache capacity of a simulated instance, from the roofline calculator's model specs (the
-same formula the engine sizes its cache with, ``sloserve.roofline.kv``)."""
+"""KV-cache capacity of a simulated instance, from the roofline calculator's model specs and the
+engine's own KV cache spec (``sloserve.kv_cache_spec``: an int8 cache counts its scales)."""
 from __future__ import annotations
 
-from sloserve.roofline.kv import blocks_that_fit, dtype_bytes, kv_bytes_per_token
+from sloserve.roofline.kv import dtype_bytes, kv_cache_spec
 
 GiB = 1024 ** 3
 
@@ -16,7 +16,7 @@ def kv_blocks(memory_gib: float, model: str, dtype: str, block_size: int) -> int
         KeyError: an unknown model or dtype.
     """
     from sloserve.roofline.models import get_model
-    return blocks_that_fit(memory_gib * GiB, kv_bytes_per_token(get_model(model), dtype), block_size)
+    return kv_cache_spec(get_model(model), dtype, block_size).num_blocks(memory_gib * GiB)
 
 
 def kv_blocks_after_weights(model: str, hardware: str, tp: int, dtype: str, block_size: int,
@@ -31,4 +31,4 @@ def kv_blocks_after_weights(model: str, hardware: str, tp: int, dtype: str, bloc
     from sloserve.roofline.models import get_model
     spec, hw = get_model(model), get_hardware(hardware)
     free = memory_fraction * tp * hw.mem_bytes - spec.num_params() * dtype_bytes(dtype)
-    return max(1, blocks_that_fit(free, kv_bytes_per_token(spec, dtype), block_size))
+    return max(1, kv_cache_spec(spec, dtype, block_size).num_blocks(free))

@@ -314,6 +314,11 @@ def test_an_int8_kv_cache_holds_twice_the_tokens_and_serves_the_embedded_model(l
     per_token = 2 * 30 * 3 * 68
     assert eng8.runner.kv_bytes_per_token == per_token
     assert eng8.num_kv_blocks == int(0.05 * 1024 ** 3 // (16 * per_token))
+    # the tensors allocated are exactly what the KV cache spec sized the cache with
+    spec = eng8.core.kv_cache_spec
+    assert spec.page_size_bytes == 16 * per_token
+    assert sum(c.numel() * c.element_size() for c in eng8.runner.kv_caches) == \
+        eng8.num_kv_blocks * spec.page_size_bytes == eng8.core.kv_cache_bytes
     sp = greedy(16, ignore_eos=True)
     ref = llm.generate([PROMPTS[0]], sp)[0].token_ids
     got = sloserve.LLM.__new__(sloserve.LLM)

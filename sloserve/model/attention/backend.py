@@ -98,7 +98,7 @@ class AttentionBackend(abc.ABC):
                        entry_width: int) -> tuple[int, ...]:
         """Shape of one layer's KV cache tensor (K and V together); ``entry_width``: elements of
         one head's entry of one token (head_dim, or head_dim + 4 for an int8 cache:
-        ``kv_int8.entry_width``)."""
+        ``KVCacheSpec.entry_width``)."""
 
     def describe(self, kv_cache_dtype: torch.dtype) -> str:
         """How this backend will attend over a ``kv_cache_dtype`` cache, for the start-up log

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import torch
 
-#: bytes after an entry's D codes: its float32 scale
-SCALE_BYTES = 4
+from sloserve.kv_cache_spec import INT8_SCALE_BYTES
+
+#: bytes after an entry's D codes: its float32 scale (the KV cache spec's figure)
+SCALE_BYTES = INT8_SCALE_BYTES
 
 
 def entry_width(head_dim: int, kv_cache_dtype: torch.dtype) -> int:

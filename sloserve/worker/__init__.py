@@ -1,0 +1,1 @@
+"""The worker: one model replica on this process's device (``worker.Worker``)."""

@@ -1,0 +1,152 @@
+"""The worker: the device half under the engine core (vLLM's ``Worker``).
+
+It owns what depends on the hardware and the weights: the torch threads and the dtype chosen
+for this CPU (``sloserve.platform.choose_dtype``), the attention backend, the loaded model and
+its fused forward (with its warm-up), the KV cache spec, the KV cache tensors (allocated once,
+after a check against the machine's memory) and the model runner that runs each step. The
+engine core reaches it only through an executor (``sloserve.executor``): the in-process one
+calls it directly; a multi-process or Ray executor would run one per process and call the same
+methods (plain data in and out, apart from KV export / import buffers).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from sloserve.config import EngineConfig
+from sloserve.kv_cache_spec import KVCacheSpec
+from sloserve.step_io import ModelRunnerOutput, SchedulerOutput, WorkerInfo
+
+logger = logging.getLogger(__name__)
+
+GiB = 1024 ** 3
+#: a KV cache may take at most this share of the machine's memory
+MAX_KV_SHARE_OF_MEMORY = 0.9
+
+
+class Worker:
+    """One model replica; call :meth:`init_device`, :meth:`load_model`, then
+    :meth:`initialize_cache` before :meth:`execute_model`. Not thread-safe.
+
+    Args:
+        config: the engine's settings (model, dtype, threads, attention backend, ...).
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.dtype_choice = None
+        self.dtype: torch.dtype | None = None
+        self.kv_cache_dtype: torch.dtype | None = None
+        self.attn_backend = None
+        self.model = None
+        self.model_config = None
+        self.model_name = ""
+        #: the fused forward on the CPU kernels (None: the model's torch forward)
+        self.fast_path = None
+        #: the one log line on which weights and kernels serve which steps
+        self.weights_line = ""
+        self.model_runner = None
+
+    # ------------------------------------------------------------------ start-up
+    def init_device(self) -> None:
+        """Set the torch threads and choose the dtypes and the attention backend for this CPU
+        (logged in one line). Raises ValueError for an unknown dtype or backend."""
+        from sloserve.model.attention import get_attention_backend
+        from sloserve.model.loader import parse_dtype, parse_kv_cache_dtype
+        from sloserve.platform import choose_dtype
+
+        cfg = self.config
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.dtype_choice = choose_dtype(cfg.dtype, cfg.kv_cache_dtype)
+        logger.info("%s", self.dtype_choice.describe())
+        self.dtype = parse_dtype(self.dtype_choice.dtype)
+        self.kv_cache_dtype = parse_kv_cache_dtype(self.dtype_choice.kv_cache_dtype)
+        self.attn_backend = get_attention_backend(cfg.attention_backend, self.kv_cache_dtype)
+        self.attn_backend.compute_dtype = self.dtype
+
+    def load_model(self) -> None:
+        """Load the weights and build the forward that serves the steps (warmed up).
+
+        Raises:
+            FileNotFoundError: a missing model; ValueError: weights that do not fit the settings.
+        """
+        self.model, weights, self.fast_path, self.weights_line = self._load_model()
+        self.model_config = weights.config
+        self.model_name = self.config.served_model_name or weights.name
+        logger.info("%s", self.weights_line)
+
+    def _load_model(self):
+        """(model, loaded weights, fast path or None, the weights log line): the one place the
+        model and its forward are built."""
+        from sloserve.engine.core import build_fast_path
+        from sloserve.model.loader import load_model
+
+        cfg = self.config
+        model, weights = load_model(cfg.model, self.dtype, cfg.load_format, with_tokenizer=False,
+                                    quantization=cfg.quantization)
+        fast_path, line = build_fast_path(model, weights, cfg)
+        return model, weights, fast_path, line
+
+    def get_model_info(self) -> WorkerInfo:
+        """What the engine core needs to know of the loaded model and the choices made here."""
+        from sloserve.embedded import default_model_path
+
+        cfg = self.config
+        return WorkerInfo(
+            model_name=self.model_name,
+            model_path=os.path.abspath(cfg.model) if cfg.model else default_model_path(),
+            model_config=self.model_config, dtype=self.dtype_choice.dtype,
+            kv_cache_dtype=self.dtype_choice.kv_cache_dtype,
+            dtype_reason=f"{self.dtype_choice.describe()}; {self.weights_line}",
+            description=(f"attention {self.attn_backend.describe(self.kv_cache_dtype)}, "
+                         f"{torch.get_num_threads()} torch threads"))
+
+    # ------------------------------------------------------------------ the KV cache
+    def get_kv_cache_spec(self) -> KVCacheSpec:
+        """The KV cache layout of the loaded model in the chosen KV dtype."""
+        from sloserve.model.runner import kv_cache_spec
+        return kv_cache_spec(self.model_config, self.config.block_size, self.kv_cache_dtype)
+
+    def determine_available_memory(self) -> int:
+        """Bytes the KV cache may take: ``--kv-cache-memory`` (a CPU process has no device
+        memory to profile; vLLM measures what its GPU has left after a dummy step)."""
+        return int(self.config.kv_cache_memory * GiB)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` KV blocks and build the model runner over them.
+
+        Raises:
+            ValueError: the cache would take more than 90 % of this machine's memory.
+        """
+        from sloserve.model.runner import ModelRunner
+        from sloserve.model.sampler import Sampler
+
+        need = num_blocks * self.get_kv_cache_spec().page_size_bytes
+        phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if need > MAX_KV_SHARE_OF_MEMORY * phys:
+            raise ValueError(f"a KV cache of {num_blocks} blocks needs {need / GiB:.1f} GiB, "
+                             f"more than 90% of this machine's {phys / GiB:.1f} GiB of memory")
+        cfg = self.config
+        self.model_runner = ModelRunner(self.model, self.model_config, num_blocks, cfg.block_size,
+                                        self.kv_cache_dtype, Sampler(cfg.seed), self.attn_backend,
+                                        self.fast_path, logprobs_mode=cfg.logprobs_mode)
+
+    # ------------------------------------------------------------------ steps
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step (forward and sampling) on the model runner."""
+        return self.model_runner.execute(scheduler_output)
+
+    def export_kv(self, block_ids: list[int], layer: int | None = None) -> torch.Tensor:
+        """See ``ModelRunner.export_kv``."""
+        return self.model_runner.export_kv(block_ids, layer)
+
+    def import_kv(self, block_ids: list[int], data: torch.Tensor, layer: int | None = None) -> None:
+        """See ``ModelRunner.import_kv``."""
+        self.model_runner.import_kv(block_ids, data, layer)
+
+    def shutdown(self) -> None:
+        """Release what outlives the worker object: nothing in-process (the model and the KV
+        cache are freed with it; tests and benchmarks may still read them after ``close``)."""
