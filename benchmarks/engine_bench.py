@@ -17,7 +17,7 @@ import torch
 
 from sloserve.config import EngineConfig
 from sloserve.engine.llm_engine import LLMEngine
-from sloserve.engine.step_profile import time_decode_steps, time_prefill_steps
+from sloserve.tools.step_profile import time_decode_steps, time_prefill_steps
 
 
 def decode_rate(eng: LLMEngine, batch: int, context_len: int, steps: int) -> dict:

@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from sloserve.bench.datasets import PromptFactory, SampleRequest, mixed_workload
+from sloserve.bench.datasets import PromptFactory, mixed_workload
 from sloserve.bench.metrics import calculate_metrics
 from sloserve.bench.results import result_json, save_json
 from sloserve.config import BATCHING_FLAGS
@@ -38,6 +38,7 @@ from sloserve.bench.server_proc import sloserve_server
 from sloserve.sim.profile import (fit_with_holdout, frontend_delays, load_profile, save_profile,
                                   trace_samples)
 from sloserve.sim.simulator import SimConfig, simulate
+from sloserve.workload import SampleRequest
 
 BUDGET = 256
 SCALE = 0.25

@@ -16,8 +16,8 @@ import statistics
 import time
 
 from sloserve.engine.llm import LLM
-from sloserve.engine.step_profile import start_decodes
 from sloserve.kernels import Kernels
+from sloserve.tools.step_profile import start_decodes
 
 
 def extra_tokens(batch: int, context: int, steps: int) -> int:

@@ -20,7 +20,7 @@ import argparse
 import statistics
 
 from sloserve.engine.llm import LLM
-from sloserve.engine.step_profile import time_mixed_steps
+from sloserve.tools.step_profile import time_mixed_steps
 
 
 def main() -> None:

@@ -61,6 +61,13 @@ def _generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _roofline_measure(*args, **kwargs):
+    """``sloserve roofline --measure``: :func:`sloserve.tools.roofline_measure.measure`, imported
+    (with torch and the engine) only when called."""
+    from sloserve.tools.roofline_measure import measure
+    return measure(*args, **kwargs)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `sloserve`; returns the exit code (2 for bad settings, with one line)."""
     parser = argparse.ArgumentParser(prog="sloserve", description=__doc__, allow_abbrev=False)
@@ -117,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
     if argv[:1] == ["roofline"]:  # its own parser takes every flag after the word
         from sloserve.roofline.cli import main as roofline_main
-        return roofline_main(argv[1:])
+        return roofline_main(argv[1:], measure=_roofline_measure)
 
     a = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,12 +1,21 @@
-"""Tokenizer: a thin wrapper over a transformers fast tokenizer (from an HF folder or a GGUF file).
+"""Tokenizer: a thin wrapper over a transformers fast tokenizer (from an HF folder or a GGUF file),
+and :func:`load_model_tokenizer`, the tokenizer of a model path as the API process loads it.
 
-Everything runs offline: ``HF_HUB_OFFLINE=1`` is set (if unset) before transformers is imported and
-every ``from_pretrained`` call passes ``local_files_only=True``.
+Nothing here imports torch (the API process must not; ``tests/test_layers.py`` checks it): a
+GGUF's metadata is read by :func:`read_gguf_metadata`, not by transformers' GGUF reader, which
+imports torch. Everything runs offline: ``HF_HUB_OFFLINE=1`` is set (if unset) before
+transformers is imported and every ``from_pretrained`` call passes ``local_files_only=True``.
 """
 from __future__ import annotations
 
+import glob
+import mmap
 import os
+import struct
 from typing import Any, Iterable
+
+from sloserve.config import LOAD_FORMAT_CHOICES
+from sloserve.embedded import default_model_path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -66,18 +75,20 @@ class Tokenizer:
                   chat_template: str | None = None) -> "Tokenizer":
         """Build from a GGUF file's ``tokenizer.*`` metadata with transformers' GGUF conversion.
 
-        Uses ``PreTrainedTokenizerFast.from_pretrained(dir, gguf_file=name)`` (not ``AutoTokenizer``,
-        which also parses the whole file for a config through the slow ``gguf.GGUFReader``).
+        Builds what ``PreTrainedTokenizerFast.from_pretrained(dir, gguf_file=name)`` builds,
+        with the metadata read here (see :func:`_hf_tokenizer_from_gguf`).
 
         Args:
             gguf_path: path of the ``.gguf`` file.
             extra_eos_token_ids: eos ids from the model config.
             chat_template: ``tokenizer.chat_template`` metadata, installed if transformers did not.
-        """
-        from transformers import PreTrainedTokenizerFast
 
-        folder, fname = os.path.split(os.path.abspath(gguf_path))
-        hf = PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=fname, local_files_only=True)
+        Raises:
+            NoTokenizerError: a GGUF without ``tokenizer.*`` metadata.
+        ValueError / KeyError / struct.error / OSError: the file is no GGUF, is truncated,
+                or carries a tokenizer transformers cannot convert.
+        """
+        hf = _hf_tokenizer_from_gguf(os.path.abspath(gguf_path))
         return cls(hf, extra_eos_token_ids, chat_template=chat_template)
 
     # ------------------------------------------------------------------------------------- API
@@ -154,3 +165,204 @@ def load_tokenizer(path: str) -> Tokenizer:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ValueError(f"cannot load a tokenizer from {path!r} (a GGUF file or a folder with "
                          f"tokenizer.json is needed): {first}") from None
+
+
+# ------------------------------------------------------------------------------ GGUF metadata
+#: GGUF metadata value types of a fixed size -> struct format (8 is a string, 9 an array)
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def read_gguf_metadata(path: str) -> dict[str, Any]:
+    """A GGUF file's metadata (``{key: value}``: numbers, bools, strings, and lists of them),
+    read from the header alone (no tensor is touched; the values transformers' own GGUF reader
+    returns for the same keys).
+
+    Raises:
+        ValueError: no GGUF magic, an unknown GGUF version or value type.
+        struct.error / UnicodeDecodeError / OSError: a truncated or corrupt header, an empty or
+            unreadable file.
+    """
+    with open(path, "rb") as f:
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        magic, version, _n_tensors, n_kv = struct.unpack_from("<4sIQQ", data, 0)
+        if magic != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (no GGUF magic bytes)")
+        if version not in (2, 3):
+            raise ValueError(f"{path} is GGUF v{version}; v2 and v3 are read")
+
+        def string(pos: int) -> tuple[str, int]:
+            (n,) = struct.unpack_from("<Q", data, pos)
+            end = pos + 8 + n
+            if end > len(data):
+                raise struct.error(f"a string runs past the end of {path}")
+            return data[pos + 8:end].decode("utf-8"), end
+
+        def value(kind: int, pos: int) -> tuple[Any, int]:
+            if kind in _GGUF_SCALARS:
+                fmt = _GGUF_SCALARS[kind]
+                return struct.unpack_from(fmt, data, pos)[0], pos + struct.calcsize(fmt)
+            if kind == _GGUF_STRING:
+                return string(pos)
+            if kind == _GGUF_ARRAY:
+                elem, n = struct.unpack_from("<IQ", data, pos)
+                pos += 12
+                if elem in _GGUF_SCALARS:
+                    fmt = _GGUF_SCALARS[elem]
+                    return (list(struct.unpack_from(f"<{n}{fmt[1]}", data, pos)),
+                            pos + n * struct.calcsize(fmt))
+                out = []
+                if elem == _GGUF_STRING:  # a vocabulary or merge table: the loop inlined
+                    for _ in range(n):
+                        (length,) = struct.unpack_from("<Q", data, pos)
+                        out.append(data[pos + 8:pos + 8 + length].decode("utf-8"))
+                        pos += 8 + length
+                    if pos > len(data):
+                        raise struct.error(f"a string array runs past the end of {path}")
+                    return out, pos
+                for _ in range(n):
+                    v, pos = value(elem, pos)
+                    out.append(v)
+                return out, pos
+            raise ValueError(f"{path}: GGUF metadata value of unknown type {kind}")
+
+        metadata: dict[str, Any] = {}
+        pos = 24
+        for _ in range(n_kv):
+            key, pos = string(pos)
+            (kind,) = struct.unpack_from("<I", data, pos)
+            metadata[key], pos = value(kind, pos + 4)
+        return metadata
+    finally:
+        data.close()
+
+
+class NoTokenizerError(ValueError):
+    """A sound GGUF file without ``tokenizer.*`` metadata."""
+
+
+#: transformers' special-token kwargs and the GGUF ``tokenizer.ggml.*`` id keys that give them
+_GGUF_SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
+                        "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
+
+
+def _hf_tokenizer_from_gguf(path: str) -> Any:
+    """The transformers tokenizer that ``PreTrainedTokenizerFast.from_pretrained(dir,
+    gguf_file=name)`` builds (its ``get_gguf_tokenizer`` with the metadata read by
+    :func:`read_gguf_metadata`, then its ``convert_gguf_tokenizer``): transformers' GGUF reader
+    imports torch, its conversion does not."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+    md = read_gguf_metadata(path)
+    if "tokenizer.ggml.tokens" not in md:
+        raise NoTokenizerError(f"{path} carries no tokenizer (tokenizer.ggml.tokens missing)")
+    grouped = {group: {name: md[f"tokenizer.{key}"] for key, name in renames.items()
+                       if f"tokenizer.{key}" in md}
+               for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+    tokenizer, config = grouped["tokenizer"], grouped["tokenizer_config"]
+    kind = tokenizer.get("tokenizer_type")
+    if kind == "llama":  # llama.cpp adds BOS to a sentencepiece vocabulary that says nothing
+        config.setdefault("add_bos_token", True)
+    elif kind == "gemma4":  # its chat template writes <bos> itself
+        config["add_bos_token"] = False
+    for name, key in _GGUF_SPECIAL_TOKENS.items():
+        token_id = md.get(f"tokenizer.ggml.{key}")
+        config[name] = tokenizer["tokens"][token_id] if token_id is not None else None
+    backend, extra = convert_gguf_tokenizer(md["general.architecture"], tokenizer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
+
+
+# ------------------------------------------------------------------------------ a model's tokenizer
+#: files that hold a Hugging Face folder's tokenizer (any one of them)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer_files(folder: str) -> bool:
+    """True if ``folder`` holds any of ``tokenizer.json``, ``tokenizer_config.json``,
+    ``tokenizer.model``, ``vocab.json``."""
+    return any(os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES)
+
+
+def detect_format(path: str) -> str:
+    """``"gguf"`` or ``"hf"``: the load format ``auto`` means for an existing ``path``.
+
+    Raises:
+        ValueError: a file that is no GGUF, or a folder with neither config.json / *.safetensors
+            nor exactly one .gguf file.
+    """
+    if os.path.isfile(path):
+        if path.lower().endswith(".gguf"):
+            return "gguf"
+        with open(path, "rb") as f:
+            if f.read(4) == b"GGUF":
+                return "gguf"
+        raise ValueError(f"cannot infer the load format of file {path}: expected a .gguf file or a "
+                         "Hugging Face folder (pass load_format='dummy' for a config.json)")
+    if glob.glob(os.path.join(path, "*.safetensors")) or os.path.isfile(os.path.join(path, "config.json")):
+        return "hf"
+    ggufs = glob.glob(os.path.join(path, "*.gguf"))
+    if len(ggufs) == 1:
+        return "gguf"
+    raise ValueError(f"cannot infer the load format of folder {path}: no config.json/*.safetensors "
+                     f"and {len(ggufs)} .gguf files")
+
+
+def single_gguf(path: str) -> str:
+    """The .gguf file ``path`` names: itself, or a folder's only one.
+
+    Raises:
+        ValueError: a folder holding no or several .gguf files.
+    """
+    if os.path.isdir(path):
+        ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+        if len(ggufs) != 1:
+            raise ValueError(f"load_format='gguf' needs a .gguf file; folder {path} holds {len(ggufs)}")
+        return ggufs[0]
+    return path
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+
+
+def load_model_tokenizer(path: str | None, load_format: str = "auto") -> Tokenizer | None:
+    """The tokenizer of the model at ``path`` (None: the embedded GGUF) without reading its
+    weights or importing torch (what the API process loads while the engine core loads the
+    weights): from a GGUF's metadata, or a folder's tokenizer files; None for a dummy model
+    without tokenizer files.
+
+    It checks no more of the model than the tokenizer needs:
+    :func:`sloserve.model.loader.load_model_tokenizer` also checks config.json and the GGUF file
+    the way the weights' loader does, with its messages.
+
+    Raises:
+        FileNotFoundError: the path (or a folder's tokenizer files) does not exist.
+        ValueError: unknown load format, a file or folder of no known format, or no tokenizer
+            can be built from it (every message names the file).
+    """
+    if load_format not in LOAD_FORMAT_CHOICES:
+        raise ValueError(f"unknown load_format {load_format!r}; allowed: {', '.join(LOAD_FORMAT_CHOICES)}")
+    source = os.path.abspath(os.path.expanduser(os.fspath(path))) if path else default_model_path()
+    if not os.path.exists(source):
+        raise FileNotFoundError(f"model path does not exist: {source}")
+    fmt = detect_format(source) if load_format == "auto" else load_format
+    if fmt == "gguf":
+        gguf_path = single_gguf(source)
+        try:
+            return Tokenizer.from_gguf(gguf_path)
+        except NoTokenizerError:
+            raise
+        except Exception as e:  # struct / Index / Unicode errors from a bad file, transformers' own
+            raise ValueError(f"cannot build the tokenizer of {gguf_path}: {_first_line(e)}") from e
+    folder = source if os.path.isdir(source) else os.path.dirname(source)
+    if not has_tokenizer_files(folder):
+        if fmt == "dummy":
+            return None
+        raise FileNotFoundError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {folder}")
+    try:
+        return Tokenizer.from_pretrained(folder)
+    except Exception as e:  # transformers raises OSError/ValueError/TypeError/its own errors
+        raise ValueError(f"cannot load the tokenizer in {folder}: {_first_line(e)}") from e

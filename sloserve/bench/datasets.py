@@ -20,12 +20,12 @@ from __future__ import annotations
 import math
 import random
 import re
-from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 import numpy as np
 
 from sloserve.jsonl import read_json, read_jsonl
+from sloserve.workload import PREFIX_GROUP_TAG, SampleRequest
 
 WORKLOADS = ("random", "mixed", "shared-prefix", "sharegpt", "trace")
 
@@ -35,32 +35,6 @@ class TokenizerLike(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
-
-
-#: tag prefix of the requests of one ``shared-prefix`` group (``group0``, ``group1``...), which
-#: the simulator's prefix-affinity router keeps on one replica
-PREFIX_GROUP_TAG = "group"
-
-
-@dataclass
-class SampleRequest:
-    """One request of a workload.
-
-    Attributes:
-        prompt: the prompt text (the user message for chat endpoints).
-        prompt_len: its length in tokens, counted without special tokens (as vLLM's bench does).
-        expected_output_len: ``max_tokens`` to send (tokens).
-        arrival_time: send time in s after the start, for replayed traces; None = use the
-            benchmark's arrival process.
-        tag: workload label of the request (``short`` / ``long`` in ``mixed``, the group in
-            ``shared-prefix``); plots mark the arrivals of ``long`` requests.
-    """
-
-    prompt: str
-    prompt_len: int
-    expected_output_len: int
-    arrival_time: float | None = None
-    tag: str | None = None
 
 
 class PromptFactory:

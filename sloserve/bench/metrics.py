@@ -24,7 +24,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from sloserve.bench.request_func import RequestRecord
+from sloserve.workload import RequestRecord
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 DEFAULT_PERCENTILES = (50.0, 90.0, 95.0, 99.0)

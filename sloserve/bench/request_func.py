@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import httpx
 
-from sloserve.latency import tpot
+from sloserve.workload import RequestRecord
 
 
 @dataclass
@@ -59,56 +59,6 @@ class RequestInput:
             b["ignore_eos"] = True
         b.update(self.extra_body)
         return b
-
-
-@dataclass
-class RequestRecord:
-    """What one request measured (times in s, from ``time.perf_counter``).
-
-    Attributes:
-        success: HTTP 200, no error event, and at least one content chunk.
-        error: the error message when not successful ("" otherwise).
-        prompt_len: prompt tokens: ``usage.prompt_tokens`` when the server reports it (for chat
-            that includes the template's tokens, as in vLLM's bench), else the workload's count.
-        output_tokens: output tokens from usage (see module docstring).
-        send_time: perf_counter at send.
-        ttft: first content chunk - send (s); 0.0 when there was none.
-        itl: gaps between consecutive content chunks (s); len = content chunks - 1.
-        latency: E2E, last content chunk - send (s).
-        chunk_times: perf_counter of every content chunk.
-        generated_text: the concatenated text.
-        server_prompt_tokens: ``usage.prompt_tokens`` (None without usage).
-        queue_time: time spent waiting client-side for a ``max_concurrency`` slot before the
-            send (s); not part of TTFT or E2E.
-        tag: workload label.
-    """
-
-    success: bool = False
-    error: str = ""
-    prompt_len: int = 0
-    output_tokens: int = 0
-    send_time: float = 0.0
-    ttft: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    latency: float = 0.0
-    chunk_times: list[float] = field(default_factory=list)
-    generated_text: str = ""
-    server_prompt_tokens: int | None = None
-    queue_time: float = 0.0
-    tag: str | None = None
-
-    def set_times_from_chunks(self) -> None:
-        """TTFT, E2E latency and ITL from ``send_time`` and ``chunk_times`` (no chunks: left 0)."""
-        ct = self.chunk_times
-        if ct:
-            self.ttft = ct[0] - self.send_time
-            self.latency = ct[-1] - self.send_time
-            self.itl = [b - a for a, b in zip(ct, ct[1:])]
-
-    @property
-    def tpot(self) -> float | None:
-        """(E2E - TTFT) / (output tokens - 1) in s; None when output <= 1 or not successful."""
-        return tpot(self.latency, self.ttft, self.output_tokens) if self.success else None
 
 
 class MalformedEvent(ValueError):

@@ -16,9 +16,9 @@ import httpx
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sloserve.bench.arrivals import arrival_times
-from sloserve.bench.datasets import SampleRequest
 from sloserve.bench.metrics import DEFAULT_PERCENTILES, BenchmarkMetrics, calculate_metrics
-from sloserve.bench.request_func import RequestInput, RequestRecord, send_request
+from sloserve.bench.request_func import RequestInput, send_request
+from sloserve.workload import RequestRecord, SampleRequest
 
 ENDPOINTS = {"/v1/completions": False, "/v1/chat/completions": True}
 

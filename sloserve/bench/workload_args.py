@@ -8,9 +8,9 @@ from sloserve.argtypes import int_list as _ints
 from sloserve.argtypes import pos_float as _pos_float
 from sloserve.argtypes import nonneg_int as _nonneg_int, pos_int as _pos_int
 from sloserve.argtypes import rate as _rate
-from sloserve.bench.datasets import (WORKLOADS, PromptFactory, SampleRequest, mixed_workload,
-                                     random_workload, shared_prefix_workload, sharegpt_workload,
-                                     trace_workload)
+from sloserve.bench.datasets import (WORKLOADS, PromptFactory, mixed_workload, random_workload,
+                                     shared_prefix_workload, sharegpt_workload, trace_workload)
+from sloserve.workload import SampleRequest
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:

@@ -25,15 +25,15 @@ from collections.abc import AsyncIterator
 from sloserve.config import EngineConfig
 from sloserve.engine.admission import AdmissionLimits, Rejection, check_arrival
 from sloserve.engine.core_client import CoreClient
-from sloserve.engine.llm_engine import log_stats
 from sloserve.engine.messages import (EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest,
                                       EngineCoreResetPrefixCache,
                                       SchedulerStats)
-from sloserve.engine.metrics import StatLogger
+from sloserve.engine.metrics import StatLogger, log_stats
 from sloserve.engine.output_processor import OutputProcessor
 from sloserve.engine.outputs import RequestOutput
 from sloserve.engine.processor import Processor
 from sloserve.sampling_params import SamplingParams
+from sloserve.tokenizer import load_model_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +64,17 @@ class AsyncLLM:
 
     def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None,
                  step_trace: str | None = None, log_level: str = "info"):
-        from sloserve.model.loader import load_model_tokenizer
-
         self.config = config
         self.admission_limits = AdmissionLimits.of(config)
         self.client = CoreClient(config, step_trace, log_level)
         try:  # the tokenizer loads here while the core loads the weights
-            tokenizer = load_model_tokenizer(config.model, config.load_format)
+            try:
+                tokenizer = load_model_tokenizer(config.model, config.load_format)
+            except (OSError, ValueError):
+                # a model the core's loader refuses too: its message (the same whichever process
+                # notices first); a model it loads: the tokenizer's
+                self.client.wait_ready()
+                raise
             self.info = self.client.wait_ready()
         except BaseException:
             self.client.shutdown()

@@ -13,24 +13,13 @@ import time
 from sloserve.config import EngineConfig
 from sloserve.engine.core import EngineCore
 from sloserve.engine.messages import EngineCoreRequest
-from sloserve.engine.metrics import EngineSummary, StatLogger
+from sloserve.engine.metrics import EngineSummary, StatLogger, log_stats
 from sloserve.engine.output_processor import OutputProcessor
 from sloserve.engine.outputs import RequestOutput
 from sloserve.engine.processor import Processor
 from sloserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-def log_stats(loggers: list[StatLogger], it, finished, log) -> None:
-    """Give every stat logger a step's records; a logger that raises (disk full, ...) is
-    logged and dropped, so it cannot cost the outputs."""
-    for lg in list(loggers):
-        try:
-            lg.record(it, finished)
-        except Exception:
-            log.exception("stat logger %s failed; it is dropped", type(lg).__name__)
-            loggers.remove(lg)
 
 
 class LLMEngine:

@@ -69,6 +69,17 @@ class StatLogger(Protocol):
     def record(self, it: IterationStats, finished: list[FinishedRequestStats]) -> None: ...
 
 
+def log_stats(loggers: list[StatLogger], it, finished, log) -> None:
+    """Give every stat logger a step's records; a logger that raises (disk full, ...) is
+    logged and dropped, so it cannot cost the outputs."""
+    for lg in list(loggers):
+        try:
+            lg.record(it, finished)
+        except Exception:
+            log.exception("stat logger %s failed; it is dropped", type(lg).__name__)
+            loggers.remove(lg)
+
+
 @dataclass
 class EngineSummary:
     """Totals since start: what the demo prints as the scheduler summary."""

@@ -9,8 +9,7 @@ from typing import Any
 import torch
 
 from sloserve.model.config import ModelConfig
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+from sloserve.tokenizer import TOKENIZER_FILES, has_tokenizer_files  # noqa: F401 (the loader's)
 
 
 def read_hf_config(path: str) -> tuple[ModelConfig, dict[str, Any]]:
@@ -51,12 +50,6 @@ def read_hf_config(path: str) -> tuple[ModelConfig, dict[str, Any]]:
         if config.bos_token_id is None and isinstance(gen.get("bos_token_id"), int):
             config.bos_token_id = gen["bos_token_id"]
     return config, raw
-
-
-def has_tokenizer_files(folder: str) -> bool:
-    """True if ``folder`` holds any of ``tokenizer.json``, ``tokenizer_config.json``,
-    ``tokenizer.model``, ``vocab.json``."""
-    return any(os.path.isfile(os.path.join(folder, f)) for f in TOKENIZER_FILES)
 
 
 def safetensors_files(folder: str) -> list[str]:

@@ -17,6 +17,8 @@ import torch
 from sloserve.embedded import default_model_path
 from sloserve.model.config import ModelConfig
 from sloserve.tokenizer import Tokenizer
+from sloserve.tokenizer import detect_format as _detect_format, single_gguf as _single_gguf
+from sloserve.tokenizer import load_model_tokenizer as _load_tokenizer
 
 if TYPE_CHECKING:  # pragma: no cover
     from sloserve.model.llama import LlamaForCausalLM
@@ -171,42 +173,16 @@ def dummy_state_dict(config: ModelConfig, dtype: torch.dtype = torch.float32,
     return sd
 
 
-def _detect_format(path: str) -> str:
-    if os.path.isfile(path):
-        if path.lower().endswith(".gguf"):
-            return "gguf"
-        with open(path, "rb") as f:
-            if f.read(4) == b"GGUF":
-                return "gguf"
-        raise ValueError(f"cannot infer the load format of file {path}: expected a .gguf file or a "
-                         "Hugging Face folder (pass load_format='dummy' for a config.json)")
-    if glob.glob(os.path.join(path, "*.safetensors")) or os.path.isfile(os.path.join(path, "config.json")):
-        return "hf"
-    ggufs = glob.glob(os.path.join(path, "*.gguf"))
-    if len(ggufs) == 1:
-        return "gguf"
-    raise ValueError(f"cannot infer the load format of folder {path}: no config.json/*.safetensors "
-                     f"and {len(ggufs)} .gguf files")
-
-
-def _single_gguf(path: str) -> str:
-    if os.path.isdir(path):
-        ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
-        if len(ggufs) != 1:
-            raise ValueError(f"load_format='gguf' needs a .gguf file; folder {path} holds {len(ggufs)}")
-        return ggufs[0]
-    return path
-
-
 def load_model_tokenizer(path: str | None, load_format: str = "auto") -> Tokenizer | None:
-    """The tokenizer of the model at ``path`` alone, without reading its weights (what the
-    front end loads while the engine core loads the weights): from a GGUF's metadata, or a
-    folder's tokenizer files; None for a dummy model without tokenizer files.
+    """The tokenizer of the model at ``path`` alone, without reading its weights
+    (:func:`sloserve.tokenizer.load_model_tokenizer`, what the API process loads), after the
+    checks the weights' loader makes: from a GGUF's metadata, or a folder's tokenizer files;
+    None for a dummy model without tokenizer files.
 
     A file or folder the weights' loader would refuse is refused here with the same one-line
-    message (what the file is, what is wrong), whichever of the two processes notices first:
-    a folder's config.json is checked before its tokenizer loads; a GGUF whose tokenizer does
-    not load is read by :func:`~sloserve.model.gguf_loader.read_gguf` to say why.
+    message (what the file is, what is wrong): a folder's config.json is checked before its
+    tokenizer loads; a GGUF whose tokenizer does not load is read by
+    :func:`~sloserve.model.gguf_loader.read_gguf` to say why.
 
     Raises:
         FileNotFoundError: the path (or a hf folder's config.json or tokenizer files) does not
@@ -221,39 +197,22 @@ def load_model_tokenizer(path: str | None, load_format: str = "auto") -> Tokeniz
     if not os.path.exists(source):
         raise FileNotFoundError(f"model path does not exist: {source}")
     fmt = _detect_format(source) if load_format == "auto" else load_format
-    if fmt == "gguf":
-        return _gguf_tokenizer(_single_gguf(source))
-    from sloserve.model import hf_loader as hl
-    folder = source if os.path.isdir(source) else os.path.dirname(source)
-    hl.read_hf_config(source if fmt == "dummy" else folder)  # its errors name the file
-    if not hl.has_tokenizer_files(folder):
-        if fmt == "dummy":
-            return None
-        raise FileNotFoundError(f"no tokenizer files ({', '.join(hl.TOKENIZER_FILES)}) in {folder}")
+    if fmt != "gguf":
+        from sloserve.model import hf_loader as hl
+        folder = source if os.path.isdir(source) else os.path.dirname(source)
+        hl.read_hf_config(source if fmt == "dummy" else folder)  # its errors name the file
+        return _load_tokenizer(source, fmt)
     try:
-        return Tokenizer.from_pretrained(folder)
-    except Exception as e:  # transformers raises OSError/ValueError/TypeError/its own errors
-        raise ValueError(f"cannot load the tokenizer in {folder}: {_first_line(e)}") from e
-
-
-def _gguf_tokenizer(path: str) -> Tokenizer:
-    """The tokenizer of a GGUF file; when it cannot be built, why (the file's own problem)."""
-    try:
-        return Tokenizer.from_gguf(path)
-    except Exception as e:  # transformers' GGUF parse raises struct/Index/Unicode errors
+        return _load_tokenizer(source, fmt)
+    except ValueError as e:  # say why, as the weights' loader would
         from sloserve.model import gguf_loader as gl
         from sloserve.model.gguf_check import gguf_problem
-        problem = gguf_problem(path)  # what read_gguf would say, without its slow parse first
+        gguf_path = _single_gguf(source)
+        problem = gguf_problem(gguf_path)  # what read_gguf would say, without its slow parse first
         if problem:
-            raise ValueError(f"{path} is not a readable GGUF file: {problem}") from e
-        gf = gl.read_gguf(path)  # raises "{path} is not a readable GGUF file: ..." if it is not
-        if "tokenizer.ggml.tokens" not in gf.metadata:
-            raise ValueError(f"{path} carries no tokenizer (tokenizer.ggml.tokens missing)") from e
-        raise ValueError(f"cannot build the tokenizer of {path}: {_first_line(e)}") from e
-
-
-def _first_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+            raise ValueError(f"{gguf_path} is not a readable GGUF file: {problem}") from e
+        gl.read_gguf(gguf_path)  # raises "{path} is not a readable GGUF file: ..." if it is not
+        raise  # it carries no tokenizer, or one that cannot be built
 
 
 def load_weights(path: str | None, dtype: str | torch.dtype = "bfloat16",

@@ -1,7 +1,8 @@
 """``sloserve roofline``: print the roofline / KV / capacity report as a table or JSON.
 
-Wiring into ``sloserve/cli.py`` is one line: ``from sloserve.roofline.cli import main``.
 Every number printed carries its unit; byte counts show GiB and GB where they differ.
+``--measure`` runs the engine, which this package does not import: ``sloserve roofline`` passes
+:func:`sloserve.tools.roofline_measure.measure` in as ``main``'s ``measure``.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Any, Callable
 
 from sloserve.argtypes import int_list as _int_list
 from sloserve.config import DTYPE_CHOICES, LOAD_FORMAT_CHOICES, ROOFLINE_DTYPES
@@ -66,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode context length for --measure (tokens, default 256)")
     g.add_argument("--measure-chunks", type=_int_list, default=None,
                    help="prefill chunk sizes, comma-separated (default 64,256,512,1024: "
-                        "sloserve.roofline.measure.PREFILL_CHUNKS)")
+                        "sloserve.tools.roofline_measure.PREFILL_CHUNKS)")
     g.add_argument("--warmup", type=int, default=2, help="untimed decode steps per point")
     g.add_argument("--repeats", type=int, default=5, help="timed decode steps per point (median)")
     g.add_argument("--prefill-repeats", type=int, default=3, help="timed prefills per chunk (median)")
@@ -89,8 +91,15 @@ def _resolve_model(name: str | None, measure: bool) -> tuple[str, str | None]:
     return name, name
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit code (2 on bad arguments)."""
+def main(argv: list[str] | None = None, measure: Callable[..., Any] | None = None) -> int:
+    """Entry point; returns the exit code (2 on bad arguments).
+
+    Args:
+        argv: the arguments after ``sloserve roofline``.
+        measure: runs the engine for ``--measure`` (:func:`sloserve.tools.roofline_measure.measure`
+            or one with its signature, returning an object with ``to_dict()`` and ``format()``);
+            None: ``--measure`` is refused with exit code 2.
+    """
     p = build_parser()
     a = p.parse_args(argv)
     for name in ("batch", "context_len", "prompt_len", "prefill_batch", "tp"):
@@ -128,13 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     m = None
     if a.measure:
         from sloserve.config import EngineConfig
-        from sloserve.roofline.measure import PREFILL_CHUNKS, format_measurement, measure
 
+        if measure is None:
+            print("error: --measure runs the engine: use `sloserve roofline --measure`", file=sys.stderr)
+            return 2
+        chunks = {"prefill_chunks": a.measure_chunks} if a.measure_chunks else {}
         try:
             m = measure(EngineConfig(model=engine_model, dtype=a.dtype, load_format=a.load_format), spec,
                         hw, decode_batches=a.measure_batches, context_len=a.measure_context_len,
-                        prefill_chunks=a.measure_chunks or PREFILL_CHUNKS, warmup=a.warmup, repeats=a.repeats,
-                        prefill_repeats=a.prefill_repeats)
+                        warmup=a.warmup, repeats=a.repeats, prefill_repeats=a.prefill_repeats, **chunks)
         except (ValueError, FileNotFoundError) as e:
             print(f"error: {e.args[0] if e.args else e}", file=sys.stderr)
             return 2
@@ -150,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             d["plot"] = a.plot
         print(json.dumps(d, indent=1))
     else:
-        print(format_plan(pl) + (("\n" + format_measurement(m)) if m is not None else "")
+        print(format_plan(pl) + (("\n" + m.format()) if m is not None else "")
               + (f"\nplot written to {a.plot}" if a.plot else ""))
     return 0
 

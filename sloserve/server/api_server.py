@@ -5,8 +5,8 @@
     run_server(EngineConfig(dtype="float32"), host="0.0.0.0", port=8000)
 
 Thread placement on a small CPU: the engine core's torch uses every core (``--num-threads``
-changes it); this process keeps torch to one thread and does no math, so its event loop, the
-tokenizer and the SSE streams take what the core's threads leave between steps.
+changes it); this process imports no torch and does no math, so its event loop, the tokenizer
+and the SSE streams take what the core's threads leave between steps.
 
 Start: the port is bound first (a busy port or a bad host is one error line before any model
 loads); SIGTERM / SIGINT while the model loads stop the engine core and exit 0.
@@ -135,8 +135,6 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
             settings, a bad drain timeout or body limit, or the port cannot be bound.
         EngineCoreStartError: the core crashed while starting.
     """
-    import torch
-
     if not (isinstance(drain_timeout_s, (int, float)) and math.isfinite(drain_timeout_s)
             and drain_timeout_s >= 0):
         raise ValueError(f"--shutdown-timeout must be a finite number of seconds >= 0, got "
@@ -146,7 +144,6 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                          f"{max_request_body_bytes}")
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(1)  # this process does no math; the cores are the engine core's
     sock = _listen(host, port)
 
     # every signal is remembered first: the exception can be swallowed where it lands (raised

@@ -3,7 +3,7 @@ simulator's linear cost model (:class:`~sloserve.sim.cost_model.LinearCostModel`
 
 Grid: pure decode steps (batch x context), hybrid steps (decodes + one prefill chunk at a
 start position), and whole-prompt prefills. Every point is the median of a few timed steps
-after warm-up (``sloserve.engine.step_profile``): decode and hybrid points time the model
+after warm-up (``sloserve.tools.step_profile``): decode and hybrid points time the model
 runner's whole ``execute`` on plain-data steps of that composition (inputs, forward, sampling;
 not the scheduler), prefill points the engine's whole ``step()``. Every fourth point is held out
 of the fit and the fit's relative error on it is printed.
@@ -30,7 +30,7 @@ PREFILL_GRID = [64, 256, 512, 1024]
 def profile_engine(eng, repeats: int = 3, context_len: int = 256,
                    log=lambda s: None) -> list[tuple[StepComposition, float]]:
     """Median step seconds of every grid point on ``eng`` (an LLMEngine, chunked policy)."""
-    from sloserve.engine.step_profile import time_mixed_steps, time_prefill_steps
+    from sloserve.tools.step_profile import time_mixed_steps, time_prefill_steps
     out: list[tuple[StepComposition, float]] = []
 
     def med(samples):

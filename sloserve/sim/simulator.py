@@ -21,8 +21,6 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from sloserve.bench.datasets import PREFIX_GROUP_TAG, SampleRequest
-from sloserve.bench.request_func import RequestRecord
 from sloserve.config import EngineConfig
 from sloserve.engine.admission import AdmissionLimits, EngineLoad, StepRates, check_arrival
 from sloserve.engine.kv_cache_manager import KVCacheManager
@@ -32,6 +30,7 @@ from sloserve.sampling_params import SamplingParams
 from sloserve.sim.cost_model import CostModel, StepComposition
 from sloserve.sim.kv_transfer import Disaggregation
 from sloserve.step_io import ModelRunnerOutput
+from sloserve.workload import PREFIX_GROUP_TAG, RequestRecord, SampleRequest
 
 
 @dataclass

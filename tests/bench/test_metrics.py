@@ -8,7 +8,7 @@ import pytest
 
 from sloserve.bench.metrics import (DEFAULT_PERCENTILES, METRICS, Stats, calculate_metrics, is_good,
                                     parse_goodput)
-from sloserve.bench.request_func import RequestRecord
+from sloserve.workload import RequestRecord
 
 
 def rec(send, ttft, itl, out, prompt_len, *, latency=None, success=True, error="", chunk_times=None):

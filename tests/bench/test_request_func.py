@@ -12,11 +12,11 @@ import json
 import httpx
 import pytest
 
-from sloserve.bench.datasets import SampleRequest
 from sloserve.bench.metrics import is_good
 from sloserve.bench.request_func import RequestInput, send_request
 from sloserve.bench.results import result_json
 from sloserve.bench.runner import BenchConfig, BenchmarkError, run_benchmark
+from sloserve.workload import SampleRequest
 
 from .mock_server import MODEL_ID, Script, http_error, steady
 

@@ -6,11 +6,10 @@ import json
 
 import pytest
 
-from sloserve.bench.datasets import SampleRequest
 from sloserve.bench.metrics import calculate_metrics
-from sloserve.bench.request_func import RequestRecord
 from sloserve.bench.results import format_summary, metrics_dict, result_json, save_json
 from sloserve.bench.runner import BenchConfig, BenchmarkRun
+from sloserve.workload import RequestRecord, SampleRequest
 
 # The keys of a vLLM `vllm bench serve --save-result` file, in vLLM's order (vllm 0.32), for the
 # percentile metrics ttft, tpot, itl, e2el and percentiles 50, 90, 95, 99. Without

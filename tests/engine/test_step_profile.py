@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 import sloserve
-from sloserve.engine.step_profile import time_decode_steps, time_mixed_steps
+from sloserve.tools.step_profile import time_decode_steps, time_mixed_steps
 
 
 @pytest.fixture(scope="module")

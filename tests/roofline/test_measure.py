@@ -9,10 +9,10 @@ import pytest
 from sloserve.config import EngineConfig
 from sloserve.roofline.cli import main
 from sloserve.roofline.hardware import measure_local
-from sloserve.roofline.measure import measure
 from sloserve.roofline.models import get_model
 from sloserve.roofline.roofline import roofline_point
 from sloserve.roofline.ops import Workload, operator_costs
+from sloserve.tools.roofline_measure import measure
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -76,11 +76,13 @@ def test_cli_measure_json_and_plot(tiny_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(hwmod, "measure_local", lambda path, remeasure=False: real(
         path, remeasure, stream_bytes=8 * 2**20, matmul_n=128, repeats=2))
     png = tmp_path / "r.png"
-    assert main(["--hardware", "local", "--model", tiny_dir, "--load-format", "dummy", "--dtype", "float32",
-                 "--measure", "--measure-batches", "1,2", "--measure-context-len", "16",
-                 "--measure-chunks", "8", "--warmup", "0", "--repeats", "1", "--prefill-repeats", "1",
-                 "--batch", "2", "--context-len", "64", "--prompt-len", "32", "--json",
-                 "--plot", str(png)]) == 0
+    from sloserve.cli import main as sloserve_main  # `sloserve roofline` hands in the engine's measure
+
+    assert sloserve_main(["roofline", "--hardware", "local", "--model", tiny_dir, "--load-format", "dummy",
+                          "--dtype", "float32", "--measure", "--measure-batches", "1,2",
+                          "--measure-context-len", "16", "--measure-chunks", "8", "--warmup", "0",
+                          "--repeats", "1", "--prefill-repeats", "1", "--batch", "2", "--context-len",
+                          "64", "--prompt-len", "32", "--json", "--plot", str(png)]) == 0
     d = json.loads(capsys.readouterr().out)
     assert [p["label"] for p in d["measure"]["points"]] == ["decode B=1", "decode B=2", "prefill 8"]
     assert png.read_bytes()[:8] == PNG_MAGIC
@@ -92,6 +94,13 @@ def test_plot_without_measure(tmp_path, capsys):
     assert "plot written to" in capsys.readouterr().out
     data = png.read_bytes()
     assert data[:8] == PNG_MAGIC and len(data) > 10_000
+
+
+def test_measure_needs_the_engine_handed_in(tiny_dir, capsys):
+    """sloserve.roofline imports no engine: without a measure function --measure is refused."""
+    assert main(["--hardware", "H100-SXM", "--model", tiny_dir, "--load-format", "dummy",
+                 "--measure"]) == 2
+    assert "use `sloserve roofline --measure`" in capsys.readouterr().err
 
 
 def test_measure_rejects_preset(capsys):
@@ -110,7 +119,7 @@ def test_quantized_steps_count_the_served_bytes_and_kernel_peak(tiny_dir, local_
     """A step on quantized weights counts their stored bytes (not the dense dtype's) and the
     kernel's int8-dot peak; a step above the crossover stays dense."""
     import types
-    from sloserve.roofline import measure as mm
+    from sloserve.tools import roofline_measure as mm
     spec = get_model(tiny_dir)
     layer = types.SimpleNamespace(gate_up=[object()])
     fp = types.SimpleNamespace(quantized=True, quant_max_tokens=4, weight_bytes=12_345,
@@ -143,7 +152,7 @@ def test_amx_steps_are_dense_at_the_hardware_peak_and_say_so(tiny_dir, local_hw)
     import types
 
     import torch
-    from sloserve.roofline import measure as mm
+    from sloserve.tools import roofline_measure as mm
     spec = get_model(tiny_dir)
     fp = types.SimpleNamespace(quantized=False, quant_max_tokens=0, amx_max_tokens=64,
                                dtype=torch.bfloat16, layers=[types.SimpleNamespace(gate_up=None)])

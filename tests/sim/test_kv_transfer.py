@@ -4,12 +4,13 @@ from __future__ import annotations
 import pytest
 
 from sloserve.bench.arrivals import arrival_times
-from sloserve.bench.datasets import SampleRequest, mixed_workload
+from sloserve.bench.datasets import mixed_workload
 from sloserve.bench.metrics import calculate_metrics
 from sloserve.sim.cost_model import OverlapCostModel
 from sloserve.sim.kv_transfer import Disaggregation, KVTransferModel
 from sloserve.sim.simulator import SimConfig, simulate_cluster
 from sloserve.sim.workload import LengthOnlyFactory
+from sloserve.workload import SampleRequest
 
 MB = 1e6
 

@@ -11,11 +11,11 @@ from sloserve.config import EngineConfig
 from sloserve.engine.llm_engine import LLMEngine
 from sloserve.sampling_params import SamplingParams
 from sloserve.sim.cost_model import StepComposition
-from sloserve.bench.datasets import SampleRequest
 from sloserve.sim.cost_model import OverlapCostModel
 from sloserve.sim.profile import (frontend_delays, load_frontend, load_profile, main as profile_main,
                                   trace_samples)
 from sloserve.sim.simulator import SimConfig, simulate
+from sloserve.workload import SampleRequest
 
 from .helpers import record_compositions
 

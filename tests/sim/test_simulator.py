@@ -7,13 +7,14 @@ import pytest
 
 import sloserve
 from sloserve.bench.arrivals import arrival_times
-from sloserve.bench.datasets import SampleRequest, mixed_workload
+from sloserve.bench.datasets import mixed_workload
 from sloserve.bench.metrics import calculate_metrics
 from sloserve.sampling_params import SamplingParams
 from sloserve.sim.cost_model import (FEATURES, LinearCostModel, OverlapCostModel,
                                      RooflineCostModel, StepComposition)
 from sloserve.sim.simulator import SimConfig, simulate, simulate_cluster
 from sloserve.sim.workload import LengthOnlyFactory
+from sloserve.workload import SampleRequest
 
 from .helpers import record_compositions
 

@@ -30,8 +30,9 @@ those of the format the step is actually served in (:func:`served_format`):
 Bound time = ``max(FLOP / peak, bytes / bandwidth)``. Achieved FLOP/s = FLOP / measured, achieved
 bytes/s = bytes / measured, efficiency = bound / measured (1 = on the roof).
 
-This module imports torch and the engine; the rest of :mod:`sloserve.roofline` does not, and
-``cli.py`` imports this one only for ``--measure``.
+This module imports torch and the engine; :mod:`sloserve.roofline` does not: ``sloserve roofline``
+hands :func:`measure` to :func:`sloserve.roofline.cli.main` and imports this module only for
+``--measure``.
 """
 from __future__ import annotations
 
@@ -44,12 +45,12 @@ import torch
 
 from sloserve.config import ROOFLINE_DTYPE_OF, EngineConfig
 from sloserve.engine.llm_engine import LLMEngine
-from sloserve.engine.step_profile import time_decode_steps, time_prefill_steps
 from sloserve.roofline.hardware import Hardware
 from sloserve.roofline.models import ModelSpec
 from sloserve.roofline.ops import Workload, operator_costs
 from sloserve.roofline.roofline import roofline_point
 from sloserve.roofline.units import fmt_bandwidth, fmt_bytes, fmt_flops, fmt_flops_rate
+from sloserve.tools.step_profile import time_decode_steps, time_prefill_steps
 
 DECODE_BATCHES = (1, 4, 16, 64)
 #: prefill points of --measure (tokens; 512 is the default step budget)
@@ -115,6 +116,10 @@ class Measurement:
         d = asdict(self)
         d["points"] = [p.to_dict() for p in self.points]
         return d
+
+    def format(self) -> str:
+        """The measured-vs-roofline table (:func:`format_measurement`)."""
+        return format_measurement(self)
 
 
 def theory(spec: ModelSpec, wl: Workload, hw: Hardware, peak_dtype: str, measured_s: float,
