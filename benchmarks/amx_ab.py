@@ -15,7 +15,7 @@ import statistics
 
 from sloserve.engine.llm import LLM
 from sloserve.engine.step_profile import time_mixed_steps
-from sloserve.model.fast_path import quant_crossover
+from sloserve.model.crossover import quant_crossover
 
 
 def main() -> None:
@@ -25,16 +25,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
     eng = LLM(max_num_batched_tokens=4096).engine
-    fp = eng.runner.fast_path
-    if fp is None or not fp.amx_max_tokens:
+    model = eng.runner.model
+    p = model.policy
+    if model.kernels is None or not p.amx_max_tokens:
         raise SystemExit("no AMX GEMM in this engine (CPU without AMX, SLOSERVE_AMX=0 or float32)")
-    k = fp.k
-    on = (fp.amx_max_tokens, fp.quant_max_tokens)
-    fp.amx_max_tokens, k.amx = 0, False
-    off = (0, quant_crossover(fp))
+    k = model.kernels
+    on = (p.amx_max_tokens, p.quant_max_tokens)
+    p.amx_max_tokens, k.amx = 0, False
+    off = (0, quant_crossover(model))
 
     def use(amx: bool) -> None:
-        fp.amx_max_tokens, fp.quant_max_tokens = on if amx else off
+        p.amx_max_tokens, p.quant_max_tokens = on if amx else off
         k.amx = amx
     print(f"on: AMX GEMM up to {on[0]} tokens, quantized up to {on[1]}; off: quantized up to "
           f"{off[1]}, oneDNN above")

@@ -27,7 +27,7 @@ def extra_tokens(batch: int, context: int, steps: int) -> int:
 
 def measure(eng, batch: int, context: int, steps: int) -> tuple[float, float]:
     """(median step ms, mean decode-attention ms per step) of ``steps`` decode steps."""
-    k = eng.core.fast_path.k if eng.core.fast_path is not None else None
+    k = eng.core.model.kernels
     spent = [0.0]
     real = k.paged_attn_decode if k is not None else None
 

@@ -31,51 +31,6 @@ GiB = 1024 ** 3
 INJECT_FAILURES_ENV = "SLOSERVE_INJECT_STEP_FAILURES"
 
 
-def build_fast_path(model, weights, config: EngineConfig):
-    """(FastPath or None, the one log line saying which weights and kernels serve which steps)."""
-    from collections import Counter
-
-    from sloserve.model.fast_path import FastPath
-    q = weights.quantized
-    dense_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    if q:
-        kinds = ", ".join(f"{k} x {n}" for k, n in Counter(w.source for w in q.values()).items())
-        head = (f"weights: {weights.quantization} ({kinds}; "
-                f"{sum(w.nbytes for w in q.values()) / 1e6:.0f} MB) + dense {dtype} "
-                f"({dense_mb:.0f} MB)")
-    else:
-        head = f"weights: dense {dtype} ({dense_mb:.0f} MB)"
-    if config.enforce_eager:
-        return None, f"{head}; --enforce-eager: every step on the model's torch forward"
-    from sloserve import kernels
-    k = kernels.load()
-    if k is None:
-        return None, f"{head}; no CPU kernels here: every step on the model's torch forward"
-    # --dtype float32 asks for exact arithmetic: the quantized products then take float32
-    # inputs; otherwise (auto, bf16) they quantize them to int8 like llama.cpp (~1.4x faster)
-    int8_act = config.dtype != "float32"
-    fp = FastPath(model.config, dict(model.named_parameters()), q, k, model.rope.inv_freq,
-                  int8_activations=int8_act)
-    dense = f"dense {dtype} GEMM"
-    if fp.amx_max_tokens:
-        dense = (f"the AMX {dtype} GEMM up to {fp.amx_max_tokens} tokens (crossover with "
-                 f"oneDNN measured), dense {dtype} GEMM (oneDNN) above")
-    if q:
-        how = (f"steps of <= {fp.quant_max_tokens} tokens on the quantized weights "
-               f"({fp.weight_bytes / 1e6:.0f} MB per step, "
-               f"{'int8' if int8_act else 'float32'} activations; crossover measured), larger "
-               f"ones on {dense}")
-    else:
-        how = f"every step on {dense}"
-    t0 = time.perf_counter()
-    shapes = fp.warm_up(config.max_num_batched_tokens,
-                        min(config.max_num_seqs, config.max_num_batched_tokens))
-    if shapes:
-        how += f" ({shapes} GEMM shapes warmed in {time.perf_counter() - t0:.1f} s)"
-    return fp, f"{head}; fused forward on the {k.variant} kernels, {how}"
-
-
 class EngineCore:
     """Owns the model runner, the scheduler and the KV cache manager; not thread-safe.
 
@@ -90,7 +45,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, step_trace: str | None = None):
         from sloserve.embedded import default_model_path
         from sloserve.model.attention import get_attention_backend
-        from sloserve.model.loader import load_model, parse_dtype, parse_kv_cache_dtype
+        from sloserve.model.loader import parse_dtype, parse_kv_cache_dtype
+        from sloserve.model.model_loader import get_model
         from sloserve.model.runner import ModelRunner, kv_bytes_per_block
         from sloserve.model.sampler import Sampler
         from sloserve.platform import choose_dtype
@@ -107,11 +63,9 @@ class EngineCore:
         self.kv_cache_dtype = parse_kv_cache_dtype(self.dtype_choice.kv_cache_dtype)
         attn = get_attention_backend(config.attention_backend, self.kv_cache_dtype)
         attn.compute_dtype = self.dtype
-        self.model, weights = load_model(config.model, self.dtype, config.load_format,
-                                         with_tokenizer=False,
-                                         quantization=config.quantization)
-        self.model_config = weights.config
-        model_name = config.served_model_name or weights.name
+        self.model, weights_name, self.weights_line = get_model(config, self.dtype)
+        self.model_config = self.model.config
+        model_name = config.served_model_name or weights_name
         model_path = os.path.abspath(config.model) if config.model else default_model_path()
 
         block_bytes = kv_bytes_per_block(self.model_config, config.block_size, self.kv_cache_dtype)
@@ -134,10 +88,9 @@ class EngineCore:
         self.kv_cache_bytes = num_blocks * block_bytes
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig.of(config, self.max_model_len), self.kv)
-        self.fast_path, self.weights_line = build_fast_path(self.model, weights, config)
         logger.info("%s", self.weights_line)
         self.runner = ModelRunner(self.model, self.model_config, num_blocks, config.block_size,
-                                  self.kv_cache_dtype, Sampler(config.seed), attn, self.fast_path,
+                                  self.kv_cache_dtype, Sampler(config.seed), attn,
                                   logprobs_mode=config.logprobs_mode)
         self.info = EngineInfo(
             model_name=model_name, model_path=model_path, max_model_len=self.max_model_len,

@@ -9,7 +9,7 @@ only on a host whose facts are the recorded ones, and skipped with the reason el
 float32 tokens (``--dtype float32``: float32 activations everywhere) are checked on every CPU.
 
 Each set is run twice: the prompts as one batch (their prefills share steps, their decodes are
-batched) and one prompt alone.
+batched) and one prompt alone (its prefix cache emptied first).
 """
 from __future__ import annotations
 
@@ -74,9 +74,9 @@ FP32_ALONE = [736, 1188, 253, 1165, 3800, 282, 260, 3150, 284, 919, 253, 1838, 1
 
 
 def _pin_crossovers(monkeypatch) -> None:
-    from sloserve.model import fast_path
-    monkeypatch.setattr(fast_path, "quant_crossover", lambda fp: QUANT_MAX_TOKENS)
-    monkeypatch.setattr(fast_path, "amx_crossover", lambda fp: AMX_MAX_TOKENS)
+    from sloserve.model import crossover
+    monkeypatch.setattr(crossover, "quant_crossover", lambda model: QUANT_MAX_TOKENS)
+    monkeypatch.setattr(crossover, "amx_crossover", lambda model: AMX_MAX_TOKENS)
 
 
 def _facts(llm) -> dict:
@@ -91,6 +91,7 @@ def _facts(llm) -> dict:
 def _run(llm) -> tuple[list[list[int]], list[int]]:
     sps = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
     batch = [list(o.token_ids) for o in llm.generate(PROMPTS, sps)]
+    llm.engine.core.reset_prefix_cache()  # the lone prompt computed whole, as on a new engine
     alone = list(llm.generate(PROMPTS[ALONE], sps[ALONE])[0].token_ids)
     assert [len(t) for t in batch] == MAX_TOKENS and len(alone) == MAX_TOKENS[ALONE]
     return batch, alone
