@@ -164,15 +164,6 @@ class LlamaForCausalLM(nn.Module):
         #: the whole-layer kernel call serves every quantized step
         self.fused_layers = False
 
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        """[vocab_size, hidden_size]: the embedding matrix when tied, else lm_head's."""
-        return self.lm_head.weight
-
-    @property
-    def rope(self) -> RotaryEmbedding:
-        return self.model.rotary_emb
-
     def linear_layers(self) -> list:
         """Every linear layer: each decoder layer's (Q/K/V, o, gate/up, down), then the LM
         head."""

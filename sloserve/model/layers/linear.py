@@ -70,8 +70,6 @@ class UnquantizedLinearMethod:
     """The torch reference: ``F.linear(x, weight, bias)`` in the engine's dtype (the output
     dtype asked for is the kernels' business; the reference stays in its input's dtype)."""
 
-    name = "torch"
-
     def apply(self, layer: "LinearBase", x: torch.Tensor,
               out_dtype: torch.dtype | None = None) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
@@ -86,8 +84,6 @@ class KernelDenseLinearMethod:
     (the weight packed by ``Kernels.pack_amx``; for a gate/up layer ``amx_swiglu``, packed by
     ``pack_amx_swiglu`` for the fused SiLU-and-mul epilogue) is given, else
     :func:`onednn_linear`. The bias (float32) is added to the float32 output."""
-
-    name = "dense"
 
     def __init__(self, kernels, policy: LinearPolicy, amx=None, amx_swiglu=None):
         self.k, self.policy, self.amx, self.amx_swiglu = kernels, policy, amx, amx_swiglu

@@ -23,8 +23,6 @@ class GGUFLinearMethod:
     or one per part where their formats differ). Outputs float32 (plus the layer's float32
     bias)."""
 
-    name = "quant"
-
     def __init__(self, kernels, weights: list, int8_activations: bool):
         self.k, self.weights, self.int8_activations = kernels, weights, int8_activations
 
