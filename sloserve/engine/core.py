@@ -35,51 +35,6 @@ GiB = 1024 ** 3
 INJECT_FAILURES_ENV = "SLOSERVE_INJECT_STEP_FAILURES"
 
 
-def build_fast_path(model, weights, config: EngineConfig):
-    """(FastPath or None, the one log line saying which weights and kernels serve which steps)."""
-    from collections import Counter
-
-    from sloserve.model.fast_path import FastPath
-    q = weights.quantized
-    dense_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    if q:
-        kinds = ", ".join(f"{k} x {n}" for k, n in Counter(w.source for w in q.values()).items())
-        head = (f"weights: {weights.quantization} ({kinds}; "
-                f"{sum(w.nbytes for w in q.values()) / 1e6:.0f} MB) + dense {dtype} "
-                f"({dense_mb:.0f} MB)")
-    else:
-        head = f"weights: dense {dtype} ({dense_mb:.0f} MB)"
-    if config.enforce_eager:
-        return None, f"{head}; --enforce-eager: every step on the model's torch forward"
-    from sloserve import kernels
-    k = kernels.load()
-    if k is None:
-        return None, f"{head}; no CPU kernels here: every step on the model's torch forward"
-    # --dtype float32 asks for exact arithmetic: the quantized products then take float32
-    # inputs; otherwise (auto, bf16) they quantize them to int8 like llama.cpp (~1.4x faster)
-    int8_act = config.dtype != "float32"
-    fp = FastPath(model.config, dict(model.named_parameters()), q, k, model.rope.inv_freq,
-                  int8_activations=int8_act)
-    dense = f"dense {dtype} GEMM"
-    if fp.amx_max_tokens:
-        dense = (f"the AMX {dtype} GEMM up to {fp.amx_max_tokens} tokens (crossover with "
-                 f"oneDNN measured), dense {dtype} GEMM (oneDNN) above")
-    if q:
-        how = (f"steps of <= {fp.quant_max_tokens} tokens on the quantized weights "
-               f"({fp.weight_bytes / 1e6:.0f} MB per step, "
-               f"{'int8' if int8_act else 'float32'} activations; crossover measured), larger "
-               f"ones on {dense}")
-    else:
-        how = f"every step on {dense}"
-    t0 = time.perf_counter()
-    shapes = fp.warm_up(config.max_num_batched_tokens,
-                        min(config.max_num_seqs, config.max_num_batched_tokens))
-    if shapes:
-        how += f" ({shapes} GEMM shapes warmed in {time.perf_counter() - t0:.1f} s)"
-    return fp, f"{head}; fused forward on the {k.variant} kernels, {how}"
-
-
 class EngineCore:
     """The step loop over an executor; not thread-safe.
 
@@ -156,10 +111,6 @@ class EngineCore:
     @property
     def model(self):
         return self._worker.model
-
-    @property
-    def fast_path(self):
-        return self._worker.fast_path
 
     @property
     def dtype_choice(self):
@@ -307,5 +258,5 @@ class EngineCore:
 
 def _load_tokenizer(config: EngineConfig):
     """The model's tokenizer, for compiling grammars (in the manager's thread)."""
-    from sloserve.model.loader import load_model_tokenizer
+    from sloserve.tokenizer import load_model_tokenizer
     return load_model_tokenizer(config.model, config.load_format)

@@ -337,10 +337,11 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "bfloat16", l
 
     Returns:
         ``(model in eval mode with parameters in dtype, LoadedWeights)``; the model's parameters are
-        copies, so ``LoadedWeights.state_dict`` may be dropped by the caller.
+        copies, so ``LoadedWeights.state_dict`` may be dropped by the caller. Every op runs its
+        torch reference until ``sloserve.model.model_loader.use_kernels`` puts it on the kernels.
 
     Raises:
-        everything :func:`load_weights` raises; RuntimeError from ``load_state_dict(strict=True)``
+        everything :func:`load_weights` raises; ValueError from the model's ``load_weights``
         if the model's parameter names disagree.
     """
     from sloserve.model.llama import LlamaForCausalLM  # lazy: the model module is optional here
@@ -348,9 +349,8 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "bfloat16", l
     lw = load_weights(path, dtype=dtype, load_format=load_format, with_tokenizer=with_tokenizer,
                       quantization=quantization)
     torch_dtype = parse_dtype(dtype)
-    model = LlamaForCausalLM(lw.config)
-    model.load_state_dict(lw.state_dict, strict=True)
-    model = model.to(torch_dtype).eval()
+    model = LlamaForCausalLM(lw.config).to(torch_dtype).eval()
+    model.load_weights(lw.state_dict.items(), lw.quantized)
     if device is not None:
         model = model.to(device)
     return model, lw

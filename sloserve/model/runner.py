@@ -92,21 +92,20 @@ class ModelRunner:
     """Runs the model over the paged KV cache.
 
     Args:
-        model: a LlamaForCausalLM (any module with its forward signature).
+        model: a LlamaForCausalLM, its ops chosen (``sloserve.model.model_loader``), or any
+            module with its forward signature.
         config: the model's config.
         num_blocks, block_size: the KV cache (blocks x tokens per block).
         kv_cache_dtype: dtype of the cache tensors.
         sampler: picks the next tokens.
         attn_backend: computes attention; its ``kv_cache_shape`` lays out the cache, one tensor
             per layer, allocated once.
-        fast_path: the fused forward (``sloserve.model.fast_path.FastPath``) that runs every
-            step when given; None: the model's own (torch) forward.
         logprobs_mode: what logprobs report (``--logprobs-mode``, see sloserve.model.logprobs).
     """
 
     def __init__(self, model: torch.nn.Module, config: ModelConfig, num_blocks: int,
                  block_size: int, kv_cache_dtype: torch.dtype, sampler: Sampler,
-                 attn_backend: AttentionBackend, fast_path=None,
+                 attn_backend: AttentionBackend,
                  logprobs_mode: str = "raw_logprobs"):
         self.model = model
         self.config = config
@@ -115,7 +114,6 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype
         self.sampler = sampler
         self.attn_backend = attn_backend
-        self.fast_path = fast_path
         self.logprobs_mode = logprobs_mode
         #: the cache's layout and sizes (the worker sized the block count with the same spec)
         self.kv_cache_spec = spec = kv_cache_spec(config, block_size, kv_cache_dtype)
@@ -144,8 +142,7 @@ class ModelRunner:
         inputs = build_step_inputs(out, self.block_size)
         meta = self.attn_backend.build_metadata(inputs)
         t1 = time.perf_counter()
-        forward = self.fast_path.forward if self.fast_path is not None else self.model
-        logits = forward(inputs.input_ids, inputs.positions, self.kv_caches, self.attn_backend,
+        logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.attn_backend,
                          meta, inputs.logits_indices)
         t2 = time.perf_counter()
         sampled, logprobs, prompt_logprobs = self._sample(out, logits)

@@ -156,18 +156,19 @@ class ServedFormat:
     peak: float
 
 
-def kernel_peak(fast_path, tokens: int, repeats: int = 20) -> float:
-    """Best FLOP/s of the quantized product the fused path serves at ``tokens`` rows: layer 0's
+def kernel_peak(model, tokens: int, repeats: int = 20) -> float:
+    """Best FLOP/s of the quantized product the model serves at ``tokens`` rows: layer 0's
     gate/up weight (cache-resident after the first call), 2 M N K FLOP per call."""
     import time
-    w = fast_path.layers[0].gate_up[0]
+    method = model.model.layers[0].mlp.gate_up_proj.quant_method
+    w = method.weights[0]
     n, k = w.shape
     x = torch.randn(tokens, k)
-    fast_path._lin(x, w)
+    method.linear(x, w)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        fast_path._lin(x, w)
+        method.linear(x, w)
         best = min(best, time.perf_counter() - t0)
     return 2 * tokens * n * k / best
 
@@ -176,16 +177,21 @@ def served_format(eng: LLMEngine, tokens: int, peaks: dict) -> ServedFormat | No
     """What a step of ``tokens`` query tokens reads and computes with (None: dense weights in the
     engine's dtype on torch's GEMM; weight_bytes None: dense weights on the AMX GEMM, the
     hardware's peak). ``peaks`` caches :func:`kernel_peak` per token count."""
-    fp = getattr(eng.runner, "fast_path", None)
-    if fp is not None and fp.quant_max_tokens < tokens <= getattr(fp, "amx_max_tokens", 0):
-        return ServedFormat(f"dense {str(fp.dtype).removeprefix('torch.')}, AMX", None, 0.0)
-    if fp is None or not fp.quantized or tokens > fp.quant_max_tokens or not fp.layers[0].gate_up:
+    model = eng.runner.model
+    if getattr(model, "kernels", None) is None:
         return None
-    m = max(1, fp.quant_max_tokens)
+    p = model.policy
+    if p.quant_max_tokens < tokens <= p.amx_max_tokens:
+        dtype = str(model.lm_head.weight.dtype).removeprefix("torch.")
+        return ServedFormat(f"dense {dtype}, AMX", None, 0.0)
+    method = model.model.layers[0].mlp.gate_up_proj.quant_method
+    if method is None or tokens > p.quant_max_tokens:
+        return None
+    m = max(1, p.quant_max_tokens)
     if m not in peaks:
-        peaks[m] = kernel_peak(fp, m)
-    act = "int8" if fp.int8_activations else "fp32"
-    return ServedFormat(f"quantized, {act} act", fp.weight_bytes, peaks[m])
+        peaks[m] = kernel_peak(model, m)
+    act = "int8" if method.int8_activations else "fp32"
+    return ServedFormat(f"quantized, {act} act", model.quantized_weight_bytes, peaks[m])
 
 
 def engine_config_for(config: EngineConfig, decode_batches, context_len: int, prefill_chunks,
@@ -252,7 +258,7 @@ def measure(config: EngineConfig, spec: ModelSpec, hw: Hardware, *,
         points.append(theory(spec, Workload("prefill", 1, n, dt, dt, kv_dt), hw, peak_dtype,
                              statistics.median(t), t, served=served_format(eng, n, peaks)))
     for m_tok, pk in peaks.items():
-        notes.append(f"quantized steps: weights {fmt_bytes(eng.runner.fast_path.weight_bytes)} per step "
+        notes.append(f"quantized steps: weights {fmt_bytes(eng.runner.model.quantized_weight_bytes)} per step "
                      f"as stored; int8-dot peak {fmt_flops_rate(pk)} measured on the engine's own "
                      f"kernel ({m_tok} rows, cache-resident weight)")
     notes.append(f"decode: timed steps at contexts {context_len - (repeats - 1) // 2}.."

@@ -2,7 +2,7 @@
 
 It owns what depends on the hardware and the weights: the torch threads and the dtype chosen
 for this CPU (``sloserve.platform.choose_dtype``), the attention backend, the loaded model and
-its fused forward (with its warm-up), the KV cache spec, the KV cache tensors (allocated once,
+the kernels each of its ops runs on (with their warm-up), the KV cache spec, the KV cache tensors (allocated once,
 after a check against the machine's memory) and the model runner that runs each step. The
 engine core reaches it only through an executor (``sloserve.executor``): the in-process one
 calls it directly; a multi-process or Ray executor would run one per process and call the same
@@ -43,8 +43,6 @@ class Worker:
         self.model = None
         self.model_config = None
         self.model_name = ""
-        #: the fused forward on the CPU kernels (None: the model's torch forward)
-        self.fast_path = None
         #: the one log line on which weights and kernels serve which steps
         self.weights_line = ""
         self.model_runner = None
@@ -68,27 +66,17 @@ class Worker:
         self.attn_backend.compute_dtype = self.dtype
 
     def load_model(self) -> None:
-        """Load the weights and build the forward that serves the steps (warmed up).
+        """Load the weights and build the model on the ops that serve this CPU (warmed up).
 
         Raises:
             FileNotFoundError: a missing model; ValueError: weights that do not fit the settings.
         """
-        self.model, weights, self.fast_path, self.weights_line = self._load_model()
-        self.model_config = weights.config
-        self.model_name = self.config.served_model_name or weights.name
+        from sloserve.model.model_loader import get_model
+
+        self.model, weights_name, self.weights_line = get_model(self.config, self.dtype)
+        self.model_config = self.model.config
+        self.model_name = self.config.served_model_name or weights_name
         logger.info("%s", self.weights_line)
-
-    def _load_model(self):
-        """(model, loaded weights, fast path or None, the weights log line): the one place the
-        model and its forward are built."""
-        from sloserve.engine.core import build_fast_path
-        from sloserve.model.loader import load_model
-
-        cfg = self.config
-        model, weights = load_model(cfg.model, self.dtype, cfg.load_format, with_tokenizer=False,
-                                    quantization=cfg.quantization)
-        fast_path, line = build_fast_path(model, weights, cfg)
-        return model, weights, fast_path, line
 
     def get_model_info(self) -> WorkerInfo:
         """What the engine core needs to know of the loaded model and the choices made here."""
@@ -132,7 +120,7 @@ class Worker:
         cfg = self.config
         self.model_runner = ModelRunner(self.model, self.model_config, num_blocks, cfg.block_size,
                                         self.kv_cache_dtype, Sampler(cfg.seed), self.attn_backend,
-                                        self.fast_path, logprobs_mode=cfg.logprobs_mode)
+                                        logprobs_mode=cfg.logprobs_mode)
 
     # ------------------------------------------------------------------ steps
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

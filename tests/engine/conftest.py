@@ -156,9 +156,8 @@ def tiny_llama() -> TinyLlama:
     hf = transformers.LlamaForCausalLM(cfg).float().eval()
     sd = {k: v.clone() for k, v in hf.state_dict().items() if "rotary" not in k}
     mc = ModelConfig.from_hf_dict(cfg.to_dict())
-    model = LlamaForCausalLM(mc)
-    model.load_state_dict(sd, strict=True)
-    model = model.float().eval()
+    model = LlamaForCausalLM(mc).float().eval()
+    model.load_weights(sd.items())
     return TinyLlama(hf, model, mc)
 
 

@@ -521,8 +521,18 @@ def test_load_model_builds_sloserve_llama(fixture, request):
     model, lw = loader.load_model(folder, dtype="float32")
     assert isinstance(model, llama.LlamaForCausalLM) and not model.training
     params = dict(model.named_parameters())
-    assert set(params) == set(lw.state_dict)
-    assert all(torch.equal(params[k].detach(), v) for k, v in lw.state_dict.items())
+    targets = set()
+    for name, v in lw.state_dict.items():  # HF names -> this model's (fused) parameters
+        target, shard = model._param_target(name)
+        targets.add(target)
+        p = params[target].detach()
+        if shard is not None:  # rows of a fused Q/K/V or gate/up parameter
+            mod = model.get_submodule(target.rsplit(".", 1)[0])
+            i = mod.SHARDS[shard] if isinstance(shard, str) else shard
+            start = sum(mod.output_sizes[:i])
+            p = p[start:start + mod.output_sizes[i]]
+        assert torch.equal(p, v), name
+    assert targets == set(params)
     model16, _ = loader.load_model(folder, dtype="bfloat16")
     assert all(p.dtype == torch.bfloat16 for p in model16.parameters())
 

@@ -87,8 +87,7 @@ def _logits(eng, ids: list[int]) -> torch.Tensor:
     blocks = list(range(-(-len(ids) // 16)))
     out = SchedulerOutput([ScheduledRequest("x", 0, len(ids), ids, blocks, sp, True, False)])
     inp = build_step_inputs(out, 16)
-    fwd = r.fast_path.forward if r.fast_path is not None else r.model
-    return fwd(inp.input_ids, inp.positions, r.kv_caches, r.attn_backend,
+    return r.model(inp.input_ids, inp.positions, r.kv_caches, r.attn_backend,
                r.attn_backend.build_metadata(inp), inp.logits_indices)[0]
 
 
@@ -97,7 +96,7 @@ def test_quantized_path_logits_match_the_dense_reference(engines):
     another summation order, so logits agree to ~1e-5 of their range (measured max 2.3e-5
     relative here); stated bound 1e-4."""
     fast, eager = engines
-    assert fast.runner.fast_path is not None and eager.runner.fast_path is None
+    assert fast.runner.model.kernels is not None and eager.runner.model.kernels is None
     for p in PROMPTS:
         ids = fast.tokenizer.encode(p)[:16]
         a, b = _logits(fast, ids), _logits(eager, ids)
@@ -134,18 +133,18 @@ def test_fused_layer_calls_give_the_separate_kernels_logits_bit_for_bit():
     if kernels.load() is None:
         pytest.skip("no CPU kernels on this machine")
     eng = LLMEngine(EngineConfig(num_kv_blocks=64, max_num_batched_tokens=256))
-    fp = eng.runner.fast_path
-    assert fp.fused_layers and fp.quant_max_tokens >= 1
+    model = eng.runner.model
+    assert model.fused_layers and model.policy.quant_max_tokens >= 1
     ids = eng.tokenizer.encode(" ".join(PROMPTS) * 8)
     assert len(ids) >= 130
     for n in (1, 16, 130):
-        if n > fp.quant_max_tokens:  # a dense step: no fused layers to compare
+        if n > model.policy.quant_max_tokens:  # a dense step: no fused layers to compare
             continue
         out = []
         for fused in (True, False):
-            fp.fused_layers = fused
+            model.fused_layers = fused
             out.append(_logits(eng, ids[:n]))
-        fp.fused_layers = True
+        model.fused_layers = True
         assert torch.equal(out[0], out[1]), n
 
 

@@ -115,16 +115,28 @@ def test_model_flag_without_value_is_embedded():
     assert build_parser().parse_args([]).model is None
 
 
+def _fake_model(policy, quant_method, dtype):
+    """What ``served_format`` reads of a model whose ops run on the kernels: its policy, layer
+    0's gate/up quantized method (or None), its dtype."""
+    import types
+    ns = types.SimpleNamespace
+    gate_up = ns(quant_method=quant_method)
+    return ns(kernels=object(), policy=policy, lm_head=ns(weight=ns(dtype=dtype)),
+              model=ns(layers=[ns(mlp=ns(gate_up_proj=gate_up))]))
+
+
 def test_quantized_steps_count_the_served_bytes_and_kernel_peak(tiny_dir, local_hw):
     """A step on quantized weights counts their stored bytes (not the dense dtype's) and the
     kernel's int8-dot peak; a step above the crossover stays dense."""
     import types
     from sloserve.tools import roofline_measure as mm
     spec = get_model(tiny_dir)
-    layer = types.SimpleNamespace(gate_up=[object()])
-    fp = types.SimpleNamespace(quantized=True, quant_max_tokens=4, weight_bytes=12_345,
-                               int8_activations=True, layers=[layer])
-    eng = types.SimpleNamespace(runner=types.SimpleNamespace(fast_path=fp))
+    import torch
+    from sloserve.model.layers.linear import LinearPolicy
+    method = types.SimpleNamespace(int8_activations=True, weights=[object()])
+    model = _fake_model(LinearPolicy(quant_max_tokens=4), method, torch.bfloat16)
+    model.quantized_weight_bytes = 12_345
+    eng = types.SimpleNamespace(runner=types.SimpleNamespace(model=model))
     calls = []
     orig = mm.kernel_peak
     mm.kernel_peak = lambda f, m: calls.append(m) or 7e11
@@ -154,9 +166,10 @@ def test_amx_steps_are_dense_at_the_hardware_peak_and_say_so(tiny_dir, local_hw)
     import torch
     from sloserve.tools import roofline_measure as mm
     spec = get_model(tiny_dir)
-    fp = types.SimpleNamespace(quantized=False, quant_max_tokens=0, amx_max_tokens=64,
-                               dtype=torch.bfloat16, layers=[types.SimpleNamespace(gate_up=None)])
-    eng = types.SimpleNamespace(runner=types.SimpleNamespace(fast_path=fp))
+    from sloserve.model.layers.linear import LinearPolicy
+    model = _fake_model(LinearPolicy(quant_max_tokens=0, amx_max_tokens=64), None,
+                        torch.bfloat16)
+    eng = types.SimpleNamespace(runner=types.SimpleNamespace(model=model))
     a = mm.served_format(eng, 64, {})
     assert a.name == "dense bfloat16, AMX" and a.weight_bytes is None
     assert mm.served_format(eng, 65, {}) is None

@@ -1,34 +1,16 @@
-"""Building blocks of a Llama-family decoder: RMSNorm, rotary embedding, SwiGLU MLP."""
+"""Rotary position embedding (RoPE, Su et al. 2021) in Hugging Face's rotate_half layout."""
 from __future__ import annotations
 
 import math
 
 import torch
-from torch import nn
 
 from sloserve.model.config import ModelConfig
-
-
-class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32 (Zhang & Sennrich 2019).
-
-    Shapes: x [T, d] -> [T, d], same dtype as x.
-    """
-
-    def __init__(self, hidden_size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+from sloserve.model.layers.custom_op import CustomOp
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] (float32) of RoPE (Su et al. 2021), with scaling.
+    """Inverse frequencies [head_dim / 2] (float32) of RoPE, with scaling.
 
     Supports rope_scaling None/"default", "linear" (positions divided by factor) and "llama3"
     (Llama 3.1's frequency-dependent scaling: wavelengths above original_max/low_freq_factor are
@@ -63,45 +45,38 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3")
 
 
-class RotaryEmbedding(nn.Module):
-    """RoPE (Su et al. 2021) in Hugging Face's rotate_half layout.
+class RotaryEmbedding(CustomOp):
+    """RoPE with angles computed from the step's positions once per forward pass (position x
+    inverse frequency in float32, as transformers computes them): no table, no longest position
+    to size in advance.
 
-    cos/sin are computed from the step's positions once per forward pass (angle = position x
-    inverse frequency in float32, as transformers computes them), so there is no table and no
-    longest position to size in advance.
+    ``rope(positions, dtype)`` -> the step's tables; ``rope.rotate(q, k, tables)`` -> rotated
+    (q, k). Native: cos/sin [T, 1, D] in the model's dtype, new tensors. Kernels: cos/sin
+    [T, D / 2] float32, q and k (float32 views) rotated in place.
     """
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         # a plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies
-        self.inv_freq = rope_inv_freq(config)
+        self.inv_freq = rope_inv_freq(config).float().contiguous()
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] int64 -> (cos, sin), each [T, 1, head_dim] in ``dtype``."""
+    def forward_native(self, positions: torch.Tensor, dtype: torch.dtype):
         freqs = positions.to(torch.float32).unsqueeze(1) * self.inv_freq.unsqueeze(0)
         emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    @staticmethod
-    def apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Rotate q [T, H, D] and k [T, H_kv, D] by (cos, sin) from :meth:`cos_sin`."""
+    def forward_kernel(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32):
+        return self.kernels.rope_tables(positions, self.inv_freq)
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, tables):
+        """Rotate q [T, H, D] and k [T, H_kv, D] by this step's ``tables``."""
+        cos, sin = tables
+        if self.kernels is not None:
+            self.kernels.rope(q, k, cos, sin)
+            return q, k
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)) (Shazeer 2020). [T, d] -> [T, d]."""
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        d, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(d, f, bias=False)
-        self.up_proj = nn.Linear(d, f, bias=False)
-        self.down_proj = nn.Linear(f, d, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,219 @@
+"""Build the model the engine serves: load its weights, then choose each op's implementation.
+
+:func:`get_model` is the one call the engine makes. Where the kernels load (and without
+``--enforce-eager``) :func:`use_kernels` puts every op on them and gives each linear layer its
+methods: the quantized weights (:class:`~sloserve.model.layers.quantization.GGUFLinearMethod`)
+for steps of up to ``quant_max_tokens`` tokens, the dense ones (AMX up to ``amx_max_tokens``,
+oneDNN above) for larger ones; both crossovers measured here at start-up
+(:mod:`sloserve.model.crossover`). Everywhere else every op runs its torch reference.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from sloserve.kernels import X16Weight
+from sloserve.model import crossover, hugepages
+from sloserve.model.layers.custom_op import CustomOp
+from sloserve.model.layers.fused_layer import build_fused_layers
+from sloserve.model.layers.linear import (KernelDenseLinearMethod, LinearBase,
+                                          MergedColumnLinear, dense_rows)
+from sloserve.model.layers.quantization import GGUFLinearMethod
+
+
+class LoadedModel(NamedTuple):
+    """:func:`get_model`'s result.
+
+    Attributes:
+        model: the ``LlamaForCausalLM``, its ops chosen, ready to run.
+        name: the served model name of the weights (GGUF: the file stem without its quant tag).
+        weights_line: the one start-up log line saying which weights and kernels serve which
+            steps.
+    """
+
+    model: torch.nn.Module
+    name: str
+    weights_line: str
+
+
+def get_model(config, dtype: torch.dtype) -> LoadedModel:
+    """Load ``config.model`` (an ``EngineConfig``: model, load_format, quantization,
+    enforce_eager, dtype, max_num_batched_tokens, max_num_seqs) in ``dtype`` and choose its
+    ops: the kernels where they load and ``--enforce-eager`` is off (int8 activations for the
+    quantized products unless ``--dtype float32``), else the torch reference. On the kernels
+    the dense GEMM shapes a step can take are run once (:func:`warm_up`).
+
+    Raises:
+        everything ``sloserve.model.loader.load_model`` raises.
+    """
+    from sloserve.model.loader import load_model
+    model, weights = load_model(config.model, dtype, config.load_format, with_tokenizer=False,
+                                quantization=config.quantization)
+    q = weights.quantized
+    dense_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
+    dt = str(dtype).removeprefix("torch.")
+    if q:
+        kinds = ", ".join(f"{k} x {n}" for k, n in Counter(w.source for w in q.values()).items())
+        head = (f"weights: {weights.quantization} ({kinds}; "
+                f"{sum(w.nbytes for w in q.values()) / 1e6:.0f} MB) + dense {dt} "
+                f"({dense_mb:.0f} MB)")
+    else:
+        head = f"weights: dense {dt} ({dense_mb:.0f} MB)"
+    if config.enforce_eager:
+        return LoadedModel(model, weights.name,
+                           f"{head}; --enforce-eager: every step on the model's torch forward")
+    from sloserve import kernels
+    k = kernels.load()
+    if k is None:
+        return LoadedModel(model, weights.name, f"{head}; no CPU kernels here: every step on "
+                                                f"the model's torch forward")
+    # --dtype float32 asks for exact arithmetic: the quantized products then take float32
+    # inputs; otherwise (auto, bf16) they quantize them to int8 like llama.cpp (~1.4x faster)
+    int8_act = config.dtype != "float32"
+    use_kernels(model, k, int8_activations=int8_act)
+    p = model.policy
+    dense = f"dense {dt} GEMM"
+    if p.amx_max_tokens:
+        dense = (f"the AMX {dt} GEMM up to {p.amx_max_tokens} tokens (crossover with "
+                 f"oneDNN measured), dense {dt} GEMM (oneDNN) above")
+    if q:
+        how = (f"steps of <= {p.quant_max_tokens} tokens on the quantized weights "
+               f"({model.quantized_weight_bytes / 1e6:.0f} MB per step, "
+               f"{'int8' if int8_act else 'float32'} activations; crossover measured), larger "
+               f"ones on {dense}")
+    else:
+        how = f"every step on {dense}"
+    t0 = time.perf_counter()
+    shapes = warm_up(model, config.max_num_batched_tokens,
+                     min(config.max_num_seqs, config.max_num_batched_tokens))
+    if shapes:
+        how += f" ({shapes} GEMM shapes warmed in {time.perf_counter() - t0:.1f} s)"
+    return LoadedModel(model, weights.name, f"{head}; fused forward on the {k.variant} kernels, "
+                                            f"{how}")
+
+
+def use_kernels(model, kernels, int8_activations: bool = True,
+                quant_max_tokens: int | None = None, amx_max_tokens: int | None = None) -> None:
+    """Put every op of ``model`` on ``kernels`` and give each linear layer its methods.
+
+    Args:
+        model: a loaded ``LlamaForCausalLM`` (its linear layers' quantized weights, if any,
+            handed to them by its ``load_weights``).
+        kernels: ``sloserve.kernels.load()``'s result.
+        int8_activations: the quantized products quantize their input to int8 per group of 32
+            (see :mod:`sloserve.model.layers.quantization`); False: float32 inputs.
+        quant_max_tokens: steps with at most this many tokens use the quantized weights (None:
+            measure, :func:`~sloserve.model.crossover.quant_crossover`; 0 without quantized
+            weights).
+        amx_max_tokens: dense steps with at most this many tokens use the AMX GEMM (None:
+            measure, :func:`~sloserve.model.crossover.amx_crossover`; 0 without AMX or outside
+            bfloat16).
+    """
+    model.kernels = kernels
+    for m in model.modules():
+        if isinstance(m, CustomOp):
+            m.use_kernels(kernels)
+    linears = model.linear_layers()
+    policy = model.policy
+    dtype = model.lm_head.weight.dtype
+    quantized = all(lin.is_quantized for lin in linears)
+    for lin in linears:
+        lin.policy = policy
+        lin.bias_f32 = (lin.bias.detach().float().contiguous()
+                        if lin.bias is not None else None)
+        lin.quant_method = (GGUFLinearMethod.create(kernels, lin.quantized, int8_activations,
+                                                    swiglu=_is_gate_up(model, lin))
+                            if quantized else None)
+    _onto_hugepages(linears)
+    # the dense weights packed for the AMX GEMM: every one, or none
+    use_amx = kernels.amx and dtype == torch.bfloat16 and amx_max_tokens != 0
+    packs = {}
+    if use_amx:
+        for lin in linears:
+            w = lin.weight.detach()
+            packs[lin] = ((kernels.pack_amx_swiglu(w) if _is_gate_up(model, lin)
+                           else kernels.pack_amx(w)))
+        use_amx = all(a is not None for a in packs.values())
+    for lin in linears:
+        a = packs.get(lin) if use_amx else None
+        swi = _is_gate_up(model, lin)
+        lin.method = KernelDenseLinearMethod(kernels, policy, None if swi else a,
+                                             a if swi else None)
+    heads = (model.config.num_attention_heads, model.config.num_key_value_heads,
+             model.config.head_dim)
+    fused = build_fused_layers(kernels, model.model.layers, float(model.config.rms_norm_eps),
+                               heads) if quantized else None
+    for L, f in zip(model.model.layers, fused or [None] * len(model.model.layers)):
+        L.fused = f
+    #: every layer's quantized weights are x16 (Q/K/V one weight, gate/up packed for the
+    #: SwiGLU epilogue): a quantized step runs each layer after its attention as one
+    #: ``Kernels.run_x16_layer`` call
+    model.fused_layers = fused is not None
+    model.model.kernels = kernels
+    # each crossover: 0 without its path, else as given, else measured (AMX's first: the
+    # quantized one races the dense path that will serve those steps)
+    policy.amx_max_tokens = _given_or(amx_max_tokens, use_amx,
+                                      lambda: crossover.amx_crossover(model))
+    policy.quant_max_tokens = _given_or(quant_max_tokens, quantized,
+                                        lambda: crossover.quant_crossover(model))
+
+
+def _is_gate_up(model, lin) -> bool:
+    return isinstance(lin, MergedColumnLinear)
+
+
+def _given_or(given: int | None, available: bool, measure) -> int:
+    return 0 if not available else measure() if given is None else given
+
+
+def _onto_hugepages(linears: list[LinearBase]) -> None:
+    """Every x16 weight (layers and LM head) copied into one buffer on 2 MB pages (see
+    :mod:`sloserve.model.hugepages`: a decode step streams all of them)."""
+    methods = [lin.quant_method for lin in linears if lin.quant_method is not None]
+    ws = [w for m in methods for w in m.weights if isinstance(w, X16Weight)]
+    if not ws:
+        return
+    parts = [[t for t in (w.qweight, w.scales, w.mins) if t is not None] for w in ws]
+    moved = iter(hugepages.pack([t for p in parts for t in p]))
+    new = {}
+    for w, p in zip(ws, parts):
+        qw, d = next(moved), next(moved)
+        mn = next(moved) if w.mins is not None else None
+        new[id(w)] = dataclasses.replace(w, qweight=qw, scales=d, mins=mn)
+    for m in methods:
+        m.weights = [new.get(id(w), w) for w in m.weights]
+
+
+def warm_up(model, max_tokens: int, max_sampled: int) -> int:
+    """Run each dense oneDNN GEMM shape a step of up to ``max_tokens`` tokens (``max_sampled``
+    sampled rows for the LM head) can take once, on zeros, so that no request pays for creating
+    it: oneDNN builds (JIT-compiles) a primitive the first time it sees a shape, which a server
+    otherwise adds to the first step of every new :func:`dense_rows` bucket (vLLM warms its
+    compile sizes at start-up for the same reason). Only for 16-bit dtypes (float32 steps are
+    not padded to buckets); steps the quantized weights or the AMX GEMM serve need none.
+    Returns the number of shapes run."""
+    dtype = model.lm_head.weight.dtype
+    if dtype == torch.float32 or model.kernels is None:
+        return 0
+    p = model.policy
+    L = model.model.layers[0]
+    ws = [L.self_attn.qkv_proj, L.self_attn.o_proj, L.mlp.gate_up_proj, L.mlp.down_proj]
+    layer_weights = {tuple(w.weight.shape): w.weight.detach() for w in ws}.values()
+    # quant_max_tokens is 0 without quantized weights: every step is dense then
+    # and steps up to amx_max_tokens run the AMX GEMM, which has no per-shape state
+    first = max(p.quant_max_tokens, p.amx_max_tokens) + 1
+    lm_first = first if model.lm_head.quant_method is not None else p.amx_max_tokens + 1
+    plan = ((first, max_tokens, layer_weights),
+            (lm_first, max_sampled, [model.lm_head.weight.detach()]))
+    runs = 0
+    for first, last, weights in plan:
+        for rows in sorted({dense_rows(t) for t in range(first, last + 1)}):
+            for w in weights:
+                F.linear(torch.zeros(rows, w.shape[1], dtype=dtype), w)
+                runs += 1
+    return runs
