@@ -25,6 +25,7 @@ from sloserve.engine.messages import (EngineCoreOutput, EngineCoreOutputs, Engin
                                       EngineInfo, SchedulerStats, StepStats)
 from sloserve.engine.request import Request, RequestStatus
 from sloserve.engine.scheduler import Scheduler, SchedulerConfig
+from sloserve.executor import get_executor_class
 from sloserve.executor.abstract import Executor
 from sloserve.step_io import ModelRunnerOutput, SchedulerOutput
 
@@ -55,7 +56,7 @@ class EngineCore:
         config.validate()
         self.config = config
         if executor is None:
-            executor = Executor.get_class(config)(config)
+            executor = get_executor_class(config)(config)
         self.model_executor = executor
         winfo = executor.get_model_info()
         self.model_config = winfo.model_config

@@ -33,12 +33,6 @@ class Executor(abc.ABC):
         self.config = config
         self._init_executor()
 
-    @classmethod
-    def get_class(cls, config: EngineConfig) -> type["Executor"]:
-        """The executor class for these settings (in-process: the only one so far)."""
-        from sloserve.executor.uniproc import UniProcExecutor
-        return UniProcExecutor
-
     @abc.abstractmethod
     def _init_executor(self) -> None:
         """Start the workers: each sets up its device and loads the model."""
