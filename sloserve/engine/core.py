@@ -9,8 +9,9 @@ It takes tokenized requests (:class:`~sloserve.engine.messages.EngineCoreRequest
 and each :meth:`EngineCore.step` returns an :class:`~sloserve.engine.messages.EngineCoreOutputs`
 (new token ids per request, finish reasons, the step's stats and a scheduler snapshot). It knows
 no HTTP, no tokenizer and no text: detokenization and stop strings live in the front end
-(``output_processor``). It runs in its own process behind the server (``core_proc``) or in the
-caller's process for the offline ``LLM`` and the benchmarks (same class, no socket).
+(``output_processor``). It runs in its own process behind the server (``core_proc``), in the
+caller's process for the offline ``LLM`` and the benchmarks (same class, no socket), and in the
+simulator over a cost-model executor on a virtual clock (``sloserve.sim.executor``).
 """
 from __future__ import annotations
 
