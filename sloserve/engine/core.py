@@ -140,8 +140,9 @@ class EngineCore:
         #: tokenizer at the first request that asks for one); the scheduler uses it
         self.structured_output_manager = StructuredOutputManager(
             lambda: _load_tokenizer(config), self.model_config.vocab_size)
-        self.scheduler = Scheduler(scheduler_config or SchedulerConfig.of(config, self.max_model_len),
-                                   self.kv, structured_output_manager=self.structured_output_manager)
+        self.scheduler = Scheduler(
+            scheduler_config or SchedulerConfig.of(config, self.max_model_len), self.kv,
+            structured_output_manager=self.structured_output_manager)
         self.info = EngineInfo(
             model_name=winfo.model_name, model_path=winfo.model_path,
             max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,

@@ -40,9 +40,9 @@ def _core(cost, cfg=None, raise_step_errors=True):
 
 
 def _req(rid, prompt_len, max_tokens, kv=None):
-    return EngineCoreRequest(rid, list(range(1000, 1000 + prompt_len)),
-                             SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens),
-                             arrival_time=0.0, kv_transfer_params=kv)
+    sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
+    return EngineCoreRequest(rid, list(range(1000, 1000 + prompt_len)), sp, arrival_time=0.0,
+                             kv_transfer_params=kv)
 
 
 def test_each_step_advances_the_virtual_clock_by_its_price():
