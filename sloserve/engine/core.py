@@ -9,20 +9,23 @@ It takes tokenized requests (:class:`~sloserve.engine.messages.EngineCoreRequest
 and each :meth:`EngineCore.step` returns an :class:`~sloserve.engine.messages.EngineCoreOutputs`
 (new token ids per request, finish reasons, the step's stats and a scheduler snapshot). It knows
 no HTTP, no tokenizer and no text: detokenization and stop strings live in the front end
-(``output_processor``). It runs in its own process behind the server (``core_proc``) or in the
-caller's process for the offline ``LLM`` and the benchmarks (same class, no socket).
+(``output_processor``). It runs in its own process behind the server (``core_proc``), in the
+caller's process for the offline ``LLM`` and the benchmarks (same class, no socket), and in the
+simulator over a cost-model executor on a virtual clock (``sloserve.sim.executor``).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
+from typing import Callable
 
 from sloserve.config import EngineConfig
 from sloserve.engine.admission import StepRates
 from sloserve.engine.kv_cache_manager import KVCacheManager
 from sloserve.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
-                                      EngineInfo, SchedulerStats, StepStats)
+                                      EngineInfo, KVTransferParams, SchedulerStats, StepStats)
 from sloserve.engine.request import Request, RequestStatus
 from sloserve.engine.scheduler import Scheduler, SchedulerConfig
 from sloserve.executor import get_executor_class
@@ -39,22 +42,40 @@ INJECT_FAILURES_ENV = "SLOSERVE_INJECT_STEP_FAILURES"
 class EngineCore:
     """The step loop over an executor; not thread-safe.
 
+    Everything it knows of the model comes from the executor (the model's shape, the KV cache
+    spec, the memory the cache may take), so an executor without a model (the simulator's
+    cost-model executor) serves it as well as the workers do.
+
     Args:
         config: the engine's settings.
         executor: reaches the workers that hold the model and the KV cache (default: an
             in-process :class:`~sloserve.executor.uniproc.UniProcExecutor` built from config).
         step_trace: write one JSON line per step to this file (``--step-trace``).
+        scheduler_config: the scheduler's settings as they are (the simulator's); its
+            ``max_model_len`` is the core's, not checked against the cache (the scheduler
+            refuses a request that cannot fit). Default: ``SchedulerConfig.of`` the config with
+            the ``max_model_len`` the cache allows.
+        clock: seconds, read at a step's start and end and stamped on its outputs (default
+            ``time.monotonic``; the simulator's virtual clock, which its executor advances by
+            each step's modelled time).
+        raise_step_errors: an exception from a step propagates (the simulator: a modelled
+            step that fails is a wrong setting, not a request's bad luck); default: the step's
+            requests are failed and the loop goes on.
 
     Raises (constructor): FileNotFoundError for a missing model, ValueError for bad settings,
     OSError for a step trace that cannot be opened.
     """
 
     def __init__(self, config: EngineConfig, executor: Executor | None = None,
-                 step_trace: str | None = None):
+                 step_trace: str | None = None, *,
+                 scheduler_config: SchedulerConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic, raise_step_errors: bool = False):
         from sloserve.engine.structured_output import StructuredOutputManager
 
         config.validate()
         self.config = config
+        self.clock = clock
+        self.raise_step_errors = raise_step_errors
         if executor is None:
             executor = get_executor_class(config)(config)
         self.model_executor = executor
@@ -65,6 +86,8 @@ class EngineCore:
         num_blocks, self.max_model_len = config.resolve_kv_cache(
             self.kv_cache_spec.page_size_bytes, executor.determine_available_memory(),
             self.model_config.max_position_embeddings)
+        if scheduler_config is not None:
+            self.max_model_len = scheduler_config.max_model_len
         executor.initialize_cache(num_blocks)
         self.num_kv_blocks = num_blocks
         self.kv_cache_bytes = num_blocks * self.kv_cache_spec.page_size_bytes
@@ -73,8 +96,9 @@ class EngineCore:
         #: tokenizer at the first request that asks for one); the scheduler uses it
         self.structured_output_manager = StructuredOutputManager(
             lambda: _load_tokenizer(config), self.model_config.vocab_size)
-        self.scheduler = Scheduler(SchedulerConfig.of(config, self.max_model_len), self.kv,
-                                   structured_output_manager=self.structured_output_manager)
+        self.scheduler = Scheduler(
+            scheduler_config or SchedulerConfig.of(config, self.max_model_len), self.kv,
+            structured_output_manager=self.structured_output_manager)
         self.info = EngineInfo(
             model_name=winfo.model_name, model_path=winfo.model_path,
             max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
@@ -141,12 +165,24 @@ class EngineCore:
 
     # ------------------------------------------------------------------ inputs
     def add_request(self, req: EngineCoreRequest) -> None:
-        """Queue a request. Raises ValueError (duplicate id, over the KV capacity, ...)."""
-        self.scheduler.add_request(Request(
+        """Queue a request (with ``kv_transfer_params``: one half of a disaggregated request,
+        see :class:`~sloserve.engine.messages.KVTransferParams`).
+
+        Raises:
+            ValueError: duplicate id, over max_model_len or the KV capacity, computed tokens
+                outside [0, prompt + output tokens).
+        """
+        request = Request(
             request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids),
             sampling_params=req.sampling_params, arrival_time=req.arrival_time,
             eos_token_ids=tuple(req.eos_token_ids), parent_request_id=req.parent_request_id,
-            priority=req.priority, cache_salt=req.cache_salt))
+            priority=req.priority, cache_salt=req.cache_salt)
+        kv = req.kv_transfer_params
+        if kv is not None:
+            _apply_remote_prefill(request, kv)
+        self.scheduler.add_request(request)
+        if kv is not None and kv.do_remote_decode:  # checked whole above; runs to its first token
+            request.sampling_params = dataclasses.replace(request.sampling_params, max_tokens=1)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         """Finish queued or running requests now and free their KV blocks; unknown ids are
@@ -191,7 +227,7 @@ class EngineCore:
     # ------------------------------------------------------------------ the step
     def step(self) -> EngineCoreOutputs | None:
         """Schedule, run the model once, update; None when there was nothing to run."""
-        t0 = time.monotonic()
+        t0 = self.clock()
         out = self.scheduler.schedule(now=t0)
         # requests the scheduler finished without running them (a grammar that failed to compile)
         failed = self.scheduler.take_finished_outputs()
@@ -203,13 +239,15 @@ class EngineCore:
                 self._inject_failures -= 1
                 raise RuntimeError(f"injected failure ({INJECT_FAILURES_ENV})")
             runner_out = self.model_executor.execute_model(out)
-            now = time.monotonic()
+            now = self.clock()
             outputs = self.scheduler.update_from_output(out, runner_out, now)
         except Exception as e:  # a bug must not kill the loop: fail this step's requests
+            if self.raise_step_errors:
+                raise
             logger.exception("model step failed")
             return EngineCoreOutputs(
                 failed + self._fail(out, f"engine step failed: {type(e).__name__}: {e}"),
-                self.stats(), timestamp=time.monotonic())
+                self.stats(), timestamp=self.clock())
         self.last_runner_output = runner_out
         self.num_steps += 1
         self.rates.update(out.num_prefill_tokens, out.num_decode_tokens, now - t0)
@@ -255,6 +293,17 @@ class EngineCore:
         if self._trace is not None:
             self._trace.close()
             self._trace = None
+
+
+def _apply_remote_prefill(request: Request, kv: KVTransferParams) -> None:
+    """Give a decode instance's request the output and computed tokens the prefill instance
+    made. Raises ValueError: computed tokens outside [0, prompt + output tokens)."""
+    request.output_token_ids = list(kv.output_token_ids)
+    if not 0 <= kv.num_computed_tokens < request.num_tokens:
+        raise ValueError(f"kv_transfer_params: num_computed_tokens must be in [0, "
+                         f"{request.num_tokens}) (the prompt and output tokens), got "
+                         f"{kv.num_computed_tokens}")
+    request.num_computed_tokens = kv.num_computed_tokens
 
 
 def _load_tokenizer(config: EngineConfig):

@@ -23,6 +23,27 @@ from sloserve.sampling_params import SamplingParams
 
 
 
+class KVTransferParams(msgspec.Struct, omit_defaults=True):
+    """A request's part in prefill/decode disaggregation (vLLM's ``kv_transfer_params``, typed).
+
+    The KV itself moves outside the core (a KV connector's worker side; the simulator prices
+    the transfer with its link model): these fields only tell the scheduler where the request
+    stands.
+
+    Attributes:
+        do_remote_decode: on a prefill instance: checked with its whole ``max_tokens`` (the
+            decode instance will need that much), then run to its first token only.
+        num_computed_tokens: on a decode instance: tokens of the prompt and
+            ``output_token_ids`` whose KV arrived from the prefill instance; the scheduler
+            computes from there (fewer than the prompt plus the output tokens).
+        output_token_ids: on a decode instance: the tokens the prefill instance sampled.
+    """
+
+    do_remote_decode: bool = False
+    num_computed_tokens: int = 0
+    output_token_ids: list[int] = []
+
+
 class EngineCoreRequest(msgspec.Struct, omit_defaults=True, tag=True):
     """A request the front end validated and tokenized.
 
@@ -36,6 +57,7 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True, tag=True):
         parent_request_id: the API request it belongs to when ``n`` > 1 (its siblings share it).
         priority: lower runs first under ``--scheduling-policy priority``.
         cache_salt: requests with different salts never share prefix-cache blocks.
+        kv_transfer_params: prefill/decode disaggregation (None: a request served here alone).
     """
 
     request_id: str
@@ -46,6 +68,7 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True, tag=True):
     parent_request_id: str | None = None
     priority: int = 0
     cache_salt: str | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class EngineCoreAbort(msgspec.Struct, tag=True):

@@ -1,12 +1,16 @@
-"""The discrete-event simulator: the engine's scheduler and KV cache manager, unchanged, driven
-by a cost model instead of a model runner.
+"""The discrete-event simulator: the engine core itself (``EngineCore``, with its scheduler and
+KV cache manager, unchanged) over a cost-model executor and a virtual clock.
 
-Time moves by events, never by sleeping: requests are admitted when their arrival time has
-passed at the start of a step (as the engine admits what arrived during the previous step); a
-step's duration comes from the cost model; every request whose chunk samples gets one (dummy)
-token at the step's end, which is when a streaming client would see it. Prompts are token ids
-of the right length (the content does not matter to scheduling); outputs run to their
-``max_tokens`` (``ignore_eos``), as in a benchmark with ``--ignore-eos``.
+Time moves by events, never by sleeping. Each replica is an ``EngineCore`` whose executor
+(:class:`~sloserve.sim.executor.CostModelExecutor`) prices a step with the cost model and
+advances the replica's :class:`~sloserve.sim.executor.VirtualClock` by it. A step is taken
+whole when an idle replica starts it (schedule, the priced "forward", update: the core's own
+``step``), and its outputs are delivered at its end, which is when a streaming client would see
+the tokens; until then the router counts the requests it finishes as still outstanding.
+Requests that reach a replica while its step runs are added when the step ends, as the real
+single-threaded core loop takes its inputs between steps. Prompts are token ids of the right
+length (the content does not matter to scheduling); outputs run to their ``max_tokens``
+(``ignore_eos``), as in a benchmark with ``--ignore-eos``.
 
 The result is the same per-request records ``sloserve bench`` collects, so the same metrics
 code, JSON and plots apply. ``simulate_cluster`` runs several replicas behind a router;
@@ -22,15 +26,18 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from sloserve.config import EngineConfig
-from sloserve.engine.admission import AdmissionLimits, EngineLoad, StepRates, check_arrival
-from sloserve.engine.kv_cache_manager import KVCacheManager
-from sloserve.engine.request import Request
-from sloserve.engine.scheduler import Scheduler, SchedulerConfig
+from sloserve.engine.admission import AdmissionLimits, check_arrival
+from sloserve.engine.core import EngineCore
+from sloserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, KVTransferParams
+from sloserve.engine.scheduler import SchedulerConfig, SchedulingPolicy
 from sloserve.sampling_params import SamplingParams
 from sloserve.sim.cost_model import CostModel, StepComposition
+from sloserve.sim.executor import MAX_STEP_S, SAMPLED_TOKEN_ID, CostModelExecutor, VirtualClock
 from sloserve.sim.kv_transfer import Disaggregation
-from sloserve.step_io import ModelRunnerOutput
 from sloserve.workload import PREFIX_GROUP_TAG, RequestRecord, SampleRequest
+
+__all__ = ["MAX_STEP_S", "ROUTERS", "Replica", "SimConfig", "SimResult", "find_capacity",
+           "simulate", "simulate_cluster"]
 
 
 @dataclass
@@ -49,7 +56,7 @@ class SimConfig(SchedulerConfig):
         token_out_s: from the end of the step that made a token to the client holding it
             (detokenization, the SSE event), seconds.
         enable_prefix_caching: the engine's prefix cache (its own code; prompts are stand-in
-            token ids that share where the workload's texts share, see ``Instance.token_ids``).
+            token ids that share where the workload's texts share, see ``Replica.token_ids``).
         max_waiting_requests, slo_reject (with ttft_slo_s): the server's overload control at
             arrival (``sloserve.engine.admission``, the same rules): a refused request is a
             failed record with the server's 429 message.
@@ -69,6 +76,19 @@ class SimConfig(SchedulerConfig):
             from sloserve.sim.capacity import kv_blocks
             self.num_kv_blocks = kv_blocks(EngineConfig.kv_cache_memory, "SmolLM2-135M", "bf16",
                                            self.block_size)
+
+    def engine_config(self) -> EngineConfig:
+        """The simulated core's settings: its cache and batching as this config has them
+        (the scheduler itself runs on this config; overload control is the front end's, here
+        the simulator's)."""
+        return EngineConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
+                            enable_prefix_caching=self.enable_prefix_caching,
+                            max_num_batched_tokens=self.max_num_batched_tokens,
+                            max_num_seqs=self.max_num_seqs, scheduling_policy=self.queue_policy,
+                            enable_chunked_prefill=self.policy is not SchedulingPolicy.NAIVE,
+                            static_batching=self.policy is SchedulingPolicy.STATIC,
+                            long_prefill_token_threshold=self.long_prefill_token_threshold,
+                            enable_prefill_pacing=self.enable_prefill_pacing)
 
 
 @dataclass
@@ -97,7 +117,9 @@ class SimResult:
 
 
 class Replica:
-    """One simulated engine: its own scheduler and KV cache, busy from a step's start to its end.
+    """One simulated engine: an :class:`~sloserve.engine.core.EngineCore` over a
+    :class:`~sloserve.sim.executor.CostModelExecutor` on its own virtual clock, busy from a
+    step's start to its end.
 
     ``role``: ``both`` (colocated), ``prefill`` (runs a request until its first token, then
     hands it off) or ``decode`` (takes requests whose prompt KV arrived over the link).
@@ -105,19 +127,24 @@ class Replica:
 
     def __init__(self, index: int, cfg: SimConfig, cost: CostModel, requests: Sequence[SampleRequest],
                  recs: list[RequestRecord], record_steps: bool, role: str = "both"):
-        self.index, self.cost, self.requests, self.recs, self.role = index, cost, requests, recs, role
+        self.index, self.requests, self.recs, self.role = index, requests, recs, role
         self.token_out_s = cfg.token_out_s
-        self.sched = Scheduler(cfg, KVCacheManager(cfg.num_kv_blocks, cfg.block_size,
-                                                   cfg.enable_prefix_caching))
+        self.clock = VirtualClock()
+        self.steps: list[tuple[float, StepComposition]] = []
+        executor = CostModelExecutor(cfg.engine_config(), cost, self.clock, cfg.max_model_len,
+                                     on_step=self._record_step if record_steps else None)
+        self.core = EngineCore(executor.config, executor, scheduler_config=cfg, clock=self.clock,
+                               raise_step_errors=True)
         self.inbox: list[int] = []
         self.incoming = 0  # KV transfers on their way here
-        self.running_step = None
-        self.steps: list[tuple[float, StepComposition]] = []
-        self.record_steps = record_steps
+        #: the step in flight: the core took it at its start; its outputs are delivered at its end
+        self.running: EngineCoreOutputs | None = None
+        self.num_finishing = 0  # requests the step in flight finishes
         self.preemptions = 0
-        self.cfg = cfg
-        self.rates = StepRates()
         self.limits = AdmissionLimits(cfg.max_waiting_requests, cfg.ttft_slo_s, cfg.slo_reject)
+
+    def _record_step(self, end: float, comp: StepComposition) -> None:
+        self.steps.append((end, comp))
 
     @staticmethod
     def token_ids(r: SampleRequest, index: int) -> list[int]:
@@ -134,91 +161,86 @@ class Replica:
 
     @property
     def busy(self) -> bool:
-        return self.running_step is not None
+        return self.running is not None
 
     @property
     def outstanding(self) -> int:
-        """Requests routed here and not finished (queued, running, in the inbox or on the way)."""
-        return self.sched.num_unfinished + len(self.inbox) + self.incoming
+        """Requests routed here and not finished (queued, running, finishing in the step in
+        flight, in the inbox or on the way)."""
+        return (self.core.scheduler.num_unfinished + self.num_finishing + len(self.inbox)
+                + self.incoming)
 
     def admit(self, sent: Sequence[float], now: float) -> list[int]:
-        """Hand the inbox to the scheduler at ``now`` (s, between steps); returns the requests
-        it rejected (each becomes a failed record with the server's 400 or 429 message)."""
+        """Hand the inbox to the core at ``now`` (s, between steps); returns the requests it
+        rejected (each becomes a failed record with the server's 400 or 429 message)."""
         rejected = []
         for i in self.inbox:
             r = self.requests[i]
-            req = Request(request_id=str(i), prompt_token_ids=self.token_ids(r, i),
-                          sampling_params=SamplingParams(temperature=0.0, ignore_eos=True,
-                                                         max_tokens=r.expected_output_len),
-                          arrival_time=float(sent[i]))
-            if self.role == "decode":  # the prompt's KV and the first token came from prefill
-                req.output_token_ids.append(0)
-                req.num_computed_tokens = r.prompt_len
-            rej = None
-            if self.limits.active:
-                rej = check_arrival(self.limits, EngineLoad.of(self.sched, self.rates),
-                                    r.prompt_len, wait_s=max(0.0, now - float(sent[i])))
-            if rej is not None and self.role != "decode":
-                self.recs[i].error = f"HTTP 429: {rej.message}"
-                rejected.append(i)
-                continue
+            if self.role != "decode" and self.limits.active:
+                rej = check_arrival(self.limits, self.core.stats(), r.prompt_len,
+                                    wait_s=max(0.0, now - float(sent[i])))
+                if rej is not None:
+                    self.recs[i].error = f"HTTP 429: {rej.message}"
+                    rejected.append(i)
+                    continue
+            kv = None
+            if self.role == "prefill":  # checked whole, run to its first token only
+                kv = KVTransferParams(do_remote_decode=True)
+            elif self.role == "decode":  # the prompt's KV and the first token came from prefill
+                kv = KVTransferParams(num_computed_tokens=r.prompt_len,
+                                      output_token_ids=[SAMPLED_TOKEN_ID])
             try:
-                self.sched.add_request(req)  # checks the whole request, here as on a server
-            except ValueError as e:
+                self.core.add_request(EngineCoreRequest(
+                    request_id=str(i), prompt_token_ids=self.token_ids(r, i),
+                    sampling_params=SamplingParams(temperature=0.0, ignore_eos=True,
+                                                   max_tokens=r.expected_output_len),
+                    arrival_time=float(sent[i]), kv_transfer_params=kv))
+            except ValueError as e:  # the core checks the whole request, here as on a server
                 self.recs[i].error = f"HTTP 400: {e}"
                 rejected.append(i)
-                continue
-            if self.role == "prefill":  # run it to its first token only
-                req.sampling_params = SamplingParams(temperature=0.0, ignore_eos=True,
-                                                     max_tokens=1)
         self.inbox.clear()
         return rejected
 
     def start(self, t: float) -> float | None:
-        """Schedule a step at ``t``; returns its end time, or None when there is nothing to run.
+        """Have the core take a step at ``t``; returns the step's end time, or None when there
+        is nothing to run.
 
         Raises:
             RuntimeError: work is pending but the scheduler scheduled nothing.
+            ValueError: the cost model priced the step out of range (``MAX_STEP_S``).
         """
-        if not self.sched.has_unfinished():
+        if not self.core.has_unfinished_requests():
             return None
-        out = self.sched.schedule(now=t)
-        if out.is_empty:
+        self.clock.set(t)
+        outs = self.core.step()
+        if outs is None or outs.step is None:
             raise RuntimeError(f"replica {self.index}: the scheduler scheduled nothing at "
-                               f"t={t:.6f} s with {self.sched.num_unfinished} requests unfinished")
-        self.preemptions += len(out.preempted_request_ids)
-        comp = StepComposition.of(out)
-        dt = self.cost.step_time(comp)
-        if not 0 < dt <= MAX_STEP_S:  # also catches NaN
-            raise ValueError(f"the cost model priced a step at {dt!r} s ({comp}); a step must "
-                             f"take more than 0 and at most {MAX_STEP_S:g} s: check its settings")
-        end = t + dt
-        self.rates.update(out.num_prefill_tokens, out.num_decode_tokens, dt)
-        self.sched.observe(self.rates)
-        self.running_step = out
-        if self.record_steps:
-            self.steps.append((end, comp))
-        return end
+                               f"t={t:.6f} s with {self.core.scheduler.num_unfinished} requests "
+                               f"unfinished")
+        self.preemptions += outs.step.num_preemptions
+        self.running = outs
+        self.num_finishing = sum(1 for o in outs.outputs if o.finished)
+        return outs.timestamp
 
-    def complete(self, t: float) -> list[tuple[int, float]]:
-        """End the running step at ``t``: advance the requests, stamp the emitted tokens.
+    def complete(self) -> list[tuple[int, float]]:
+        """End the step in flight: stamp the tokens it made (the client has each
+        ``token_out_s`` after the step's end).
 
         Returns:
             (request index, its first scheduled time) of each request that finished here.
         """
-        out, self.running_step = self.running_step, None
-        outs = self.sched.update_from_output(out, ModelRunnerOutput(
-            req_ids=[sr.request_id for sr in out.scheduled],
-            sampled_token_ids=[[1] if sr.samples else [] for sr in out.scheduled]), t)
-        for o in outs:
+        outs, self.running, self.num_finishing = self.running, None, 0
+        t = outs.timestamp + self.token_out_s
+        for o in outs.outputs:
             if o.new_token_ids:
-                self.recs[int(o.request_id)].chunk_times.append(t + self.token_out_s)
-        return [(int(o.request_id), o.first_scheduled_time) for o in outs if o.finished]
+                self.recs[int(o.request_id)].chunk_times.append(t)
+        return [(int(o.request_id), o.first_scheduled_time) for o in outs.outputs if o.finished]
+
+    def close(self) -> None:
+        self.core.close()
 
 
 ROUTERS = ("round-robin", "least-outstanding", "prefix-affinity")
-#: the longest step a cost model may price (s): longer is a settings mistake, not a server
-MAX_STEP_S = 3600.0
 
 
 def _route(policy: str, replicas: Sequence[Replica], req: SampleRequest, counter: int) -> Replica:
@@ -337,19 +359,23 @@ class _Cluster:
 
     def run(self) -> SimResult:
         inf = float("inf")
-        while True:
-            t_send = max(float(self.arrivals[self.order[self.k]]), self.now) \
-                if self._may_send() else inf
-            t_ev = self.heap[0].time if self.heap else inf
-            if t_send == inf and t_ev == inf:
-                break
-            t = min(t_send, t_ev)
-            self.area += self.in_flight * (t - self.now)
-            self.now = t
-            if t_ev < t_send:
-                self._handle(heapq.heappop(self.heap))
-            self._send_due()
-            self._start_idle()
+        try:
+            while True:
+                t_send = max(float(self.arrivals[self.order[self.k]]), self.now) \
+                    if self._may_send() else inf
+                t_ev = self.heap[0].time if self.heap else inf
+                if t_send == inf and t_ev == inf:
+                    break
+                t = min(t_send, t_ev)
+                self.area += self.in_flight * (t - self.now)
+                self.now = t
+                if t_ev < t_send:
+                    self._handle(heapq.heappop(self.heap))
+                self._send_due()
+                self._start_idle()
+        finally:
+            for r in self.reps:
+                r.close()
         return self._result()
 
     def _handle(self, ev: Event) -> None:
@@ -365,7 +391,7 @@ class _Cluster:
     def _step_end(self, r: Replica) -> None:
         """A replica's step ended: its finished requests leave it (to the client, or with
         disaggregation from a prefill instance over the KV link to a decode instance)."""
-        for i, first_sched in r.complete(self.now):
+        for i, first_sched in r.complete():
             if r.role != "prefill" or self.requests[i].expected_output_len <= 1:
                 if self.cfg.token_out_s > 0:
                     self._push(self.now + self.cfg.token_out_s, EventKind.CLIENT_HAS_LAST,

@@ -1,0 +1,143 @@
+"""The simulator's executor: the engine core's seam (``sloserve.executor``) with a step cost model
+behind it instead of workers, and the virtual clock the core reads.
+
+:class:`CostModelExecutor` loads no model and holds no KV tensors: it tells the core the shape
+it stands for (a KV cache spec, the number of blocks), prices each
+:class:`~sloserve.step_io.SchedulerOutput` with a :class:`~sloserve.sim.cost_model.CostModel`,
+advances the :class:`VirtualClock` by that many seconds and returns a plain
+:class:`~sloserve.step_io.ModelRunnerOutput` with one stand-in token (id 1) for every request
+whose chunk samples. How long an output runs is the request's ``max_tokens`` (``ignore_eos``),
+which the simulator sets. No torch.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, Callable
+
+from sloserve.config import EngineConfig
+from sloserve.executor.abstract import Executor
+from sloserve.kv_cache_spec import KVCacheSpec
+from sloserve.sim.cost_model import CostModel, StepComposition
+from sloserve.step_io import ModelRunnerOutput, SchedulerOutput, WorkerInfo
+
+#: the longest step a cost model may price (s): longer is a settings mistake, not a server
+MAX_STEP_S = 3600.0
+#: the token id every sampled position gets (the content does not matter to scheduling)
+SAMPLED_TOKEN_ID = 1
+
+
+class VirtualClock:
+    """Simulated seconds: the engine core reads it in place of ``time.monotonic()``.
+
+    The event loop sets it when an idle engine starts a step (:meth:`set`); the executor
+    advances it by the step's modelled time (:meth:`advance`), so the core stamps the step's
+    outputs with the time the step ends.
+    """
+
+    __slots__ = ("time",)
+
+    def __init__(self, start: float = 0.0):
+        self.time = start
+
+    def __call__(self) -> float:
+        return self.time
+
+    def set(self, t: float) -> None:
+        """Move to ``t``. Raises ValueError: ``t`` is before the clock's time."""
+        if t < self.time:
+            raise ValueError(f"the virtual clock cannot go back from {self.time!r} to {t!r} s")
+        self.time = t
+
+    def advance(self, dt: float) -> float:
+        """Move ``dt`` seconds on; returns the new time."""
+        self.time = self.time + dt
+        return self.time
+
+
+@lru_cache(maxsize=None)
+def default_kv_cache_spec(block_size: int) -> KVCacheSpec:
+    """The KV cache spec of the embedded SmolLM2 in bf16 (what ``SimConfig``'s default block
+    count is sized for)."""
+    from sloserve.roofline.kv import kv_cache_spec
+    from sloserve.roofline.models import get_model
+    return kv_cache_spec(get_model("SmolLM2-135M"), "bf16", block_size)
+
+
+class CostModelExecutor(Executor):
+    """An executor whose step is a price: no workers, no model.
+
+    Args:
+        config: the simulated engine's settings (``num_kv_blocks`` set: the cache it has).
+        cost: prices a step's composition (seconds).
+        clock: the core's clock; each step advances it by the step's price.
+        max_model_len: the context the simulated model has (tokens).
+        kv_cache_spec: the KV layout the blocks stand for (default: the embedded SmolLM2 in
+            bf16, :func:`default_kv_cache_spec`).
+        on_step: called with (end time, composition) after each step is priced.
+
+    Raises (constructor):
+        ValueError: ``config.num_kv_blocks`` unset, or a spec whose block size is not the
+            config's.
+    """
+
+    def __init__(self, config: EngineConfig, cost: CostModel, clock: VirtualClock,
+                 max_model_len: int, kv_cache_spec: KVCacheSpec | None = None,
+                 on_step: Callable[[float, StepComposition], None] | None = None):
+        if config.num_kv_blocks is None:
+            raise ValueError("the cost-model executor needs num_kv_blocks")
+        self.cost, self.clock, self.on_step = cost, clock, on_step
+        self.max_model_len = max_model_len
+        self.kv_cache_spec = kv_cache_spec or default_kv_cache_spec(config.block_size)
+        if self.kv_cache_spec.block_size != config.block_size:
+            raise ValueError(f"KV cache spec block size {self.kv_cache_spec.block_size} is not "
+                             f"the engine's {config.block_size}")
+        self.num_blocks = 0
+        super().__init__(config)
+
+    def _init_executor(self) -> None:
+        """Nothing to start: no device, no model."""
+
+    def collective_rpc(self, method: str | Callable, args: tuple = (),
+                       kwargs: dict | None = None) -> list[Any]:
+        raise NotImplementedError(f"the cost-model executor has no workers to call {method!r} on")
+
+    def get_model_info(self) -> WorkerInfo:
+        from sloserve.model.config import ModelConfig
+        spec = self.kv_cache_spec
+        mc = ModelConfig(num_hidden_layers=spec.num_layers,
+                         max_position_embeddings=self.max_model_len)
+        return WorkerInfo(model_name="simulated", model_path="", model_config=mc,
+                          dtype=spec.dtype, kv_cache_dtype=spec.dtype,
+                          description=f"cost model {type(self.cost).__name__}")
+
+    def get_kv_cache_spec(self) -> KVCacheSpec:
+        return self.kv_cache_spec
+
+    def determine_available_memory(self) -> int:
+        return int(self.config.num_kv_blocks * self.kv_cache_spec.page_size_bytes)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Price the step, advance the clock by it, sample a stand-in token where one is due.
+
+        Raises:
+            ValueError: the cost model priced the step at <= 0 s, over :data:`MAX_STEP_S` or NaN.
+        """
+        comp = StepComposition.of(scheduler_output)
+        dt = self.cost.step_time(comp)
+        if not 0 < dt <= MAX_STEP_S:  # also catches NaN
+            raise ValueError(f"the cost model priced a step at {dt!r} s ({comp}); a step must "
+                             f"take more than 0 and at most {MAX_STEP_S:g} s: check its settings")
+        end = self.clock.advance(dt)
+        if self.on_step is not None:
+            self.on_step(end, comp)
+        scheduled = scheduler_output.scheduled
+        return ModelRunnerOutput(
+            req_ids=[sr.request_id for sr in scheduled],
+            sampled_token_ids=[[SAMPLED_TOKEN_ID] if sr.samples else [] for sr in scheduled],
+            forward_s=dt)
+
+    def shutdown(self) -> None:
+        """Nothing to stop."""
