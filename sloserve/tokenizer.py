@@ -310,6 +310,23 @@ def detect_format(path: str) -> str:
                      f"and {len(ggufs)} .gguf files")
 
 
+def resolve_model_source(path: str | os.PathLike | None, load_format: str = "auto"
+                         ) -> tuple[str, str]:
+    """(absolute path, load format) of the model at ``path`` (None: the embedded model), the
+    format ``auto`` resolved: what the weights' loader and the tokenizer's both start from.
+
+    Raises:
+        FileNotFoundError: the path does not exist.
+        ValueError: an unknown load format, or one ``auto`` cannot infer.
+    """
+    if load_format not in LOAD_FORMAT_CHOICES:
+        raise ValueError(f"unknown load_format {load_format!r}; allowed: {', '.join(LOAD_FORMAT_CHOICES)}")
+    source = os.path.abspath(os.path.expanduser(os.fspath(path))) if path else default_model_path()
+    if not os.path.exists(source):
+        raise FileNotFoundError(f"model path does not exist: {source}")
+    return source, detect_format(source) if load_format == "auto" else load_format
+
+
 def single_gguf(path: str) -> str:
     """The .gguf file ``path`` names: itself, or a folder's only one.
 
@@ -343,12 +360,7 @@ def load_model_tokenizer(path: str | None, load_format: str = "auto") -> Tokeniz
         ValueError: unknown load format, a file or folder of no known format, or no tokenizer
             can be built from it (every message names the file).
     """
-    if load_format not in LOAD_FORMAT_CHOICES:
-        raise ValueError(f"unknown load_format {load_format!r}; allowed: {', '.join(LOAD_FORMAT_CHOICES)}")
-    source = os.path.abspath(os.path.expanduser(os.fspath(path))) if path else default_model_path()
-    if not os.path.exists(source):
-        raise FileNotFoundError(f"model path does not exist: {source}")
-    fmt = detect_format(source) if load_format == "auto" else load_format
+    source, fmt = resolve_model_source(path, load_format)
     if fmt == "gguf":
         gguf_path = single_gguf(source)
         try:

@@ -78,7 +78,6 @@ def test_the_choice_lists_have_one_home():
     from sloserve.roofline.kv import DTYPE_BYTES
     from sloserve.sim.cli import _parser as sim_parser
 
-    assert loader.LOAD_FORMATS is config.LOAD_FORMAT_CHOICES
     assert loader.QUANTIZATIONS is config.QUANTIZATION_CHOICES
     assert platform.DTYPES is config.DTYPE_CHOICES
     assert platform.KV_CACHE_DTYPES is config.KV_CACHE_DTYPE_CHOICES

@@ -14,16 +14,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sloserve.embedded import default_model_path
 from sloserve.model.config import ModelConfig
 from sloserve.tokenizer import Tokenizer
-from sloserve.tokenizer import detect_format as _detect_format, single_gguf as _single_gguf
+from sloserve.tokenizer import resolve_model_source, single_gguf as _single_gguf
 from sloserve.tokenizer import load_model_tokenizer as _load_tokenizer
 
 if TYPE_CHECKING:  # pragma: no cover
     from sloserve.model.llama import LlamaForCausalLM
 
-from sloserve.config import LOAD_FORMAT_CHOICES as LOAD_FORMATS  # noqa: E402
 from sloserve.config import QUANTIZATION_CHOICES as QUANTIZATIONS  # noqa: E402
 
 _DTYPES = {
@@ -191,12 +189,7 @@ def load_model_tokenizer(path: str | None, load_format: str = "auto") -> Tokeniz
             or names an unsupported architecture, a truncated / corrupt GGUF file, or no
             tokenizer can be built from the file (every message names the file).
     """
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"unknown load_format {load_format!r}; allowed: {', '.join(LOAD_FORMATS)}")
-    source = os.path.abspath(os.path.expanduser(os.fspath(path))) if path else default_model_path()
-    if not os.path.exists(source):
-        raise FileNotFoundError(f"model path does not exist: {source}")
-    fmt = _detect_format(source) if load_format == "auto" else load_format
+    source, fmt = resolve_model_source(path, load_format)
     if fmt != "gguf":
         from sloserve.model import hf_loader as hl
         folder = source if os.path.isdir(source) else os.path.dirname(source)
@@ -246,17 +239,10 @@ def load_weights(path: str | None, dtype: str | torch.dtype = "bfloat16",
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; allowed: {', '.join(QUANTIZATIONS)}")
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"unknown load_format {load_format!r}; allowed: {', '.join(LOAD_FORMATS)}")
     torch_dtype = parse_dtype(dtype)
-    if path is None:
-        if load_format == "dummy":
-            raise ValueError("load_format 'dummy' needs a folder with config.json (or a config.json file)")
-        path = default_model_path()
-    source = os.path.abspath(os.path.expanduser(os.fspath(path)))
-    if not os.path.exists(source):
-        raise FileNotFoundError(f"model path does not exist: {source}")
-    fmt = _detect_format(source) if load_format == "auto" else load_format
+    if path is None and load_format == "dummy":
+        raise ValueError("load_format 'dummy' needs a folder with config.json (or a config.json file)")
+    source, fmt = resolve_model_source(path, load_format)
     if quantization == "auto":
         quantization = "gguf" if fmt == "gguf" else "none"
     if fmt == "gguf":

@@ -13,7 +13,9 @@ import torch
 from sloserve.model import gguf_loader as gl
 from sloserve.model import loader
 from sloserve.model.config import ModelConfig
-from sloserve.model.loader import (LoadedWeights, default_model_path, expected_state_dict_keys,
+from sloserve.tokenizer import detect_format
+from sloserve.embedded import default_model_path
+from sloserve.model.loader import (LoadedWeights, expected_state_dict_keys,
                                    load_weights, parse_dtype)
 from sloserve.tokenizer import Tokenizer
 
@@ -292,12 +294,12 @@ def test_synthetic_gguf_round_trips_to_hf_weights(fixture, request, tmp_path, gg
 
 
 def test_auto_format_detection(tmp_path, gguf_path, tiny_llama_dir):
-    assert loader._detect_format(gguf_path) == "gguf"
-    assert loader._detect_format(tiny_llama_dir) == "hf"
+    assert detect_format(gguf_path) == "gguf"
+    assert detect_format(tiny_llama_dir) == "hf"
     d = tmp_path / "only-gguf"
     d.mkdir()
     os.symlink(gguf_path, d / "m.gguf")
-    assert loader._detect_format(str(d)) == "gguf"
+    assert detect_format(str(d)) == "gguf"
 
 
 # --------------------------------------------------------------------------------- HF folders

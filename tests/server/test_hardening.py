@@ -185,7 +185,8 @@ def test_a_signal_inside_the_tokenizer_load_is_not_reported_as_a_broken_model(
     """CI caught SIGTERM landing inside Tokenizer.from_gguf: the loader's ``except Exception``
     turned it into "cannot build the tokenizer of ...", exit 2. The interruption must come out
     of the loader as itself (the server then exits 0)."""
-    from sloserve.model.loader import default_model_path, load_model_tokenizer
+    from sloserve.embedded import default_model_path
+    from sloserve.model.loader import load_model_tokenizer
     from sloserve.server.api_server import StartupInterrupted
     from sloserve.tokenizer import Tokenizer
 
