@@ -47,11 +47,21 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--quant-max-tokens", type=int, default=None,
+                    help="pin the quantized/dense crossover (default: measured at start-up, so it "
+                         "moves with the machine's load; pin it to compare two builds)")
+    ap.add_argument("--amx-max-tokens", type=int, default=None,
+                    help="pin the AMX/oneDNN crossover (default: measured)")
     a = ap.parse_args()
+    from sloserve.model import crossover
+    if a.quant_max_tokens is not None:
+        crossover.quant_crossover = lambda model: a.quant_max_tokens
+    if a.amx_max_tokens is not None:
+        crossover.amx_crossover = lambda model: a.amx_max_tokens
     eng = LLMEngine(EngineConfig(model=a.model, load_format=a.load_format, dtype=a.dtype,
                                  # a decode batch's prompts prefill in one step: budget 16 x 128
                                  max_num_batched_tokens=2048, num_kv_blocks=1024))
-    res = {"model": eng.model_name, "dtype": eng.dtype_choice.dtype, "torch_threads": torch.get_num_threads(),
+    res = {"model": eng.model_name, "weights": eng.core.weights_line, "dtype": eng.dtype_choice.dtype, "torch_threads": torch.get_num_threads(),
            "machine": platform.processor() or platform.machine(),
            "decode": [decode_rate(eng, b, 128, a.steps) for b in (1, 16)],
            "prefill": prefill_time(eng, 512, 3)}
