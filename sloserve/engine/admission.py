@@ -2,8 +2,8 @@
 
 Plain Python (no torch, no clock of its own). :func:`check_arrival` is the one entry: the API
 process calls it on the core's published :class:`~sloserve.engine.messages.SchedulerStats`
-(plus the requests still on their way to the core), the simulator on its own scheduler's
-:class:`EngineLoad`, so both reject the same requests for the same reasons.
+(plus the requests still on their way to the core), the simulator on its engine core's
+``stats()``, so both reject the same requests for the same reasons.
 
 * Queue limit (``--max-waiting-requests N``): a request is rejected (HTTP 429) when N requests
   already wait: those the core reports waiting plus those sent to it that it has not queued yet.
@@ -212,8 +212,8 @@ class AdmissionLimits:
 
 
 class LoadView(Protocol):
-    """What admission reads of an engine (a :class:`~sloserve.engine.messages.SchedulerStats`
-    or an :class:`EngineLoad`): the waiting requests and the prompt tokens still to compute
+    """What admission reads of an engine (a :class:`~sloserve.engine.messages.SchedulerStats`):
+    the waiting requests and the prompt tokens still to compute
     (the waiting ones' and the running prefills'), the prompt tokens the next step can take,
     and the measured step time and prefill rate (0 until measured)."""
 
@@ -222,23 +222,6 @@ class LoadView(Protocol):
     prefill_budget: int
     prefill_step_s: float
     prefill_tokens_per_s: float
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """A live scheduler's :class:`LoadView` (the fields as in ``SchedulerStats``)."""
-
-    num_waiting: int
-    num_waiting_tokens: int
-    prefill_budget: int
-    prefill_step_s: float
-    prefill_tokens_per_s: float
-
-    @classmethod
-    def of(cls, scheduler, rates: StepRates) -> "EngineLoad":
-        """Of a :class:`~sloserve.engine.scheduler.Scheduler` and the speeds it observes."""
-        return cls(len(scheduler.waiting), scheduler.num_tokens_to_prefill(),
-                   scheduler.prefill_budget(), rates.prefill_step_s, rates.prefill_tokens_per_s)
 
 
 def check_arrival(limits: AdmissionLimits, load: LoadView, prompt_tokens: int, wait_s: float,

@@ -6,7 +6,7 @@ import argparse
 import pytest
 
 from sloserve.config import EngineConfig, add_scheduler_args, batching_from_args
-from sloserve.engine.admission import (AdmissionLimits, EngineLoad, StepRates, check_admission,
+from sloserve.engine.admission import (AdmissionLimits, StepRates, check_admission,
                                        check_arrival, estimate_ttft_s)
 from sloserve.engine.kv_cache_manager import KVCacheManager
 from sloserve.engine.request import Request
@@ -158,9 +158,9 @@ def test_admission_limits_of_the_engine_settings():
 
 
 def test_check_arrival_reads_a_scheduler_or_its_published_stats_alike():
-    """The simulator's live scheduler (EngineLoad.of) and the core's published SchedulerStats
-    give the same inputs, and so the same answer; requests on their way to the core queue ahead
-    (their tokens) and wait beyond the free seats."""
+    """The core's published SchedulerStats (what the API process and the simulator's engine
+    core both read) carry a scheduler's queue as check_arrival needs it; requests on their way
+    to the core queue ahead (their tokens) and wait beyond the free seats."""
     from sloserve.engine.messages import SchedulerStats
     s = _sched("fcfs", max_num_seqs=2, budget=16)
     for rid, n in (("a", 20), ("b", 12), ("c", 8)):
@@ -168,13 +168,12 @@ def test_check_arrival_reads_a_scheduler_or_its_published_stats_alike():
     drive_step(s)  # a: 16 of its 20 prompt tokens; b and c wait
     rates = StepRates()
     rates.update(16, 0, 0.5)
-    load = EngineLoad.of(s, rates)
-    assert load == EngineLoad(num_waiting=2, num_waiting_tokens=4 + 12 + 8, prefill_budget=16,
-                              prefill_step_s=0.5, prefill_tokens_per_s=32.0)
+    assert (len(s.waiting), s.num_tokens_to_prefill(), s.prefill_budget()) == (2, 4 + 12 + 8, 16)
+    assert (rates.prefill_step_s, rates.prefill_tokens_per_s) == (0.5, 32.0)
     stats = SchedulerStats(num_running=1, num_waiting=2, num_waiting_tokens=24,
                            prefill_budget=16, prefill_step_s=0.5, prefill_tokens_per_s=32.0)
     slo = AdmissionLimits(None, 1.5, True)
-    for view in (load, stats):
+    for view in (stats,):
         assert check_arrival(slo, view, 8, wait_s=0.1) is None          # 2 steps of 0.5 s + 0.1 s
         rej = check_arrival(slo, view, 9, wait_s=0.1)                   # 3 steps
         assert "estimated TTFT 1600 ms (24 prompt tokens queued ahead + 9" in rej.message
