@@ -86,7 +86,7 @@ class AsyncLLM:
         #: the core's latest published snapshot
         self.stats = SchedulerStats(num_free_blocks=self.info.num_kv_blocks,
                                     num_blocks=self.info.num_kv_blocks)
-        self._pending_finished: list = []
+        self._stats_lock = threading.Lock()  # the receiver thread and aborts both record
         #: requests sent to the core, and (sequence number, prompt tokens) of those it may not
         #: have queued yet (overload control counts them as waiting)
         self._sent_total = 0
@@ -236,7 +236,7 @@ class AsyncLLM:
     def _abort(self, rid: str) -> None:
         res = self.output_processor.abort_request(rid, time.monotonic())
         if res is not None:
-            self._pending_finished.append(res[1])
+            self._log_stats(None, [res[1]])  # counted now: no step may follow it
             if self._dead is None:
                 self.client.send(EngineCoreAbort([rid]))
 
@@ -264,13 +264,12 @@ class AsyncLLM:
         if res.reqs_to_abort:
             self.client.send(EngineCoreAbort(res.reqs_to_abort))
         self._deliver(res.request_outputs)
-        finished = res.finished
-        if self._pending_finished:
-            finished, self._pending_finished = self._pending_finished + finished, []
-        if res.iteration is not None:
-            log_stats(self.stat_loggers, res.iteration, finished, logger)
-        else:
-            self._pending_finished = finished + self._pending_finished
+        if res.iteration is not None or res.finished:
+            self._log_stats(res.iteration, res.finished)
+
+    def _log_stats(self, it, finished) -> None:
+        with self._stats_lock:
+            log_stats(self.stat_loggers, it, finished, logger)
 
     def _deliver(self, items) -> None:
         """Put outputs on their requests' queues, one wake-up per event loop."""

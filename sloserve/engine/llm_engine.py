@@ -46,7 +46,6 @@ class LLMEngine:
         self.summary = EngineSummary()
         self.stat_loggers: list[StatLogger] = [self.summary, *(stat_loggers or [])]
         #: stats of requests aborted since the last step, reported with the next one
-        self._pending_finished: list = []
 
     # the core's parts, for benchmarks and tests that look inside
     @property
@@ -119,7 +118,7 @@ class LLMEngine:
         if res is None:
             return None
         out, fin = res
-        self._pending_finished.append(fin)
+        log_stats(self.stat_loggers, None, [fin], logger)
         return out
 
     def reset_prefix_cache(self) -> int:
@@ -138,10 +137,6 @@ class LLMEngine:
         res = self.output_processor.process_outputs(outs, time.monotonic())
         if res.reqs_to_abort:  # stop strings: free their blocks before the next step
             self.core.abort_requests(res.reqs_to_abort)
-        finished = self._pending_finished + res.finished
-        self._pending_finished = []
-        if res.iteration is not None:
-            log_stats(self.stat_loggers, res.iteration, finished, logger)
-        else:
-            self._pending_finished = finished
+        if res.iteration is not None or res.finished:
+            log_stats(self.stat_loggers, res.iteration, res.finished, logger)
         return [o for _, o in res.request_outputs]

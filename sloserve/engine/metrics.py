@@ -64,14 +64,16 @@ class FinishedRequestStats:
 
 
 class StatLogger(Protocol):
-    """Receives every step's stats and the requests that finished in it (engine thread)."""
+    """Receives every step's stats and the requests that finished in it; ``it`` is None for
+    requests that finished outside a step (the front end aborted them: client gone)."""
 
-    def record(self, it: IterationStats, finished: list[FinishedRequestStats]) -> None: ...
+    def record(self, it: IterationStats | None, finished: list[FinishedRequestStats]) -> None: ...
 
 
 def log_stats(loggers: list[StatLogger], it, finished, log) -> None:
-    """Give every stat logger a step's records; a logger that raises (disk full, ...) is
-    logged and dropped, so it cannot cost the outputs."""
+    """Give every stat logger a step's records (``it`` None: only requests the front end
+    finished); a logger that raises (disk full, ...) is logged and dropped, so it cannot cost
+    the outputs."""
     for lg in list(loggers):
         try:
             lg.record(it, finished)
@@ -94,7 +96,9 @@ class EngineSummary:
     step_s: float = 0.0
     forward_s: float = 0.0
 
-    def record(self, it: IterationStats, finished: list[FinishedRequestStats]) -> None:
+    def record(self, it: IterationStats | None, finished: list[FinishedRequestStats]) -> None:
+        if it is None:
+            return
         self.num_steps += 1
         self.num_batched_tokens += it.num_batched_tokens
         self.max_batched_tokens = max(self.max_batched_tokens, it.num_batched_tokens)

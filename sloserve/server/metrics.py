@@ -159,10 +159,17 @@ class PrometheusStatLogger:
                                "Peak KV-cache usage since start. 1 means 100 percent usage.")
 
     # ------------------------------------------------------------------------------ recording
-    def record(self, it: IterationStats, finished: list[FinishedRequestStats]) -> None:
-        """Record one engine step and the requests that finished in it (engine thread)."""
+    def record(self, it: IterationStats | None, finished: list[FinishedRequestStats]) -> None:
+        """Record one engine step and the requests that finished in it (``it`` None: requests
+        the front end aborted, counted at once)."""
         if not self._bound:
             self.bind()
+        if it is not None:
+            self._record_step(it)
+        for f in finished:
+            self._record_finished(f)
+
+    def _record_step(self, it: IterationStats) -> None:
         self.g_running.set(it.num_running)
         self.g_waiting.set(it.num_waiting)
         self.set_kv_usage(it.kv_cache_usage)
@@ -178,23 +185,23 @@ class PrometheusStatLogger:
             self.h_ttft.observe(t)
         for t in it.itls:
             self.h_itl.observe(t)
-        for f in finished:
-            reason = f.finish_reason or "abort"
-            if reason not in self.c_request_success:
-                self.c_request_success[reason] = self._request_success.labels(self.model_name,
-                                                                              reason)
-            self.c_request_success[reason].inc()
-            self.h_e2e.observe(f.e2e_latency)
-            if f.queue_time is not None:
-                self.h_queue.observe(f.queue_time)
-            self.h_prompt_tokens.observe(f.num_prompt_tokens)
-            self.h_generation_tokens.observe(f.num_generation_tokens)
-            if f.tpot is not None:
-                self.h_tpot.observe(f.tpot)
-            if f.prefill_time is not None:
-                self.h_prefill.observe(f.prefill_time)
-            if f.decode_time is not None:
-                self.h_decode.observe(f.decode_time)
+
+    def _record_finished(self, f: FinishedRequestStats) -> None:
+        reason = f.finish_reason or "abort"
+        if reason not in self.c_request_success:
+            self.c_request_success[reason] = self._request_success.labels(self.model_name, reason)
+        self.c_request_success[reason].inc()
+        self.h_e2e.observe(f.e2e_latency)
+        if f.queue_time is not None:
+            self.h_queue.observe(f.queue_time)
+        self.h_prompt_tokens.observe(f.num_prompt_tokens)
+        self.h_generation_tokens.observe(f.num_generation_tokens)
+        if f.tpot is not None:
+            self.h_tpot.observe(f.tpot)
+        if f.prefill_time is not None:
+            self.h_prefill.observe(f.prefill_time)
+        if f.decode_time is not None:
+            self.h_decode.observe(f.decode_time)
 
     def set_kv_usage(self, usage: float) -> None:
         """Set the KV usage gauge (fraction 0..1) and raise the peak gauge if needed."""

@@ -2,8 +2,9 @@
 scripted mock server (tests/bench/mock_server.py).
 
 Scripted times are lower bounds of what the client measures (the server sleeps until each
-offset after it received the request); the upper tolerances absorb scheduling noise on a small
-machine."""
+offset after it received the request); a loaded host only delays chunks, so the tests check those
+lower bounds and the exact definitions (TTFT, ITL, E2E from the content chunks' arrival times),
+never an upper bound on time."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +13,7 @@ import json
 import httpx
 import pytest
 
+from sloserve.bench.arrivals import arrival_times
 from sloserve.bench.metrics import is_good
 from sloserve.bench.request_func import RequestInput, send_request
 from sloserve.bench.results import result_json
@@ -44,6 +46,16 @@ def send_one(mock, prompt, *, chat=False, max_tokens=10, count_tokens=None):
     return asyncio.run(go())
 
 
+def assert_scripted(rec, offsets: list[float]) -> None:
+    """The content chunks arrived no earlier than scripted, and TTFT / E2E / ITL are exactly what
+    their arrival times define (one sample per content chunk, nothing else)."""
+    ct = rec.chunk_times
+    assert len(ct) == len(offsets)
+    assert all(c - rec.send_time >= o for c, o in zip(ct, offsets)), (ct, rec.send_time)
+    assert rec.ttft == ct[0] - rec.send_time and rec.latency == ct[-1] - rec.send_time
+    assert rec.itl == [b - a for a, b in zip(ct, ct[1:])]
+
+
 # --- the canonical timing script ---------------------------------------------------------------
 
 @pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
@@ -52,18 +64,13 @@ def test_ttft_500ms_then_9_gaps_of_20ms(mock_server, endpoint):
     run = bench(mock_server, [prompt], endpoint=endpoint, max_tokens=10)
     (rec,) = run.records
     assert rec.success and rec.error == ""
-    # upper bounds leave room for a loaded 2-core CI machine; a wrong definition (TTFT counted
-    # as a gap, the usage chunk as content) is off by 100s of ms or by a sample
-    assert 0.500 <= rec.ttft < 0.650
+    # a wrong definition (TTFT counted as a gap, the usage chunk as content) is off by a sample
+    assert_scripted(rec, [0.5 + 0.02 * i for i in range(10)])
     assert len(rec.itl) == 9
-    assert all(0.010 <= x <= 0.090 for x in rec.itl), rec.itl
-    assert 0.015 <= sorted(rec.itl)[4] <= 0.035, rec.itl
     assert rec.output_tokens == 10
     assert rec.server_prompt_tokens == 5
     assert rec.prompt_len == 5  # the server's count wins over the workload's (as vLLM)
-    assert rec.latency - rec.ttft >= 0.9 * 0.18  # the last chunk is scripted 180 ms after the first
     assert rec.tpot == pytest.approx((rec.latency - rec.ttft) / 9, rel=1e-12)
-    assert 0.017 <= rec.tpot <= 0.035
     assert rec.generated_text == "".join(f" t{i}" for i in range(10))
     assert len(rec.chunk_times) == 10
 
@@ -72,9 +79,12 @@ def test_ttft_500ms_then_9_gaps_of_20ms(mock_server, endpoint):
     assert m.stats["itl"].count == 9 and m.stats["ttft"].count == 1 and m.stats["tpot"].count == 1
     assert m.stats["ttft"].mean == pytest.approx(rec.ttft * 1e3, rel=1e-12)
     assert m.stats["tpot"].mean == pytest.approx(rec.tpot * 1e3, rel=1e-12)
-    assert 15 <= m.stats["itl"].median <= 35
+    assert m.stats["itl"].median == pytest.approx(sorted(rec.itl)[4] * 1e3, rel=1e-12)
     assert m.stats["e2el"].mean == pytest.approx(rec.latency * 1e3, rel=1e-12)
-    assert m.max_output_tokens_per_s == 10.0  # all 10 chunks inside one second
+    # the peak counts the chunks in the busiest whole second of the run (10 in one, on a quiet
+    # host; a loaded one may split them over two)
+    buckets = [int(t - run.start_time) for t in rec.chunk_times]
+    assert m.max_output_tokens_per_s == max(buckets.count(b) for b in buckets)
     assert m.max_concurrent_requests == 1
 
     (path, body), = mock_server.bodies(prompt)
@@ -152,7 +162,10 @@ def test_stream_without_content_is_a_failure(mock_server):
 # --- goodput -----------------------------------------------------------------------------------
 
 def test_goodput_counts_only_requests_meeting_every_slo(mock_server):
-    # every margin is >= 0.4 s or >= 90 ms per token, so a loaded machine cannot flip a verdict
+    # a loaded host only delays chunks: a TTFT or E2E over its SLO by script stays over it, but
+    # a good request can turn bad and a delayed first chunk shortens TPOT, so only the scripted
+    # TTFT / E2E misses and the failure are checked one by one here (the verdict's exact logic is
+    # tests/bench/test_metrics.py's); the counts must agree with the verdicts
     slos = {"ttft": 1000.0, "tpot": 200.0, "e2el": 1500.0}
     scripts = {
         "good": steady(0.05, 5, 0.01),           # ttft 50, tpot 10, e2el 90      -> good
@@ -166,11 +179,11 @@ def test_goodput_counts_only_requests_meeting_every_slo(mock_server):
     order = ["good", "slow_ttft", "good", "slow_tpot", "one_token", "failed", "good", "slow_tpot",
              "slow_ttft", "slow_e2el"]
     run = bench(mock_server, [names[k] for k in order], max_tokens=20, goodput=slos)
-    expected_good = [k in ("good", "one_token") for k in order]
-    assert [is_good(r, slos) for r in run.records] == expected_good
+    verdicts = [is_good(r, slos) for r in run.records]
+    assert not any(v for v, k in zip(verdicts, order) if k in ("slow_ttft", "failed", "slow_e2el"))
     m = run.metrics
-    assert m.num_good == 4
-    assert m.request_goodput == 4 / run.duration
+    assert m.num_good == sum(verdicts) <= 4
+    assert m.request_goodput == m.num_good / run.duration
     assert (m.completed, m.failed) == (9, 1)
     assert m.goodput_slos == slos
     # the undefined TPOT of the 1-token request is no sample
@@ -187,21 +200,20 @@ def test_late_usage_chunk_and_empty_chunks_are_not_content(mock_server, endpoint
     run = bench(mock_server, [p], endpoint=endpoint)
     (rec,) = run.records
     assert rec.success
-    assert 0.100 <= rec.ttft < 0.250          # the empty chunk at 0 ms is no first token
-    assert len(rec.itl) == 4                  # neither the empty chunk at 130 ms nor usage
-    assert len(rec.chunk_times) == 5
-    assert rec.latency < 0.35                 # E2E ends at the last content chunk (~180 ms),
-    assert run.duration >= 0.40               # not at the usage chunk (400 ms)
+    # neither the empty chunks (at 0 ms: no first token; at 130 ms: no gap) nor usage is content
+    assert_scripted(rec, [0.10 + 0.02 * i for i in range(5)])
+    assert len(rec.itl) == 4
+    # E2E ends at the last content chunk, not at the usage chunk (400 ms), which came later
+    assert run.duration >= 0.40
     assert rec.output_tokens == 5
-    assert all(0.010 <= x <= 0.090 for x in rec.itl), rec.itl
 
 
 def test_chat_role_only_first_chunk_is_not_content(mock_server):
     p = mock_server.add(Script(tokens=[(0.20, "Hel"), (0.22, "lo"), (0.24, "!")], usage=3, role_at=0.0))
     rec = send_one(mock_server, p, chat=True)
     assert rec.success
-    assert 0.200 <= rec.ttft < 0.260
-    assert len(rec.itl) == 2 and len(rec.chunk_times) == 3
+    assert_scripted(rec, [0.20, 0.22, 0.24])  # the role-only chunk at 0 ms is no first token
+    assert len(rec.itl) == 2
     assert rec.generated_text == "Hello!"
     assert rec.output_tokens == 3
 
@@ -241,17 +253,17 @@ def test_max_concurrency_serialises_requests(mock_server):
     recs = sorted(run.records, key=lambda r: r.send_time)
     for a, b in zip(recs, recs[1:]):
         assert b.send_time >= a.chunk_times[-1]
-    # TTFT starts at the actual send: each is at least the server's 30 ms, and well under the
-    # 60 ms + 30 ms a TTFT counted from the due time would be for the later two (a loaded machine
-    # only makes both longer, so the bound is on the difference)
-    assert all(r.ttft >= 0.030 for r in run.records)
-    assert recs[2].ttft - recs[0].ttft < 0.10
-    # the wait for the slot is queue time, not TTFT
+    # TTFT starts at the actual send, not at the due time (0 for all three): the later two
+    # would count the whole wait for the slot otherwise
+    for r in recs:
+        assert_scripted(r, [0.03, 0.05, 0.07])
+    # the wait for the slot is queue time, not TTFT: the first found one free (no wait at all),
+    # each later one waited for the whole previous request (>= its scripted 70 ms), and no wait
+    # is longer than the time from the run's start to the send
     q = [r.queue_time for r in recs]
-    assert q[0] < 0.02
-    assert q[1] >= 0.07 and q[2] >= 0.14  # each waited for the whole previous request
-    for r in recs:  # all were due at 0, so each waited until its send
-        assert r.queue_time == pytest.approx(r.send_time - run.start_time, abs=0.01)
+    assert q[0] < q[1] and q[1] >= 0.07 and q[2] >= 0.14
+    for r in recs:
+        assert 0 <= r.queue_time <= r.send_time - run.start_time
     assert result_json(run)["queue_times"] == [r.queue_time for r in run.records]
     assert run.duration >= 3 * 0.07
     run = bench(mock_server, [p] * 3)
@@ -261,9 +273,12 @@ def test_max_concurrency_serialises_requests(mock_server):
 def test_constant_rate_sends_on_schedule(mock_server):
     p = mock_server.add(steady(0.0, 2, 0.005))
     run = bench(mock_server, [p] * 4, request_rate=10.0, arrival="constant")
+    # the schedule is 0.1 s apart; a send is never early, and a late event loop still sends
+    # in the schedule's order (its timers fire by deadline)
+    assert arrival_times(4, 10.0, process="constant") == pytest.approx([0.0, 0.1, 0.2, 0.3])
     starts = [r.send_time - run.start_time for r in run.records]
-    for got, due in zip(starts, [0.0, 0.1, 0.2, 0.3]):
-        assert due <= got < due + 0.15  # late by scheduling noise only (2 loaded cores)
+    assert all(got >= due for got, due in zip(starts, [0.0, 0.1, 0.2, 0.3])), starts
+    assert starts == sorted(starts)
     d = result_json(run, detailed=True)
     assert d["start_times"] == [r.send_time for r in run.records]  # perf_counter clock, as vLLM
     assert d["request_rate"] == 10.0
@@ -277,8 +292,8 @@ def test_trace_arrival_times_are_replayed(mock_server):
     reqs = [SampleRequest(p, 5, 4, arrival_time=t) for t in (0.0, 0.25, 0.1)]
     run = run_benchmark(cfg, reqs)
     starts = [r.send_time - run.start_time for r in run.records]
-    for got, due in zip(starts, [0.0, 0.25, 0.1]):
-        assert due <= got < due + 0.15  # late by scheduling noise only (2 loaded cores)
+    assert all(got >= due for got, due in zip(starts, [0.0, 0.25, 0.1])), starts
+    assert starts[0] < starts[2] < starts[1]  # the trace's order, not the list's
 
 
 def test_connection_error_is_recorded_not_raised():

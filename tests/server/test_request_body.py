@@ -106,12 +106,10 @@ def _read_response(sock: socket.socket) -> tuple[int, dict, bytes]:
 def test_a_content_length_over_the_limit_is_answered_before_the_body_is_sent(live_server):
     """The 413 comes back while the client has sent the headers alone; the body sent after it
     is discarded and the same connection answers the next request."""
-    with socket.create_connection(("127.0.0.1", live_server.port), timeout=10) as s:
+    with socket.create_connection(("127.0.0.1", live_server.port), timeout=60) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                   b"\r\nContent-Length: %d\r\n\r\n" % (LIMIT + 1))
-        t0 = time.monotonic()
-        status, headers, body = _read_response(s)
-        assert time.monotonic() - t0 < 5
+        status, headers, body = _read_response(s)  # a server waiting for the body: timeout
         assert status == 413 and headers["content-type"] == "application/json"
         assert json.loads(body) == _too_large(LIMIT + 1)
         s.sendall(b"a" * (LIMIT + 1))
