@@ -9,12 +9,13 @@ Phases: (1) capacity, measured with a closed loop of streamed requests (or given
 ``--capacity``); (2) warm-up at the overload rate; drain, RSS at start; (3) the soak at the
 overload rate (Poisson arrivals, mixed prompt lengths, completions and chat, streamed) for
 ``--duration`` seconds or ``--num-requests`` requests; drain, RSS at end. ``/health`` is polled
-every 0.2 s throughout (from its own thread), which also samples both RSS every 5 s (in the
-JSON report, to tell a plateau from steady growth).
+every 0.2 s throughout (from its own thread; the report counts the polls answered in each phase),
+which also samples both RSS every 5 s (in the JSON report, to tell a plateau from steady growth).
 
 Checks (exit status 1 when one fails, 2 for a usage error):
   * no 5xx, no other unexpected status, no transport error, no error event in a 200 stream;
-  * every ``/health`` answers 200 in under 1 s;
+  * every ``/health`` answers 200 in under 1 s (``--health-limit-s``; a poll that gets no answer
+    within ``--health-timeout`` s counts as failed);
   * RSS of the server process and of the engine core grows by less than 5 % from start (after
     the warm-up) to end;
   * after the soak drained: ``vllm:num_requests_running`` = ``vllm:num_requests_waiting`` = 0 and
@@ -135,7 +136,7 @@ class HealthPoller(threading.Thread):
 
     def stop(self) -> None:
         self._halt.set()
-        self.join(timeout=10)
+        self.join(timeout=self.timeout + 10)  # a poll in flight ends within its timeout
 
 
 # ---------------------------------------------------------------------------------- the workload
@@ -316,28 +317,46 @@ async def soak(args) -> dict:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         work = Workload(args, model)
         arrivals = random.Random(args.seed + 1)
-        health = HealthPoller(args.url, args.health_interval, pids=pids)
+        health = HealthPoller(args.url, args.health_interval, timeout=args.health_timeout,
+                              pids=pids)
         health.start()
         t_start = health.t0
+        polls_at = [0]  # len(health.latencies) where each phase ended
+
+        async def phase_done(polled: bool = True) -> None:
+            """End a phase; with `polled`, not before /health was polled once in it (a phase
+            of requests usually has many polls; a short one on a loaded host may need to wait
+            for the next: then polls_by_phase >= 1 says the poller lived through each)."""
+            guard = time.perf_counter() + args.health_timeout + args.health_interval + 10
+            while (polled and len(health.latencies) == polls_at[-1] and health.is_alive()
+                   and time.perf_counter() < guard):
+                await asyncio.sleep(0.01)
+            polls_at.append(len(health.latencies))
+
         try:
             if args.capacity:
                 capacity, cap_results, cap_s = args.capacity, [], 0.0
             else:
                 cap_results, cap_s, capacity = await closed_loop(
                     client, work, args.capacity_requests, args.capacity_concurrency)
+            await phase_done(polled=not args.capacity)
             if capacity <= 0:
                 raise SystemExit("soak: the capacity run completed no request")
             rate = args.overload * capacity
             warm, _ = await open_loop(client, work, "warmup", rate, args.warmup_requests, None,
                                       arrivals)
+            await phase_done()
             warm_gauges, _ = await drain(client, args.drain_timeout)
+            await phase_done(polled=False)
             rss_start = {k: rss_kb(p) for k, p in pids.items()}
             t_main = time.perf_counter()
             main_from = t_main - t_start
             main, sent_for = await open_loop(client, work, "soak", rate, args.num_requests,
                                              args.duration, arrivals)
             main_s = time.perf_counter() - t_main
+            await phase_done()
             end_gauges, drain_s = await drain(client, args.drain_timeout)
+            await phase_done(polled=False)
             rss_end = {k: rss_kb(p) for k, p in pids.items()}
         finally:
             health.stop()
@@ -373,6 +392,11 @@ async def soak(args) -> dict:
         "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
         "ttft_max_s": max(ttfts) if ttfts else None,
         "health_polls": len(health.latencies),
+        # polls answered (or failed) while each phase ran: >= 1 in each phase of requests (see
+        # phase_done) unless the poller died; the drains are short, may have none
+        "health_polls_by_phase": dict(zip(
+            ("capacity", "warmup", "warmup_drain", "soak", "soak_drain"),
+            (b - a for a, b in zip(polls_at, polls_at[1:])))),
         "health_max_s": max(health.latencies) if health.latencies else None,
         "health_p99_s": percentile(health.latencies, 99),
         "health_failures": health.failures[:10],
@@ -481,7 +505,10 @@ def parse_args(argv=None):
     p.add_argument("--chat-fraction", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--health-interval", type=float, default=0.2)
-    p.add_argument("--health-limit-s", type=float, default=1.0)
+    p.add_argument("--health-limit-s", type=float, default=1.0,
+                   help="every /health must answer within this many seconds")
+    p.add_argument("--health-timeout", type=float, default=5.0,
+                   help="seconds a /health poll waits for its answer (none: a failure)")
     p.add_argument("--rss-growth-limit", type=float, default=0.05)
     p.add_argument("--drain-timeout", type=float, default=10.0)
     p.add_argument("--request-timeout", type=float, default=300.0)

@@ -263,9 +263,10 @@ class AsyncLLM:
         res = self.output_processor.process_outputs(msg, time.monotonic())
         if res.reqs_to_abort:
             self.client.send(EngineCoreAbort(res.reqs_to_abort))
-        self._deliver(res.request_outputs)
+        # recorded before the outputs go out: a client that saw its last token finds it counted
         if res.iteration is not None or res.finished:
             self._log_stats(res.iteration, res.finished)
+        self._deliver(res.request_outputs)
 
     def _log_stats(self, it, finished) -> None:
         with self._stats_lock:

@@ -79,6 +79,8 @@ class PrometheusStatLogger:
         self.max_num_batched_tokens = max_num_batched_tokens
         self._bound = False
         self._lock = threading.Lock()
+        # a scrape sees whole steps: record and render take turns (counters of one step agree)
+        self._record_lock = threading.Lock()
         self._peak_kv = 0.0
 
     # --------------------------------------------------------------------------------- setup
@@ -164,10 +166,11 @@ class PrometheusStatLogger:
         the front end aborted, counted at once)."""
         if not self._bound:
             self.bind()
-        if it is not None:
-            self._record_step(it)
-        for f in finished:
-            self._record_finished(f)
+        with self._record_lock:
+            if it is not None:
+                self._record_step(it)
+            for f in finished:
+                self._record_finished(f)
 
     def _record_step(self, it: IterationStats) -> None:
         self.g_running.set(it.num_running)
@@ -238,4 +241,5 @@ class PrometheusStatLogger:
         """The registry in Prometheus text exposition format (content type CONTENT_TYPE_LATEST)."""
         if not self._bound:
             self.bind()
-        return generate_latest(self.registry)
+        with self._record_lock:
+            return generate_latest(self.registry)

@@ -106,26 +106,38 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path, helpers):
     try:
         helpers.wait_healthy(proc, base, tmp_path / "server.log")
         results: dict[int, object] = {}
+        started = [threading.Event() for _ in range(3)]
 
         def stream(i: int) -> None:
-            # long enough that they still run 1.3 s in on the fast path (~10 ms per token)
+            # 400 tokens: still running when SIGTERM follows their first token (~10 ms per
+            # token on the fast path, slower on a loaded host, and the core is slowed alike)
             body = {"prompt": f"Story {i}:", "max_tokens": 400, "temperature": 0,
                     "ignore_eos": True, "stream": True,
                     "stream_options": {"include_usage": True}}
+            ev = []
             with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
-                ev = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+                for ln in r.iter_lines():
+                    if ln.startswith("data: "):
+                        ev.append(ln)
+                        started[i].set()  # admitted and generating
             results[i] = ev
 
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
         for t in threads:
             t.start()
-        time.sleep(1.0)  # they are running
+        for i, e in enumerate(started):  # they are running (hang guard, not a speed bound)
+            assert e.wait(60), f"stream {i} sent no event in 60 s"
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        # the drain has begun once /health says so (the handler sets it; hang guard 60 s)
+        t0 = time.monotonic()
+        while (h := httpx.get(base + "/health", timeout=60)).status_code != 503:
+            assert h.status_code == 200, h.text
+            assert time.monotonic() - t0 < 60, "/health did not turn 503 within 60 s of SIGTERM"
+            time.sleep(0.05)
+        assert "shutting down" in h.json()["error"]["message"]
         late = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
-                          timeout=10)
+                          timeout=60)
         assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
-        assert httpx.get(base + "/health", timeout=5).status_code == 503
         for t in threads:
             t.join(timeout=330)
         assert proc.wait(timeout=330) == 0, (tmp_path / "server.log").read_text()

@@ -307,31 +307,54 @@ def test_streamed_text_offsets_equal_the_whole_responses_and_never_go_back(http)
     assert offsets == sorted(offsets)
 
 
-def test_a_long_tokenize_does_not_block_the_event_loop(http, live_server):
+def test_a_long_tokenize_does_not_block_the_event_loop(http, live_server, monkeypatch):
     """/tokenize ran the tokenizer on the event loop: a 5 MB prompt froze /health and every
-    stream of the server for seconds (completions already tokenize long text in a thread)."""
+    stream of the server for seconds (completions already tokenize long text in a thread).
+
+    Deterministic: the tokenizer's encode is held (on an event) while /health is asked three
+    times; each answer must come while encode is still held, which a loop running encode itself
+    cannot do (it answers only once encode returns, if before the client's 60 s timeout)."""
     import threading
-    import time
 
     import httpx
+    tok = live_server.engine.tokenizer  # what /tokenize encodes with
+    text = "word " * 100_000  # 500 KB: a long text (the server offloads over 20,000 chars)
+    want = len(tok.encode(text))
+    entered, release = threading.Event(), threading.Event()
+    held = {"now": False, "timed_out": False}
+    encode = tok.encode
+
+    def held_encode(t, *a, **kw):
+        if t is not text and t != text:
+            return encode(t, *a, **kw)
+        held["now"] = True
+        entered.set()
+        try:
+            if not release.wait(60):  # a hang guard
+                held["timed_out"] = True
+                raise RuntimeError("encode held 60 s")
+        finally:
+            held["now"] = False
+        return encode(t, *a, **kw)
+
+    monkeypatch.setattr(tok, "encode", held_encode)
     done = {}
 
     def big():
-        t0 = time.monotonic()
-        r = httpx.post(live_server.base_url + "/tokenize", json={"prompt": "word " * 1_000_000},
-                       timeout=120)
-        done["r"], done["s"] = r, time.monotonic() - t0
+        done["r"] = httpx.post(live_server.base_url + "/tokenize", json={"prompt": text},
+                               timeout=120)
 
     t = threading.Thread(target=big)
     t.start()
-    time.sleep(0.2)
-    answered = 0  # /health answers that came back while /tokenize was still being served
-    while t.is_alive():
-        assert http.get("/health").status_code == 200
-        answered += t.is_alive()
-        time.sleep(0.02)
-    t.join()
-    assert done["r"].status_code == 200 and done["r"].json()["count"] >= 1_000_000
-    # a blocked loop answers at most the one /health sent while it was blocked before /tokenize's
-    # own answer: counts, not wall time, so a loaded host cannot fail it
-    assert answered >= 3, answered
+    try:
+        assert entered.wait(60), "/tokenize did not reach the tokenizer"
+        for _ in range(3):  # answered while /tokenize's encode is still held
+            assert http.get("/health", timeout=60).status_code == 200
+            assert held["now"] and not held["timed_out"], held
+    finally:
+        release.set()
+        t.join(timeout=120)
+    assert not t.is_alive()
+    r = done["r"]
+    assert r.status_code == 200, r.text
+    assert r.json()["count"] == want >= 100_000

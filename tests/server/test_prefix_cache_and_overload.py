@@ -66,7 +66,14 @@ def test_bad_cache_salt_and_priority_are_400(http):
     assert r.status_code == 200  # null: the default, as for the other optional fields
 
 
-def test_past_the_queue_limit_requests_get_429_quickly_and_admitted_ones_finish(helpers):
+def _wait_for(cond, what: str) -> None:
+    deadline = time.monotonic() + 60  # a hang guard, not a speed bound
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_past_the_queue_limit_requests_get_429_at_once_and_admitted_ones_finish(helpers):
     srv = helpers.start_server(EngineConfig(dtype="float32", num_kv_blocks=256, max_model_len=1024,
                                             max_num_seqs=1, max_waiting_requests=2))
     try:
@@ -78,12 +85,13 @@ def test_past_the_queue_limit_requests_get_429_quickly_and_admitted_ones_finish(
                 "prompt": f"Story {i}:", "max_tokens": n, "temperature": 0, "ignore_eos": True})
         first = threading.Thread(target=run, args=(0, 300))
         first.start()
-        time.sleep(0.5)
+        _wait_for(lambda: srv.engine.stats.num_running == 1, "the first request never ran")
         queued = [threading.Thread(target=run, args=(i, 8)) for i in (1, 2)]
         for t in queued:
             t.start()
-        time.sleep(0.5)  # both queued behind the one running request
-        r = httpx.post(base + "/v1/completions", timeout=30,
+        # both queued behind the one running request
+        _wait_for(lambda: srv.engine.stats.num_waiting == 2, "the two were not queued")
+        r = httpx.post(base + "/v1/completions", timeout=60,
                        json={"prompt": "one more", "max_tokens": 4})
         # answered at once, not after the running request: that one is still generating
         assert first.is_alive()
@@ -96,7 +104,7 @@ def test_past_the_queue_limit_requests_get_429_quickly_and_admitted_ones_finish(
             t.join(timeout=600)
         assert [done[i].status_code for i in range(3)] == [200, 200, 200]
         assert done[0].json()["usage"]["completion_tokens"] == 300
-        assert httpx.post(base + "/v1/completions", timeout=30,
+        assert httpx.post(base + "/v1/completions", timeout=60,
                           json={"prompt": "now", "max_tokens": 2}).status_code == 200
         assert 'sloserve:requests_rejected_total{model_name="' in httpx.get(base + "/metrics").text
     finally:
