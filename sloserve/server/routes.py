@@ -86,9 +86,11 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
                                           priority=body.priority, cache_salt=body.cache_salt,
                                           parent_request_id=parent)
                 echo_text = None
-                if echo:
+                if echo:  # token ids are decoded as the output is (vLLM: the request's
+                    # skip_special_tokens), so the default echo shows no <|im_start|>
                     echo_text = prompt if isinstance(prompt, str) else (
-                        engine.tokenizer.decode(req.prompt_token_ids, skip_special_tokens=False)
+                        engine.tokenizer.decode(req.prompt_token_ids,
+                                                skip_special_tokens=sp.skip_special_tokens)
                         if engine.tokenizer is not None else "")
                 choices.append(Choice(req, p, echo_text))
                 for i in range(1, n):
