@@ -45,7 +45,8 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
 
     def check_model(requested: str | None) -> None:
         if requested is not None and requested != model_name:
-            raise APIError(404, f"The model `{requested}` does not exist.", "model")
+            raise APIError(404, f"The model `{requested}` does not exist. "
+                                f"Served: {model_name}", "model")
 
     def check_admitting() -> None:
         if getattr(state, "draining", False):
