@@ -14,11 +14,16 @@ satisfy it. Measured against xgrammar 0.2.9 (a violating and a satisfying string
   additionalProperties, patternProperties, propertyNames, min/maxProperties,
   unevaluatedProperties, items, prefixItems, unevaluatedItems, min/maxItems, min/maxLength,
   pattern, minimum, maximum, exclusiveMinimum/Maximum, multipleOf;
+* refused, not fetched: a ``$ref`` that is not local (one not starting with ``#``, such as
+  ``http://example.com/x`` or ``other.json#/a``): xgrammar resolves only ``#...`` pointers and
+  leaves any other reference unconstrained (it only logs a warning); sloserve fetches nothing;
 * accepted with a weaker meaning: ``oneOf`` is treated as ``anyOf`` (vLLM accepts it too; a
   value valid under two branches is not excluded). Annotations (title, description, default,
   examples, contentEncoding, ...) constrain nothing.
 """
 from __future__ import annotations
+
+import json
 
 FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6",
                      "uuid", "uri", "uri-reference", "uri-template", "json-pointer",
@@ -47,7 +52,9 @@ def schema_problem(schema) -> str | None:
     nested more than :data:`MAX_DEPTH` levels deep.
     """
     why = _first_problem(schema)
-    if why is None or why.startswith("nests"):
+    if why is None:
+        return _non_local_ref(schema)
+    if why.startswith("nests"):
         return why
     return (f"uses {why}, which structured outputs (xgrammar) do not enforce; the schema is "
             f"refused rather than answered with output that may break it")
@@ -83,6 +90,31 @@ def _first_problem(schema) -> str | None:
             if isinstance(node.get(k), list):
                 for i, sub in enumerate(node[k]):
                     stack.append((sub, f"{where}/{k}/{i}", depth + 1))
+    return None
+
+
+#: keywords whose value is data, not a schema: a "$ref" inside is a value, not a reference
+_DATA = ("const", "enum", "default", "examples")
+
+
+def _non_local_ref(schema) -> str | None:
+    """The first ``$ref`` (anywhere in the schema document, outside data keywords: a local
+    ``#/...`` pointer may reach any part of it) that is not local, as the end of a sentence."""
+    stack = [(schema, "")]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, list):
+            stack.extend((v, f"{where}/{i}") for i, v in reversed(list(enumerate(node))))
+            continue
+        if not isinstance(node, dict):
+            continue
+        ref = node.get("$ref")
+        if isinstance(ref, str) and not ref.startswith("#"):
+            return (f'refers to {json.dumps(ref)[:200]} ("$ref" at {where or "/"}), which is not '
+                    f'a local reference: only references within the schema ("#...") are '
+                    f'resolved, nothing is fetched')
+        stack.extend((v, f"{where}/{_escape(k)}") for k, v in reversed(list(node.items()))
+                     if k not in _DATA)
     return None
 
 

@@ -2,8 +2,10 @@
 
 400 BadRequestError for invalid parameters and malformed / schema-invalid JSON (FastAPI's 422
 becomes 400) or a JSON body that is not UTF-8, 413 RequestTooLargeError for a body over
-``--max-request-body-bytes``, 404 NotFoundError for an unknown model, 500 InternalServerError when the engine
-failed a request (an engine fault, never the client's), 503 ServiceUnavailableError while the
+``--max-request-body-bytes``, 404 NotFoundError for an unknown model (naming the served one) or
+route, 405 MethodNotAllowedError for a route asked with a method it lacks, 500
+InternalServerError when the engine failed a request (an engine fault, never the client's),
+503 ServiceUnavailableError while the
 engine core is not running or the server drains, 429 RateLimitError (with ``Retry-After``) when
 overload control refuses a request. Only validation errors are 4xx, and one the engine finds:
 a structured-output spec that no string satisfies (400, as the first token is sampled).
@@ -101,6 +103,14 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return head + "; ".join(parts), param
 
 
+def route_error_message(detail: str, method: str, path: str, headers: dict | None) -> str:
+    """The message of the router's 404 / 405: what was asked for (the path cut at 200
+    characters) and, for a 405, the methods its ``Allow`` header offers."""
+    shown = path if len(path) <= 200 else path[:200] + "..."
+    allow = (headers or {}).get("Allow") or (headers or {}).get("allow")
+    return f"{detail}: {method} {shown}" + (f" (allowed: {allow})" if allow else "")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Answer APIError, validation errors and HTTP errors with OpenAI's body."""
 
@@ -114,8 +124,12 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail)).response(getattr(exc, "headers", None))
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = getattr(exc, "headers", None)
+        message = str(exc.detail)
+        if exc.status_code in (404, 405):  # the router's: no such route / method
+            message = route_error_message(message, request.method, request.url.path, headers)
+        return APIError(exc.status_code, message).response(headers)
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception) -> JSONResponse:

@@ -45,7 +45,8 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
 
     def check_model(requested: str | None) -> None:
         if requested is not None and requested != model_name:
-            raise APIError(404, f"The model `{requested}` does not exist.", "model")
+            raise APIError(404, f"The model `{requested}` does not exist. "
+                                f"Served: {model_name}", "model")
 
     def check_admitting() -> None:
         if getattr(state, "draining", False):
@@ -86,9 +87,11 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
                                           priority=body.priority, cache_salt=body.cache_salt,
                                           parent_request_id=parent)
                 echo_text = None
-                if echo:
+                if echo:  # token ids are decoded as the output is (vLLM: the request's
+                    # skip_special_tokens), so the default echo shows no <|im_start|>
                     echo_text = prompt if isinstance(prompt, str) else (
-                        engine.tokenizer.decode(req.prompt_token_ids, skip_special_tokens=False)
+                        engine.tokenizer.decode(req.prompt_token_ids,
+                                                skip_special_tokens=sp.skip_special_tokens)
                         if engine.tokenizer is not None else "")
                 choices.append(Choice(req, p, echo_text))
                 for i in range(1, n):

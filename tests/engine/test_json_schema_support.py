@@ -80,3 +80,26 @@ def test_json_object_means_an_object():
     assert [_is_grammar_accept_string(g, s) for s in
             ['{"a": 1}', '{}', '{"a": {"b": [1, 2]}}', '{\n  "x": "y"\n}', '[1]', '"s"', '1']] == \
         [True, True, True, True, False, False, False]
+
+
+@pytest.mark.parametrize("schema,ref,at", [
+    ({"$ref": "http://example.com/x"}, "http://example.com/x", "/"),
+    ({"type": "object", "properties": {"a": {"$ref": "other.json#/a"}}}, "other.json#/a",
+     "/properties/a"),
+    ({"type": "array", "items": [{"$ref": "urn:x"}]}, "urn:x", "/items/0"),
+    # a local pointer may reach any part of the document, so every part is checked
+    ({"x": {"y": {"$ref": "https://e/s"}}, "$ref": "#/x/y"}, "https://e/s", "/x/y"),
+])
+def test_non_local_refs_are_refused(schema, ref, at):
+    """xgrammar leaves a non-local $ref unconstrained (it only logs a warning); nothing is
+    fetched, the schema is refused naming the reference and where it is."""
+    why = schema_problem(schema)
+    assert why == (f'refers to "{ref}" ("$ref" at {at}), which is not a local reference: only '
+                   f'references within the schema ("#...") are resolved, nothing is fetched')
+
+
+def test_local_refs_and_data_that_looks_like_a_ref_pass():
+    assert schema_problem({"$defs": {"a": {"type": "string"}}, "$ref": "#/$defs/a"}) is None
+    assert schema_problem({"type": "object", "properties": {"$ref": {"type": "string"}},
+                           "default": {"$ref": "http://x"}, "examples": [{"$ref": "y"}],
+                           "enum": [{"$ref": "z"}], "const": {"$ref": "w"}}) is None

@@ -96,12 +96,36 @@ def test_missing_chat_template_400(http, engine, monkeypatch):
     assert "chat template" in err["message"]
 
 
-def test_unknown_model_404(http, client):
+def test_unknown_model_404(http, client, live_server):
     r = http.post("/v1/completions", json={"model": "gpt-17", "prompt": "Hi"})
     err = _assert_error(r, 404, "model", types=("NotFoundError",))
     assert "gpt-17" in err["message"]
+    # names the served model, so the client can fix its request
+    assert err["message"] == f"The model `gpt-17` does not exist. Served: {live_server.model}"
+    for path, body in [("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+                       ("/tokenize", {"prompt": "x"})]:
+        err = _assert_error(http.post(path, json=dict(body, model="gpt-17")), 404, "model",
+                            types=("NotFoundError",))
+        assert err["message"].endswith(f"Served: {live_server.model}"), err
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-17", messages=[{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize("method,path,status,message", [
+    ("GET", "/nope", 404, "Not Found: GET /nope"),
+    ("POST", "/v1/nope", 404, "Not Found: POST /v1/nope"),
+    ("GET", "/v1/completions", 405, "Method Not Allowed: GET /v1/completions (allowed: POST)"),
+    ("DELETE", "/v1/models", 405, "Method Not Allowed: DELETE /v1/models (allowed: GET)"),
+])
+def test_unknown_route_and_method_answer_the_error_shape(http, method, path, status, message):
+    """No route / no such method on a route: OpenAI's error body (not FastAPI's {"detail"}),
+    naming what was asked; the server keeps serving."""
+    r = http.request(method, path, json={"prompt": "Hi"})
+    err = _assert_error(r, status, None, types=("NotFoundError" if status == 404
+                                                else "MethodNotAllowedError",))
+    assert r.json() == {"error": {"message": message, "type": err["type"], "param": None,
+                                  "code": status}}
+    assert http.get("/health").status_code == 200
 
 
 def test_openai_client_sees_bad_request(client, live_server):

@@ -144,6 +144,32 @@ def test_echo_without_logprobs_returns_the_prompt_first(http):
     assert d["choices"][0]["text"].startswith(PROMPT) and d["choices"][0]["logprobs"] is None
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_of_token_ids_honours_skip_special_tokens(http, engine, helpers, stream):
+    """A token-id prompt is echoed as the output is decoded: without special tokens by default
+    (skip_special_tokens true, as in vLLM), with them when the request turns it off."""
+    hf = engine.tokenizer.hf
+    start, end = hf.convert_tokens_to_ids("<|im_start|>"), hf.convert_tokens_to_ids("<|im_end|>")
+    ids = [start] + http.post("/tokenize", json={"prompt": "Hello"}).json()["tokens"] + [end]
+    base = {"prompt": ids, "max_tokens": 2, "temperature": 0}
+
+    def text(**kw) -> str:
+        if not stream:
+            r = http.post("/v1/completions", json=dict(base, **kw))
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+        with http.stream("POST", "/v1/completions", json=dict(base, stream=True, **kw)) as r:
+            assert r.status_code == 200
+            events = helpers.sse_events(r.iter_lines())
+        assert events[-1] == "[DONE]"
+        return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+
+    completion = text()
+    assert text(echo=True) == "Hello" + completion
+    raw = text(echo=True, skip_special_tokens=False)
+    assert raw.startswith("<|im_start|>Hello<|im_end|>"), raw
+
+
 def test_tokenize_detokenize_round_trip_and_errors(http, live_server):
     r = http.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
     assert r["count"] == len(r["tokens"]) == len(r["token_strs"]) and r["max_model_len"] == 2048

@@ -100,6 +100,21 @@ def test_bad_specs_400(http, body, param):
     assert err["param"] == param and err["code"] == 400 and err["message"]
 
 
+@pytest.mark.parametrize("field", ["response_format", "structured_outputs"])
+def test_non_local_ref_is_400_naming_the_ref(http, field):
+    """A remote $ref was compiled with the reference left unconstrained (xgrammar only logs a
+    warning): refused, naming the param and the reference; nothing is fetched."""
+    schema = {"type": "object", "properties": {"a": {"$ref": "http://example.com/x"}}}
+    spec = ({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+            if field == "response_format" else {"json": schema})
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, field: spec})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and err["type"] == "BadRequestError" and err["code"] == 400
+    assert '"http://example.com/x"' in err["message"] and "/properties/a" in err["message"]
+    assert "not a local reference" in err["message"]
+
+
 def test_grammar_survives_chunked_prefill_and_preemption(helpers):
     """A tiny KV cache and a small token budget: long prompts are chunked and requests are
     preempted and recomputed; every constrained answer still matches its regex."""
