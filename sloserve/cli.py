@@ -10,8 +10,8 @@ import sys
 from dataclasses import fields
 
 from sloserve.argtypes import port, pos_int
-from sloserve.config import (DEFAULT_MAX_BODY_BYTES, EngineConfig, add_engine_args,
-                             engine_config_from_args)
+from sloserve.config import (DEFAULT_ENGINE_STALL_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
+                             EngineConfig, add_engine_args, engine_config_from_args)
 
 
 #: signals that arrived while the server's modules imported (see _stop_before_start)
@@ -85,6 +85,15 @@ def main(argv: list[str] | None = None) -> int:
                    metavar="N", help=f"larger request bodies get HTTP 413 with an OpenAI error "
                                      f"body (default {DEFAULT_MAX_BODY_BYTES} = "
                                      f"{DEFAULT_MAX_BODY_BYTES / 2 ** 20:g} MiB)")
+    s.add_argument("--engine-stall-timeout", type=float,
+                   default=DEFAULT_ENGINE_STALL_TIMEOUT_S, metavar="S",
+                   help="/health answers 503 while the engine core has had requests in hand "
+                        "and sent nothing (it publishes after every step) for over S seconds; "
+                        "200 again at its next step. Nothing in flight is failed. Choose about "
+                        "ten times the longest step you expect (a prefill of "
+                        "--max-num-batched-tokens tokens on the slowest, busiest host): too "
+                        "small and one long step reads as a stall (default "
+                        f"{DEFAULT_ENGINE_STALL_TIMEOUT_S:g}; 0: never)")
     s.add_argument("--step-trace", default=None, metavar="FILE.jsonl",
                    help="write one JSON line per engine step (composition and times), for "
                         "`sloserve profile --from-trace`")

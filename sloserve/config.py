@@ -44,6 +44,10 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 #: the server's default ``--max-request-body-bytes`` (larger bodies get HTTP 413, see
 #: ``sloserve.server.body_limit``): ~1000x the embedded model's longest prompt
 DEFAULT_MAX_BODY_BYTES = 10 * 2 ** 20
+#: ``--engine-stall-timeout`` (s): ten times the longest step expected at the default token
+#: budget (512) on a slow CPU: a 512-token prefill step of a 1-2B model in float32 on a loaded
+#: 2-core host takes up to a few seconds (SmolLM2-135M's: well under one)
+DEFAULT_ENGINE_STALL_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -100,6 +104,9 @@ class EngineConfig:
         prefix_caching_hash_algo: the block hash ("sha256": the same in every process).
         max_logprobs: most ``logprobs`` / ``top_logprobs`` / ``prompt_logprobs`` a request may
             ask for (vLLM's default 20; over it: HTTP 400 naming the limit).
+        engine_stall_timeout: seconds the engine core may go without a word (it publishes after
+            every step) while requests sent to it are unfinished before ``/health`` answers
+            503; 0: never (``--engine-stall-timeout``; the API process alone reads it).
         logprobs_mode: "raw_logprobs" (default: log-softmax of the model's logits),
             "processed_logprobs" (after temperature, top-k and top-p), or the logits themselves
             ("raw_logits", "processed_logits"), as vLLM's ``--logprobs-mode``.
@@ -133,6 +140,7 @@ class EngineConfig:
     prefix_caching_hash_algo: str = "sha256"
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
+    engine_stall_timeout: float = DEFAULT_ENGINE_STALL_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.scheduling_policy in POLICIES:  # the old spelling: one release of grace
@@ -173,6 +181,10 @@ class EngineConfig:
                 and math.isfinite(self.kv_cache_memory) and self.kv_cache_memory > 0):
             raise ValueError(f"kv_cache_memory must be a positive number of GiB, got "
                              f"{self.kv_cache_memory}")
+        v = self.engine_stall_timeout
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                math.isfinite(v) and v >= 0):
+            raise ValueError(f"engine_stall_timeout must be a number of seconds >= 0, got {v!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or \
                 not -2 ** 63 <= self.seed < 2 ** 63:
             raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")

@@ -5,8 +5,13 @@ process calls it on the core's published :class:`~sloserve.engine.messages.Sched
 (plus the requests still on their way to the core), the simulator on its engine core's
 ``stats()``, so both reject the same requests for the same reasons.
 
-* Queue limit (``--max-waiting-requests N``): a request is rejected (HTTP 429) when N requests
-  already wait: those the core reports waiting plus those sent to it that it has not queued yet.
+* Queue limit (``--max-waiting-requests N``): a request is rejected (HTTP 429) when admitting
+  it would make more than N requests wait: those the core reports waiting plus every request
+  admitted that the core has not queued yet (the core queues each arrival before it schedules
+  it, so each of them is a waiting request once it lands, free running seats or not). A request
+  of ``n`` choices needs ``n`` places, all or none. With the API process reserving its places
+  before it forwards (``AsyncLLM.reserve``), no burst can overfill the queue; only a preemption
+  (a running request sent back to the queue when the KV cache runs out) can.
 * SLO-aware admission (``--ttft-slo-ms T``, in the spirit of DistServe's goodput, Zhong et al.
   OSDI'24): the request's TTFT is estimated in whole engine steps, because a prompt's first
   token comes at the end of the step that computes its last chunk, and that step lasts as long
@@ -159,15 +164,18 @@ def prefill_steps(tokens: int, prefill_budget: int) -> int:
 def check_admission(*, num_waiting: int, queue_tokens: int, prompt_tokens: int,
                     prefill_budget: int, prefill_step_s: float, prefill_tokens_per_s: float,
                     wait_s: float = 0.0, max_waiting_requests: int | None,
-                    ttft_slo_s: float | None, reject_over_slo: bool) -> Rejection | None:
+                    ttft_slo_s: float | None, reject_over_slo: bool,
+                    num_requests: int = 1) -> Rejection | None:
     """None to admit, else the Rejection. ``num_waiting`` / ``queue_tokens``: requests waiting
-    and prompt tokens ahead, both counting what is on its way to the core; the prefill rate
-    only sets ``Retry-After``; the rest as for :func:`estimate_ttft_s`."""
+    and prompt tokens ahead, both counting what is on its way to the core; ``num_requests``:
+    the places the arrival needs in the queue (its ``n`` choices); the prefill rate only sets
+    ``Retry-After``; the rest as for :func:`estimate_ttft_s`."""
     drain = queue_tokens / prefill_tokens_per_s if prefill_tokens_per_s > 0 else 1.0
     retry = max(1, math.ceil(drain))
-    if max_waiting_requests is not None and num_waiting >= max_waiting_requests:
-        return Rejection(f"the server is overloaded: {num_waiting} requests are waiting, the "
-                         f"limit is {max_waiting_requests} (--max-waiting-requests); retry "
+    if max_waiting_requests is not None and num_waiting + num_requests > max_waiting_requests:
+        need = "" if num_requests == 1 else f" and this one needs {num_requests} places"
+        return Rejection(f"the server is overloaded: {num_waiting} requests are waiting{need}, "
+                         f"the limit is {max_waiting_requests} (--max-waiting-requests); retry "
                          f"in {retry} s", retry)
     if ttft_slo_s is not None and reject_over_slo:
         est = estimate_ttft_s(queue_tokens, prompt_tokens, prefill_budget, prefill_step_s, wait_s)
@@ -224,26 +232,30 @@ class LoadView(Protocol):
     prefill_tokens_per_s: float
 
 
-def check_arrival(limits: AdmissionLimits, load: LoadView, prompt_tokens: int, wait_s: float,
-                  in_transit_tokens: Sequence[int] = (), free_seats: int = 0
-                  ) -> Rejection | None:
-    """Overload control for a request of ``prompt_tokens`` arriving at an engine in state
-    ``load``: None to admit, else the Rejection.
+def check_arrival(limits: AdmissionLimits, load: LoadView, prompt_tokens: int | Sequence[int],
+                  wait_s: float, in_transit_tokens: Sequence[int] = ()) -> Rejection | None:
+    """Overload control for a request arriving at an engine in state ``load``: None to
+    admit, else the Rejection.
 
     Args:
+        prompt_tokens: its prompt tokens, or those of each of its choices (a request of ``n``
+            choices is admitted whole or not at all: it needs ``n`` places in the queue; its
+            TTFT estimate is its longest choice's, which share a prompt and its cached blocks).
         wait_s: time until the engine's next step can start, s: the rest of the step in
             flight (the API process estimates it), or the time the request already waited
             (the simulator admits between steps).
-        in_transit_tokens: the prompt tokens of each request sent to the engine that it has not
-            queued yet: they wait ahead of this one, and count as waiting beyond the
-            ``free_seats`` the engine has (running seats not taken by its waiting requests).
+        in_transit_tokens: the prompt tokens of each request admitted to the engine that it
+            has not queued yet: each waits ahead of this one (the core queues every arrival
+            before it schedules it).
     """
     if not limits.active:
         return None
+    choices = [prompt_tokens] if isinstance(prompt_tokens, int) else list(prompt_tokens)
     return check_admission(
-        num_waiting=load.num_waiting + max(0, len(in_transit_tokens) - free_seats),
+        num_waiting=load.num_waiting + len(in_transit_tokens),
         queue_tokens=load.num_waiting_tokens + sum(in_transit_tokens),
-        prompt_tokens=prompt_tokens, prefill_budget=load.prefill_budget,
+        prompt_tokens=max(choices), prefill_budget=load.prefill_budget,
         prefill_step_s=load.prefill_step_s, prefill_tokens_per_s=load.prefill_tokens_per_s,
         wait_s=wait_s, max_waiting_requests=limits.max_waiting_requests,
-        ttft_slo_s=limits.ttft_slo_s, reject_over_slo=limits.reject_over_slo)
+        ttft_slo_s=limits.ttft_slo_s, reject_over_slo=limits.reject_over_slo,
+        num_requests=len(choices))

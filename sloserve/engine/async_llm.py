@@ -87,11 +87,18 @@ class AsyncLLM:
         self.stats = SchedulerStats(num_free_blocks=self.info.num_kv_blocks,
                                     num_blocks=self.info.num_kv_blocks)
         self._stats_lock = threading.Lock()  # the receiver thread and aborts both record
-        #: requests sent to the core, and (sequence number, prompt tokens) of those it may not
-        #: have queued yet (overload control counts them as waiting)
+        #: overload control's counts (under _admit_lock): requests sent to the core, the
+        #: (sequence number, prompt tokens) of those it may not have queued yet, and the places
+        #: admitted requests reserved but have not sent yet (``reserve``); the last two count
+        #: as waiting
+        self._admit_lock = threading.Lock()
         self._sent_total = 0
         self._in_transit: collections.deque = collections.deque()
+        self._reserved: list[int] = []  # prompt tokens of each reserved, unsent request
         self._last_step_end = 0.0  # when the core's last step ended (monotonic s)
+        #: stall detection (``stalled_for``): when the core was last heard from (any message
+        #: after its loop ran) or, if later, when work was sent to a core that had none
+        self._heard_at = time.monotonic()
         self._stop = threading.Event()
         self._dead: str | None = None
         self._threads: list[threading.Thread] = []
@@ -113,6 +120,19 @@ class AsyncLLM:
     def is_running(self) -> bool:
         """The receiver runs and the core process is alive."""
         return bool(self._threads) and self._dead is None and self.client.is_alive
+
+    def stalled_for(self) -> float | None:
+        """Seconds the core has had work pending (requests sent and unfinished) without a
+        word from its loop (a step's outputs, or the snapshot it publishes after inputs, or the
+        heartbeat of a loop with nothing it can run), if that is longer than
+        ``--engine-stall-timeout``; None otherwise (and with the timeout 0). A stalled core is
+        not a dead one: nothing is failed, and it counts as healthy again at its next
+        message."""
+        timeout = self.config.engine_stall_timeout
+        if not timeout or self.output_processor.num_unfinished == 0:
+            return None
+        silent = time.monotonic() - self._heard_at
+        return silent if silent > timeout else None
 
     @property
     def num_unfinished(self) -> int:
@@ -148,23 +168,31 @@ class AsyncLLM:
         """Validate and tokenize (raises ParamError) without queueing."""
         return self.processor.make_request(prompt, params, request_id, arrival_time, **kw)
 
-    def check_admission(self, request: EngineCoreRequest) -> Rejection | None:
-        """Overload control at arrival (``engine.admission``): None to admit, else why not.
-        Reads only the core's published snapshot and this process's own counts, so a core
-        busy with a long step does not delay the answer."""
+    def reserve(self, requests: list[EngineCoreRequest]) -> "Reservation | Rejection":
+        """Overload control at arrival (``engine.admission``) for the engine requests of one API
+        request (its ``n`` choices, its prompts): a :class:`Rejection` (nothing reserved), or
+        a :class:`Reservation` of one place in the queue for each of them, counted as waiting
+        from now until the core reports it queued: whatever arrives meanwhile, a burst
+        included, sees it. Pass it to :meth:`generate_group`, which sends the requests and
+        gives back what it did not send; whoever does not start the generation must
+        :meth:`Reservation.release` it. Reads only the core's published snapshot and this
+        process's own counts, so a core busy with a long step does not delay the answer."""
         if not self.admission_limits.active:
-            return None
-        s = self.stats
-        self._forget_received(s)
-        in_transit = [n for _, n in self._in_transit]
-        # the step in flight (the core starts the next one as soon as it has sent its outputs)
-        busy = s.num_running + s.num_waiting + len(in_transit) > 0
-        step_s = s.prefill_step_s if s.num_waiting_tokens or in_transit else s.decode_step_s
-        wait = max(0.0, step_s - (time.monotonic() - self._last_step_end)) if busy else 0.0
-        # requests on their way wait only beyond the seats the core has free
-        free_seats = max(0, self.config.max_num_seqs - s.num_running - s.num_waiting)
-        return check_arrival(self.admission_limits, s, len(request.prompt_token_ids), wait,
-                             in_transit, free_seats)
+            return Reservation(self, [])
+        tokens = [len(r.prompt_token_ids) for r in requests]
+        with self._admit_lock:
+            s = self.stats
+            self._forget_received(s)
+            ahead = [n for _, n in self._in_transit] + self._reserved
+            # the step in flight (the core starts the next one as soon as it has sent outputs)
+            busy = s.num_running + s.num_waiting + len(ahead) > 0
+            step_s = s.prefill_step_s if s.num_waiting_tokens or ahead else s.decode_step_s
+            wait = max(0.0, step_s - (time.monotonic() - self._last_step_end)) if busy else 0.0
+            rej = check_arrival(self.admission_limits, s, tokens, wait, ahead)
+            if rej is not None:
+                return rej
+            self._reserved += tokens
+            return Reservation(self, tokens)
 
     def _forget_received(self, s: SchedulerStats) -> None:
         """Drop the requests the core says it has queued from those counted as on their way."""
@@ -185,13 +213,28 @@ class AsyncLLM:
             async for _, out in outs:
                 yield out
 
-    async def generate_group(self, requests: list[EngineCoreRequest]
+    async def generate_group(self, requests: list[EngineCoreRequest],
+                             reservation: "Reservation | None" = None
                              ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Send several requests (the ``n`` choices or the prompts of one API request) and yield
         (index in ``requests``, output) as outputs arrive, until every one has finished.
 
+        ``reservation``: their places from :meth:`reserve`; each request sent takes its place
+        (it stays counted, as on its way to the core), and what was not sent is given back
+        when the iteration ends, however it ends.
+
         Leaving early aborts those not finished. Raises as :meth:`generate`.
         """
+        try:
+            async for item in self._generate_group(requests, reservation):
+                yield item
+        finally:
+            if reservation is not None:
+                reservation.release()
+
+    async def _generate_group(self, requests: list[EngineCoreRequest],
+                              reservation: "Reservation | None"
+                              ) -> AsyncIterator[tuple[int, RequestOutput]]:
         if not self.is_running:
             raise EngineDeadError(self._dead or "the engine is not running")
         loop = asyncio.get_running_loop()
@@ -206,11 +249,19 @@ class AsyncLLM:
                 self.output_processor.add_request(r, sink=(loop, q))
                 added.append(r.request_id)
                 unfinished.add(r.request_id)
+            if self.output_processor.num_unfinished == len(requests):
+                # work for a core that had none: its stall clock starts now, not at its last
+                # message (an idle core sends nothing)
+                self._heard_at = max(self._heard_at, time.monotonic())
             for r in requests:  # inside the try: a request that cannot be sent is forgotten
-                self.client.send(r)
-                self._sent_total += 1
-                self._forget_received(self.stats)  # also without overload control: no growth
-                self._in_transit.append((self._sent_total, len(r.prompt_token_ids)))
+                n = len(r.prompt_token_ids)
+                with self._admit_lock:  # sequence numbers in the order the core receives them
+                    self.client.send(r)
+                    self._sent_total += 1
+                    self._forget_received(self.stats)  # also without overload control
+                    self._in_transit.append((self._sent_total, n))
+                    if reservation is not None and reservation.take(n):
+                        self._reserved.remove(n)  # its place: from reserved to on its way
             while unfinished:
                 out = await q.get()
                 if isinstance(out, BaseException):
@@ -257,6 +308,7 @@ class AsyncLLM:
                     logger.exception("processing engine outputs failed")
 
     def _handle(self, msg: EngineCoreOutputs) -> None:
+        self._heard_at = time.monotonic()  # the core's loop runs (see stalled_for)
         self.stats = msg.scheduler_stats
         if msg.step is not None:
             self._last_step_end = msg.timestamp  # the core's monotonic clock: same host
@@ -314,6 +366,34 @@ class AsyncLLM:
     def _fail_all(self, message: str) -> None:
         err = EngineDeadError(message)
         self._deliver([(sink, err) for sink, _ in self.output_processor.fail_all(message)])
+
+
+class Reservation:
+    """Places in the waiting queue that :meth:`AsyncLLM.reserve` admitted for a group of
+    engine requests (their prompt token counts), held until each is sent (``take``) or the
+    rest is given back (``release``, idempotent; thread-safe through the engine's lock)."""
+
+    def __init__(self, engine: AsyncLLM, tokens: list[int]):
+        self._engine = engine
+        self._tokens = list(tokens)
+
+    def take(self, prompt_tokens: int) -> bool:
+        """One request of ``prompt_tokens`` tokens was sent: whether it held a place here (the
+        caller, under the engine's lock, moves it to the requests on their way)."""
+        if prompt_tokens in self._tokens:
+            self._tokens.remove(prompt_tokens)
+            return True
+        return False
+
+    def release(self) -> None:
+        """Give back the places of the requests not sent."""
+        with self._engine._admit_lock:
+            for n in self._tokens:
+                self._engine._reserved.remove(n)
+            self._tokens = []
+
+    def __len__(self) -> int:
+        return len(self._tokens)
 
 
 def _put_all(batch) -> None:

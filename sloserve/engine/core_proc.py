@@ -2,7 +2,8 @@
 
 Sockets (the front end binds both, this process connects): ``input`` PULL (EngineCoreRequest /
 EngineCoreAbort from the front end) and ``output`` PUSH (EngineCoreReady once, then one
-EngineCoreOutputs per step, plus one after inputs that changed state while idle). Messages are
+EngineCoreOutputs per step, plus one after inputs that changed state, and one every
+``HEARTBEAT_S`` while it has requests but none it can run; nothing while idle). Messages are
 msgpack through msgspec (``sloserve.engine.messages``).
 
 The step loop never waits on the front end: an input thread receives and decodes messages into
@@ -124,23 +125,37 @@ def _watch_parent(parent_pid: int, input_addr: str) -> None:
     threading.Thread(target=watch, name="sloserve-parent-watch", daemon=True).start()
 
 
+#: while the core has requests but none it can run (grammars still compiling), it publishes
+#: its snapshot this often (s), so the front end does not take the wait for a stall
+#: (``--engine-stall-timeout``); an idle core sends nothing
+HEARTBEAT_S = 0.5
+
+
 def _serve(core, inbox: queue.Queue, send, stop: threading.Event, parent_pid: int) -> None:
     """The busy loop: drain inputs (publishing the state they left at once: the front end's
-    queue gauges and overload control read it), step while there is work, publish every step."""
+    queue gauges and overload control read it), step while there is work, publish every step
+    (and a heartbeat while no step can run)."""
     pending: list[EngineCoreOutput] = []
+    sent_at = time.monotonic()
     while not stop.is_set():
         if os.getppid() != parent_pid:
             logger.warning("the API process is gone; the engine core stops")
             return
         idle = not core.has_unfinished_requests()
         if _drain(core, inbox, pending, block=idle) or pending:
-            send(EngineCoreOutputs(pending, core.stats(), None, time.monotonic()))
+            sent_at = time.monotonic()
+            send(EngineCoreOutputs(pending, core.stats(), None, sent_at))
             pending = []
         if core.has_unfinished_requests():
             outs = core.step()
             if outs is not None:
                 send(outs)
+                sent_at = time.monotonic()
             else:  # nothing could run (e.g. grammars still compiling): do not spin
+                now = time.monotonic()
+                if now - sent_at >= HEARTBEAT_S:
+                    send(EngineCoreOutputs([], core.stats(), None, now))
+                    sent_at = now
                 time.sleep(0.001)
 
 

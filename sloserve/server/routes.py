@@ -3,8 +3,8 @@
     POST /v1/completions        text completion (streamed as SSE with ``"stream": true``)
     POST /v1/chat/completions   chat completion through the model's chat template
     GET  /v1/models             the served model
-    GET  /health                200 while the engine core runs; 503 when it is down or the
-                                server drains
+    GET  /health                200 while the engine core runs; 503 when it is down or
+                                stalled (--engine-stall-timeout) or the server drains
     GET  /metrics               Prometheus text format (from the core's published snapshot)
     POST /reset_prefix_cache    forget every cached prefix block (vLLM's endpoint)
     POST /tokenize, /detokenize, GET /tokenizer_info   vLLM's tokenizer endpoints
@@ -20,7 +20,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from sloserve.engine import structured_output
-from sloserve.engine.async_llm import AsyncLLM
+from sloserve.engine.admission import Rejection
+from sloserve.engine.async_llm import AsyncLLM, Reservation
 from sloserve.sampling_params import ParamError, child_seed
 from sloserve.server.errors import APIError, error_response
 from sloserve.server.logprobs_format import LogprobsFormatter
@@ -54,12 +55,15 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
         if not engine.is_running:
             raise APIError(503, "engine is not running")
 
-    def check_overload(choices: list[Choice]) -> None:
-        for c in choices:
-            rej = engine.check_admission(c.request)
-            if rej is not None:
-                metrics.count_rejection()
-                raise APIError(429, rej.message, headers={"Retry-After": str(rej.retry_after_s)})
+    def reserve(choices: list[Choice]) -> Reservation:
+        """Overload control: the choices' places in the queue, all of them or a 429 (nothing
+        reserved). Nothing awaits between this and the response that takes the reservation
+        (``serving``), so a burst is counted one request after the other."""
+        res = engine.reserve([c.request for c in choices])
+        if isinstance(res, Rejection):
+            metrics.count_rejection()
+            raise APIError(429, res.message, headers={"Retry-After": str(res.retry_after_s)})
+        return res
 
     def make_choices_sync(prompts: list[str | list[int]], body, base_id: str) -> list[Choice]:
         """Validate and tokenize each prompt once; its ``n`` choices are copies with their own
@@ -120,12 +124,20 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
     @r.get("/health")
     @r.head("/health", operation_id="health_head", include_in_schema=True)
     async def health() -> Response:
-        """200 while the engine core runs and the server admits requests, 503 otherwise."""
+        """200 while the engine core runs and the server admits requests; 503 while it drains,
+        when the core is down, or while the core has work and has sent nothing for over
+        ``--engine-stall-timeout`` (stopped, wedged: new requests would hang), until its next
+        step. Only reports: nothing in flight is failed."""
         if getattr(state, "draining", False):
             return error_response(503, "the server is shutting down")
-        if engine.is_running:
-            return Response(status_code=200)
-        return error_response(503, "engine is not running")
+        if not engine.is_running:
+            return error_response(503, "engine is not running")
+        stalled = engine.stalled_for()
+        if stalled is not None:
+            return error_response(503, f"the engine core has made no step for {stalled:.1f} s "
+                                       f"with requests in hand (--engine-stall-timeout "
+                                       f"{engine.config.engine_stall_timeout:g})")
+        return Response(status_code=200)
 
     @r.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -164,10 +176,10 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
         except ParamError as e:
             raise APIError(400, str(e), e.param) from e
         choices = await make_choices(prompts, body, b.id)
-        check_overload(choices)
+        res = reserve(choices)
         if body.stream:
-            return stream_response(engine, choices, body.include_usage, b)
-        return await whole_response(engine, choices, raw, b)
+            return stream_response(engine, choices, body.include_usage, b, res)
+        return await whole_response(engine, choices, raw, b, res)
 
     @r.post("/v1/chat/completions", response_model=None)
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
@@ -192,10 +204,10 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
         long = sum(len(str(m.content or "")) for m in body.messages) > OFFLOAD_CHARS
         ids = await asyncio.to_thread(render) if long else render()
         choices = await make_choices([ids], body, b.id)
-        check_overload(choices)
+        res = reserve(choices)
         if body.stream:
-            return stream_response(engine, choices, body.include_usage, b)
-        return await whole_response(engine, choices, raw, b)
+            return stream_response(engine, choices, body.include_usage, b, res)
+        return await whole_response(engine, choices, raw, b, res)
 
     r.include_router(build_tokenization_router(engine, check_model))
     return r

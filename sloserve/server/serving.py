@@ -19,7 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from sloserve.engine.async_llm import AsyncLLM
+from sloserve.engine.async_llm import AsyncLLM, Reservation
 from sloserve.engine.messages import EngineCoreRequest
 from sloserve.engine.outputs import RequestOutput
 from sloserve.logprobs import Logprobs
@@ -256,7 +256,8 @@ def _error_event(err: APIError) -> str:
 
 
 async def _events(engine: AsyncLLM, choices: list[Choice], include_usage: bool,
-                  b: ResponseBuilder) -> AsyncIterator[str]:
+                  b: ResponseBuilder, reservation: Reservation | None = None
+                  ) -> AsyncIterator[str]:
     """SSE events of one API request: per choice its preamble with its first output, then its
     content chunks; optional usage once every choice finished; ``[DONE]``. A failure mid-stream
     is an error event before ``[DONE]``."""
@@ -264,7 +265,7 @@ async def _events(engine: AsyncLLM, choices: list[Choice], include_usage: bool,
     share = PromptLogprobsShare(states)
     failed = False
     try:
-        gen = engine.generate_group([c.request for c in choices])
+        gen = engine.generate_group([c.request for c in choices], reservation)
         async with contextlib.aclosing(gen) as outs:
             async for i, out in outs:
                 if out.error:
@@ -292,14 +293,19 @@ async def _events(engine: AsyncLLM, choices: list[Choice], include_usage: bool,
 
 
 def stream_response(engine: AsyncLLM, choices: list[Choice], include_usage: bool,
-                    b: ResponseBuilder) -> Response:
-    """The streamed (SSE) answer; a client that disconnects aborts every choice."""
-    return SSEResponse(_events(engine, choices, include_usage, b))
+                    b: ResponseBuilder, reservation: Reservation | None = None) -> Response:
+    """The streamed (SSE) answer; a client that disconnects aborts every choice. The
+    choices' ``reservation`` (``AsyncLLM.reserve``) is given back when the response ends, also
+    if its body never started (a client gone before the first byte)."""
+    return SSEResponse(_events(engine, choices, include_usage, b, reservation),
+                       on_close=reservation.release if reservation is not None else None)
 
 
 async def whole_response(engine: AsyncLLM, choices: list[Choice], raw: Request,
-                         b: ResponseBuilder) -> Response:
-    """Run every choice to the end and answer the JSON.
+                         b: ResponseBuilder, reservation: Reservation | None = None
+                         ) -> Response:
+    """Run every choice to the end and answer the JSON (``reservation``: as for
+    :func:`stream_response`).
 
     Raises:
         APIError: 500 when the engine failed a choice, 503 when the core is down. A client
@@ -307,12 +313,15 @@ async def whole_response(engine: AsyncLLM, choices: list[Choice], raw: Request,
     """
     try:
         outs = await run_until_disconnect(
-            lambda: engine.generate_group([c.request for c in choices]), raw)
+            lambda: engine.generate_group([c.request for c in choices], reservation), raw)
     except ClientDisconnected:
         logger.info("client disconnected, aborted %s", b.id)
         return Response(status_code=_CLIENT_CLOSED)
     except Exception as e:
         raise engine_error(e) from e
+    finally:  # a generation cancelled before it started never ran its own release
+        if reservation is not None:
+            reservation.release()
     states = [ChoiceState(c, i) for i, c in enumerate(choices)]
     for i, out in outs:
         if out.error:

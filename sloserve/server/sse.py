@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -30,6 +31,11 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
+    def __init__(self, content, *args, on_close: Callable[[], None] | None = None, **kw):
+        """``on_close``: called once the response ended, however (after the body closed)."""
+        super().__init__(content, *args, **kw)
+        self._on_close = on_close
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
@@ -38,3 +44,5 @@ class SSEResponse(StreamingResponse):
             if aclose is not None:
                 with anyio.CancelScope(shield=True):
                     await aclose()
+            if self._on_close is not None:
+                self._on_close()

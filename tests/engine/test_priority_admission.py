@@ -179,10 +179,18 @@ def test_check_arrival_reads_a_scheduler_or_its_published_stats_alike():
         assert "estimated TTFT 1600 ms (24 prompt tokens queued ahead + 9" in rej.message
         rej = check_arrival(slo, view, 8, wait_s=0.1, in_transit_tokens=[10])
         assert "(34 prompt tokens queued ahead + 8" in rej.message
-    limit = AdmissionLimits(max_waiting_requests=3)
-    assert check_arrival(limit, stats, 8, 0.0, in_transit_tokens=[5, 5], free_seats=2) is None
-    rej = check_arrival(limit, stats, 8, 0.0, in_transit_tokens=[5, 5], free_seats=0)
-    assert "4 requests are waiting, the limit is 3" in rej.message
+    # every request on its way waits once it lands (the core queues an arrival before it
+    # schedules it), and a request of n choices needs n places, all or none
+    limit = AdmissionLimits(max_waiting_requests=5)
+    assert check_arrival(limit, stats, 8, 0.0, in_transit_tokens=[5, 5]) is None  # 2 + 2 + 1
+    rej = check_arrival(limit, stats, 8, 0.0, in_transit_tokens=[5, 5, 5])
+    assert "5 requests are waiting, the limit is 5" in rej.message
+    assert check_arrival(limit, stats, [8, 8, 8], 0.0) is None                    # 2 + 3
+    rej = check_arrival(limit, stats, [8, 8, 8], 0.0, in_transit_tokens=[5])     # 3 + 3 > 5
+    assert "3 requests are waiting and this one needs 3 places, the limit is 5" in rej.message
+    # n choices share a prompt: the TTFT estimate is the longest one's, not their sum
+    assert check_arrival(slo, stats, [8, 8, 8], wait_s=0.1) is None
+    assert check_arrival(slo, stats, [8, 9], wait_s=0.1) is not None
     assert check_arrival(AdmissionLimits(), stats, 10 ** 6, 1e9, [1] * 99) is None  # off
 
 

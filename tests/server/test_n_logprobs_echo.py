@@ -236,7 +236,7 @@ class _SiblingFirstEngine:
     def __init__(self, order):
         self.order = order
 
-    async def generate_group(self, requests):
+    async def generate_group(self, requests, reservation=None):
         for i, out in self.order:
             yield i, out
 
