@@ -173,10 +173,11 @@ class AsyncLLM:
         request (its ``n`` choices, its prompts): a :class:`Rejection` (nothing reserved), or
         a :class:`Reservation` of one place in the queue for each of them, counted as waiting
         from now until the core reports it queued: whatever arrives meanwhile, a burst
-        included, sees it. Pass it to :meth:`generate_group`, which sends the requests and
-        gives back what it did not send; whoever does not start the generation must
-        :meth:`Reservation.release` it. Reads only the core's published snapshot and this
-        process's own counts, so a core busy with a long step does not delay the answer."""
+        included, sees it. Pass it to :meth:`generate_group`, which moves each request it
+        sends to those on their way; the caller gives the rest back
+        (:meth:`Reservation.release`) when its response ends. Reads only the core's published
+        snapshot and this process's own counts, so a core busy with a long step does not delay
+        the answer."""
         if not self.admission_limits.active:
             return Reservation(self, [])
         tokens = [len(r.prompt_token_ids) for r in requests]
@@ -220,21 +221,12 @@ class AsyncLLM:
         (index in ``requests``, output) as outputs arrive, until every one has finished.
 
         ``reservation``: their places from :meth:`reserve`; each request sent takes its place
-        (it stays counted, as on its way to the core), and what was not sent is given back
-        when the iteration ends, however it ends.
+        (it stays counted, as on its way to the core). The caller gives back what was not sent
+        (:meth:`Reservation.release`) when its response ends, however it ends: a generation
+        cancelled before it started runs no code of its own.
 
         Leaving early aborts those not finished. Raises as :meth:`generate`.
         """
-        try:
-            async for item in self._generate_group(requests, reservation):
-                yield item
-        finally:
-            if reservation is not None:
-                reservation.release()
-
-    async def _generate_group(self, requests: list[EngineCoreRequest],
-                              reservation: "Reservation | None"
-                              ) -> AsyncIterator[tuple[int, RequestOutput]]:
         if not self.is_running:
             raise EngineDeadError(self._dead or "the engine is not running")
         loop = asyncio.get_running_loop()
