@@ -23,7 +23,11 @@ Prefill pacing (chunked, on by default, off with ``ttft_slo_s``): in a step with
 over ``long_prompt_tokens`` (4 % of max_model_len) share ``paced_prefill_tokens`` in queue order,
 the tokens that add about one decode step's time (set by the engine from its measured steps,
 :class:`sloserve.engine.admission.StepRates`), because on a CPU a decode step has no idle compute
-to hide a chunk in. With nothing decoding a long prompt takes the whole budget.
+to hide a chunk in. With nothing decoding a long prompt takes the whole budget, except that short
+prompts pass it: while a long prompt prefills, the short prompts at the waiting queue's front that
+fit whole (a free seat, free blocks, no preemption) are admitted first and the long prompt is paced
+in that step as beside a decode, so a short request waits for the step in flight, not for the rest
+of the long prompt (vLLM's partial prefills let short prompts pass long ones the same way).
 
 Structured outputs: the scheduler owns the injected structured-output manager, as vLLM's does. A
 request whose grammar still compiles waits, one whose grammar failed is finished (``abort``) at
@@ -369,9 +373,15 @@ class Scheduler:
 
         # prefill pacing: with decodes in this step, the long prompts share one paced chunk
         # (in queue order: the first one running takes it, the others wait their turn)
-        pace = self.paced_prefill_tokens if (chunked and cfg.enable_prefill_pacing and scheduled
-                                             and self.paced_prefill_tokens > 0) else 0
-        pace_left, long_prompt = pace, cfg.long_prompt_tokens
+        pacing = chunked and cfg.enable_prefill_pacing and self.paced_prefill_tokens > 0
+        long_prompt = cfg.long_prompt_tokens
+        # short prompts pass a long one's prefill (module docstring, "Prefill pacing")
+        if pacing and self.waiting and not out.preempted_request_ids and any(
+                r.request_id not in scheduled and r.num_prompt_tokens > long_prompt
+                and r.num_tokens_to_compute > 1 for r in self.running):
+            budget = self._admit_short_prompts(budget, out, scheduled, now)
+        pace = self.paced_prefill_tokens if pacing and scheduled else 0
+        pace_left = pace
 
         # 2. running requests part-way through their prefill (chunked, or a static batch)
         for req in list(self.running):
@@ -441,15 +451,7 @@ class Scheduler:
                     break
                 budget += refund
                 continue
-            req.num_computed_tokens = start
-            self.kv.record_query(req.num_tokens, n_hit)
-            if req.num_preemptions == 0:
-                req.num_cached_tokens = n_hit
-            self.waiting.pop_request()
-            req.status = RequestStatus.RUNNING
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-            self.running.append(req)
+            self._start(req, start, n_hit, now)
             scheduled[req.request_id] = n
             budget -= n
             if paced:
@@ -465,6 +467,41 @@ class Scheduler:
         out.finished_request_ids, self._finished_ids = self._finished_ids, []
         self._fill_bitmasks(out)
         return out
+
+    def _admit_short_prompts(self, budget: int, out: SchedulerOutput, scheduled: dict[str, int],
+                             now: float) -> int:
+        """Admit the prompts of at most ``long_prompt_tokens`` at the waiting queue's front that
+        fit whole in ``budget`` with a free seat and free blocks (no preemption, no chunking),
+        in queue order, stopping at the first that does not; returns the budget left."""
+        long_prompt = self.config.long_prompt_tokens
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.peek_request()
+            if req.num_prompt_tokens > long_prompt or self._must_wait(req):
+                break
+            hit_blocks, n_hit = (self.kv.get_computed_blocks(req)
+                                 if req.num_computed_tokens == 0
+                                 and req.sampling_params.prompt_logprobs is None else ([], 0))
+            start = n_hit or req.num_computed_tokens
+            n = req.num_tokens - start
+            if n > budget or not self.kv.allocate_slots(req.request_id, start + n, hit_blocks):
+                break
+            self._start(req, start, n_hit, now)
+            scheduled[req.request_id] = n
+            budget -= n
+        return budget
+
+    def _start(self, req: Request, start: int, n_hit: int, now: float) -> None:
+        """Move the waiting queue's front request, whose slots are allocated from ``start``
+        (``n_hit`` of them prefix-cache hits), to running."""
+        req.num_computed_tokens = start
+        self.kv.record_query(req.num_tokens, n_hit)
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = n_hit
+        self.waiting.pop_request()
+        req.status = RequestStatus.RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        self.running.append(req)
 
     def _fill_bitmasks(self, out: SchedulerOutput) -> None:
         """Set the token bitmask of every sampling request with a grammar, and note (in

@@ -121,6 +121,39 @@ def test_long_prompts_share_one_paced_chunk_per_step_in_queue_order():
     check_kv_invariants(s)
 
 
+def test_short_prompts_pass_a_long_prefill():
+    """Nothing decodes and a 200-token prompt prefills with the whole budget (64); a 12-token
+    prompt arriving then starts in the next step, whole, and the long prompt advances by the paced
+    6 tokens beside it; then beside its decode. A long prompt at the queue's front is not passed
+    (queue order holds among waiting prompts); pacing off or unmeasured: the long prompt keeps the
+    budget and the short one waits for it."""
+    def with_long_running(pace: int, enable: bool = True) -> Scheduler:
+        s = make_scheduler(budget=64, block_size=4, num_blocks=128)
+        s.config.enable_prefill_pacing = enable
+        s.paced_prefill_tokens = pace
+        s.add_request(make_request("L", 200, max_tokens=2))
+        assert composition(drive_step(s)[0]) == [("L", 0, 64)]
+        return s
+
+    s = with_long_running(6)
+    s.add_request(make_request("s", 12, max_tokens=20))
+    seen = [composition(drive_step(s)[0]) for _ in range(2)]
+    assert seen == [[("L", 64, 6), ("s", 0, 12)], [("s", 12, 1), ("L", 70, 6)]]
+    check_kv_invariants(s)
+
+    s = with_long_running(6)
+    s.add_request(make_request("L2", 40, max_tokens=2))
+    s.add_request(make_request("s", 12, max_tokens=20))
+    assert composition(drive_step(s)[0]) == [("L", 64, 64)]
+    assert [r.request_id for r in s.waiting] == ["L2", "s"]
+
+    for off in (with_long_running(6, enable=False), with_long_running(0)):
+        off.add_request(make_request("s", 12, max_tokens=20))
+        assert composition(drive_step(off)[0]) == [("L", 64, 64)]
+        assert [r.request_id for r in off.waiting] == ["s"]
+        check_kv_invariants(off)
+
+
 def test_prefill_pacing_is_off_with_slo_admission():
     """--ttft-slo-ms estimates TTFT from whole-budget chunks: pacing would overrun it."""
     from sloserve.config import EngineConfig
