@@ -13,10 +13,24 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from sloserve.config import EngineConfig
 
-CFG = dict(model=None, dtype="float32", num_kv_blocks=256, max_model_len=2048)
+LIMIT = 8  # --max-waiting-requests
+# one server for both tests: a 1 s stall timeout is small, but safe: test A only asks for 503
+# while the core is stopped, and for 200 at some point after it resumed (a long step on a loaded
+# host may flip it back a while); test B never asks /health. One seat, so test B's queue cannot
+# move while its long request runs.
+CFG = EngineConfig(model=None, dtype="float32", num_kv_blocks=256, max_model_len=2048,
+                   engine_stall_timeout=1.0, max_num_seqs=1, max_waiting_requests=LIMIT)
+
+
+@pytest.fixture(scope="module")
+def srv(helpers):
+    s = helpers.start_server(CFG)
+    yield s
+    s.stop()
 
 
 def _wait_for(cond, what: str, timeout: float = 60) -> None:
@@ -31,75 +45,68 @@ def _data(lines) -> list[str]:
 
 
 # ------------------------------------------------------------------ A. /health and a stall
-def test_health_is_503_while_the_core_is_stopped_and_200_after_nothing_lost(helpers):
-    # 1 s: small, but safe: the test only asks for 503 while the core is stopped, and for 200
-    # at some point after it resumed (a long step on a loaded host may flip it back a while)
-    srv = helpers.start_server(EngineConfig(**CFG, engine_stall_timeout=1.0))
+def test_health_is_503_while_the_core_is_stopped_and_200_after_nothing_lost(srv):
     engine = srv.engine
-    try:
-        with httpx.Client(base_url=srv.base_url, timeout=120) as c:
-            # an idle core sends nothing, and is not stalled: no work is pending
-            _wait_for(lambda: time.monotonic() - engine._heard_at > 1.5, "idle for 1.5 s")
-            assert c.get("/health").status_code == 200
+    with httpx.Client(base_url=srv.base_url, timeout=120) as c:
+        # an idle core sends nothing, and is not stalled: no work is pending
+        _wait_for(lambda: time.monotonic() - engine._heard_at > 1.5, "idle for 1.5 s")
+        assert c.get("/health").status_code == 200
 
-            lines: list[str] = []
-            first = threading.Event()
+        lines: list[str] = []
+        first = threading.Event()
 
-            def stream() -> None:
-                body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 300, "temperature": 0,
-                        "ignore_eos": True, "stream": True,
-                        "stream_options": {"include_usage": True}}
-                with httpx.stream("POST", srv.base_url + "/v1/completions", json=body,
-                                  timeout=120) as r:
-                    assert r.status_code == 200
-                    for ln in r.iter_lines():
-                        lines.append(ln)
-                        if ln.startswith("data: "):
-                            first.set()
+        def stream() -> None:
+            body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 300, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "logprobs": 0,
+                    "stream_options": {"include_usage": True}}
+            with httpx.stream("POST", srv.base_url + "/v1/completions", json=body,
+                              timeout=120) as r:
+                assert r.status_code == 200
+                for ln in r.iter_lines():
+                    lines.append(ln)
+                    if ln.startswith("data: "):
+                        first.set()
 
-            t = threading.Thread(target=stream)
-            t.start()
-            assert first.wait(60), "no token came"
-            pid = engine.client.proc.pid
-            os.kill(pid, signal.SIGSTOP)
-            try:
-                _wait_for(lambda: c.get("/health").status_code == 503, "/health never said 503")
-                h = c.get("/health")
-                err = h.json()["error"]
-                assert h.status_code == 503 and err["code"] == 503
-                assert err["type"] == "ServiceUnavailableError"
-                assert "no step" in err["message"] and "--engine-stall-timeout" in err["message"]
-                assert engine.is_running  # stalled, not declared dead: nothing was failed
-                assert engine.num_unfinished == 1 and t.is_alive()
-            finally:
-                os.kill(pid, signal.SIGCONT)
-            _wait_for(lambda: c.get("/health").status_code == 200, "/health never said 200")
-            t.join(120)
-            assert not t.is_alive()
-            events = _data(lines)
-            assert events[-1] == "[DONE]"
-            chunks = [json.loads(e) for e in events[:-1]]
-            assert not any("error" in ch for ch in chunks)
-            assert chunks[-1]["usage"]["completion_tokens"] == 300
-            assert [ch["choices"][0]["finish_reason"] for ch in chunks[:-1]
-                    if ch["choices"]][-1] == "length"
-            # every token reached the client: the text streamed is the whole answer's
-            streamed = "".join(ch["choices"][0]["text"] for ch in chunks[:-1] if ch["choices"])
-            whole = c.post("/v1/completions", json={
-                "prompt": "Count: 1, 2, 3,", "max_tokens": 300, "temperature": 0,
-                "ignore_eos": True}).json()
-            assert streamed == whole["choices"][0]["text"]
-    finally:
-        srv.stop()
+        t = threading.Thread(target=stream)
+        t.start()
+        assert first.wait(60), "no token came"
+        pid = engine.client.proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            _wait_for(lambda: c.get("/health").status_code == 503, "/health never said 503")
+            h = c.get("/health")
+            err = h.json()["error"]
+            assert h.status_code == 503 and err["code"] == 503
+            assert err["type"] == "ServiceUnavailableError"
+            assert "no step" in err["message"] and "--engine-stall-timeout" in err["message"]
+            assert engine.is_running  # stalled, not declared dead: nothing was failed
+            assert engine.num_unfinished == 1 and t.is_alive()
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        _wait_for(lambda: c.get("/health").status_code == 200, "/health never said 200")
+        t.join(600)  # a hang guard
+        assert not t.is_alive()
+        events = _data(lines)
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert not any("error" in ch for ch in chunks)
+        assert chunks[-1]["usage"]["completion_tokens"] == 300
+        assert [ch["choices"][0]["finish_reason"] for ch in chunks[:-1]
+                if ch["choices"]][-1] == "length"
+        # every token reached the client: 300 tokens streamed, none twice (their offsets)
+        lps = [ch["choices"][0]["logprobs"] for ch in chunks[:-1] if ch["choices"]]
+        assert sum(len(lp["tokens"]) for lp in lps) == 300
+        text = "".join(ch["choices"][0]["text"] for ch in chunks[:-1] if ch["choices"])
+        offsets = [o for lp in lps for o in lp["text_offset"]]
+        assert offsets == sorted(offsets) and offsets[-1] < len(text)
 
 
 # ------------------------------------------------------------------ B. admission under a burst
 _WAITING = re.compile(r'^vllm:num_requests_waiting\{[^}]*\} (\S+)$', re.M)
 
 
-def test_max_waiting_requests_holds_for_a_burst_and_for_n_choices(helpers):
-    limit = 8
-    srv = helpers.start_server(EngineConfig(**CFG, max_num_seqs=1, max_waiting_requests=limit))
+def test_max_waiting_requests_holds_for_a_burst_and_for_n_choices(srv):
+    limit = LIMIT
     engine, base = srv.engine, srv.base_url
     seen = {"stats": 0, "metrics": 0}
     stop = threading.Event()
@@ -175,5 +182,4 @@ def test_max_waiting_requests_holds_for_a_burst_and_for_n_choices(helpers):
     finally:
         stop.set()
         t.join(60)
-        srv.stop()
     assert seen["stats"] <= limit and seen["metrics"] <= limit, seen
