@@ -52,6 +52,9 @@ DEFAULT_ENGINE_STALL_TIMEOUT_S = 30.0
 #: requests (400). A wide JSON schema (2,000 optional properties) takes 15-50 s of CPU on a
 #: 2-core host; the grammars of ordinary schemas, regexes and choices take milliseconds
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
+#: ``--max-pending-compiles-per-client``: grammars new to the server one client address may
+#: have compiling at once (half of the engine core's 4 compile slots)
+DEFAULT_MAX_PENDING_COMPILES_PER_CLIENT = 2
 
 
 @dataclass
@@ -116,6 +119,11 @@ class EngineConfig:
             at the limit); its requests then fail with HTTP 400 naming the flag, and so do
             later ones with the same spec. 0: no limit. CPU time, not wall time: a busy server
             leaves the worker little CPU, and that must not fail a grammar.
+        max_pending_compiles_per_client: most structured-output grammars new to the server
+            that one client (the peer address the API process sees) may have compiling at
+            once: a request that would add one more gets HTTP 429 with ``Retry-After``.
+            Requests with a spec already compiled, or already compiling for that client, do
+            not count. 0: no cap. (The API process decides, see ``engine.admission``.)
         logprobs_mode: "raw_logprobs" (default: log-softmax of the model's logits),
             "processed_logprobs" (after temperature, top-k and top-p), or the logits themselves
             ("raw_logits", "processed_logits"), as vLLM's ``--logprobs-mode``.
@@ -151,6 +159,7 @@ class EngineConfig:
     logprobs_mode: str = "raw_logprobs"
     engine_stall_timeout: float = DEFAULT_ENGINE_STALL_TIMEOUT_S
     structured_outputs_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S
+    max_pending_compiles_per_client: int = DEFAULT_MAX_PENDING_COMPILES_PER_CLIENT
 
     def __post_init__(self) -> None:
         if self.scheduling_policy in POLICIES:  # the old spelling: one release of grace
@@ -196,6 +205,10 @@ class EngineConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
                     math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be a number of seconds >= 0, got {v!r}")
+        v = self.max_pending_compiles_per_client
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"max_pending_compiles_per_client must be an integer >= 0, got "
+                             f"{v!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or \
                 not -2 ** 63 <= self.seed < 2 ** 63:
             raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
