@@ -149,6 +149,7 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
         metrics.set_queue_sizes(s.num_running, s.num_waiting)
         metrics.set_kv_usage(s.kv_cache_usage)
         metrics.set_prefix_cache_totals(s.prefix_cache_queries_total, s.prefix_cache_hits_total)
+        metrics.set_grammar_compiles(s.num_grammar_compiles)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @r.post("/reset_prefix_cache")
