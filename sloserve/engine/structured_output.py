@@ -370,7 +370,7 @@ class StructuredOutputManager:
 
     # ------------------------------------------------------------------ worker slots
     def _run_slot(self, slot: _Slot) -> None:
-        _lower_thread_priority()
+        _import_xgrammar_then_lower_priority()
         while True:
             with self._cv:
                 while not self._queue and not self._closed:
@@ -572,7 +572,7 @@ class StructuredOutputManager:
             self._cv.notify_all()
 
     def _run_in_core(self) -> None:
-        _lower_thread_priority()
+        _import_xgrammar_then_lower_priority()
         while True:
             with self._cv:
                 while not self._in_core and not self._closed:
@@ -609,6 +609,18 @@ def _spec_dict(spec: StructuredOutputsParams) -> dict:
     return {k: v for k, v in (("json", spec.json), ("json_object", spec.json_object),
                               ("regex", spec.regex), ("choice", spec.choice),
                               ("grammar", spec.grammar)) if v is not None and v is not False}
+
+
+def _import_xgrammar_then_lower_priority() -> None:
+    """Import xgrammar (the core needs it to load and match grammars) at the thread's normal
+    priority, then give the thread nice 19. Importing is Python work that holds the GIL for
+    a second or so: at nice 19 on a busy host the thread could hold it while the kernel keeps
+    it off the CPU, and the step loop would wait for it."""
+    try:
+        _xgr()
+    except ValueError:  # no xgrammar: the compile worker says so, and every job fails
+        pass
+    _lower_thread_priority()
 
 
 def _lower_thread_priority() -> None:
