@@ -11,7 +11,8 @@ from dataclasses import fields
 
 from sloserve.argtypes import port, pos_int
 from sloserve.config import (DEFAULT_ENGINE_STALL_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
-                             EngineConfig, add_engine_args, engine_config_from_args)
+                             DEFAULT_MAX_PENDING_COMPILES_PER_CLIENT, EngineConfig,
+                             add_engine_args, engine_config_from_args)
 
 
 #: signals that arrived while the server's modules imported (see _stop_before_start)
@@ -94,6 +95,17 @@ def main(argv: list[str] | None = None) -> int:
                         "--max-num-batched-tokens tokens on the slowest, busiest host): too "
                         "small and one long step reads as a stall (default "
                         f"{DEFAULT_ENGINE_STALL_TIMEOUT_S:g}; 0: never)")
+    s.add_argument("--max-pending-compiles-per-client", type=int,
+                   default=DEFAULT_MAX_PENDING_COMPILES_PER_CLIENT, metavar="N",
+                   help="most structured-output grammars new to the server that one client "
+                        "may have compiling at once; a request that would add one more gets "
+                        "HTTP 429 with Retry-After. A client is a peer address as the server "
+                        "sees it (behind a proxy on 127.0.0.1, the X-Forwarded-For address, "
+                        "as uvicorn reads it; else every client of the proxy is one). "
+                        "Requests whose spec is already compiled, or already compiling for "
+                        "that client, do not count; a grammar counts until its first request "
+                        "starts or ends (default "
+                        f"{DEFAULT_MAX_PENDING_COMPILES_PER_CLIENT}; 0: no cap)")
     s.add_argument("--step-trace", default=None, metavar="FILE.jsonl",
                    help="write one JSON line per engine step (composition and times), for "
                         "`sloserve profile --from-trace`")

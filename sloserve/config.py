@@ -48,6 +48,13 @@ DEFAULT_MAX_BODY_BYTES = 10 * 2 ** 20
 #: budget (512) on a slow CPU: a 512-token prefill step of a 1-2B model in float32 on a loaded
 #: 2-core host takes up to a few seconds (SmolLM2-135M's: well under one)
 DEFAULT_ENGINE_STALL_TIMEOUT_S = 30.0
+#: ``--structured-outputs-compile-timeout`` (CPU s): a grammar that compiles longer fails its
+#: requests (400). A wide JSON schema (2,000 optional properties) takes 15-50 s of CPU on a
+#: 2-core host; the grammars of ordinary schemas, regexes and choices take milliseconds
+DEFAULT_COMPILE_TIMEOUT_S = 30.0
+#: ``--max-pending-compiles-per-client``: grammars new to the server one client address may
+#: have compiling at once (half of the engine core's 4 compile slots)
+DEFAULT_MAX_PENDING_COMPILES_PER_CLIENT = 2
 
 
 @dataclass
@@ -107,6 +114,16 @@ class EngineConfig:
         engine_stall_timeout: seconds the engine core may go without a word (it publishes after
             every step) while requests sent to it are unfinished before ``/health`` answers
             503; 0: never (``--engine-stall-timeout``; the API process alone reads it).
+        structured_outputs_compile_timeout: most CPU seconds one structured-output grammar may
+            take to compile (in the engine core's low-priority compile worker, which is killed
+            at the limit); its requests then fail with HTTP 400 naming the flag, and so do
+            later ones with the same spec. 0: no limit. CPU time, not wall time: a busy server
+            leaves the worker little CPU, and that must not fail a grammar.
+        max_pending_compiles_per_client: most structured-output grammars new to the server
+            that one client (the peer address the API process sees) may have compiling at
+            once: a request that would add one more gets HTTP 429 with ``Retry-After``.
+            Requests with a spec already compiled, or already compiling for that client, do
+            not count. 0: no cap. (The API process decides, see ``engine.admission``.)
         logprobs_mode: "raw_logprobs" (default: log-softmax of the model's logits),
             "processed_logprobs" (after temperature, top-k and top-p), or the logits themselves
             ("raw_logits", "processed_logits"), as vLLM's ``--logprobs-mode``.
@@ -141,6 +158,8 @@ class EngineConfig:
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
     engine_stall_timeout: float = DEFAULT_ENGINE_STALL_TIMEOUT_S
+    structured_outputs_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S
+    max_pending_compiles_per_client: int = DEFAULT_MAX_PENDING_COMPILES_PER_CLIENT
 
     def __post_init__(self) -> None:
         if self.scheduling_policy in POLICIES:  # the old spelling: one release of grace
@@ -181,10 +200,15 @@ class EngineConfig:
                 and math.isfinite(self.kv_cache_memory) and self.kv_cache_memory > 0):
             raise ValueError(f"kv_cache_memory must be a positive number of GiB, got "
                              f"{self.kv_cache_memory}")
-        v = self.engine_stall_timeout
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
-                math.isfinite(v) and v >= 0):
-            raise ValueError(f"engine_stall_timeout must be a number of seconds >= 0, got {v!r}")
+        for name in ("engine_stall_timeout", "structured_outputs_compile_timeout"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                    math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be a number of seconds >= 0, got {v!r}")
+        v = self.max_pending_compiles_per_client
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"max_pending_compiles_per_client must be an integer >= 0, got "
+                             f"{v!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or \
                 not -2 ** 63 <= self.seed < 2 ** 63:
             raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
@@ -342,6 +366,18 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
     p.add_argument("--logprobs-mode", default=_D.logprobs_mode, choices=LOGPROBS_MODES,
                    help="raw_logprobs (default): the model's log-softmax; processed_*: after "
                         "temperature / top-k / top-p; *_logits: the logits themselves")
+    p.add_argument("--structured-outputs-compile-timeout", type=float,
+                   default=_D.structured_outputs_compile_timeout, metavar="S",
+                   help="most CPU seconds a structured-output grammar (response_format, "
+                        "structured_outputs) may take to compile. Grammars compile in "
+                        "separate worker processes at the lowest CPU priority, so the steps "
+                        "of running requests keep the cores; a compile over S is killed and "
+                        "its requests fail with HTTP 400 naming this flag (later requests "
+                        "with the same spec too), the server serves on. CPU time, not wall "
+                        "time: a busy server slows the compile, it does not fail it. A "
+                        "compile nobody waits for any more (its clients disconnected) is "
+                        f"killed at once (default {_D.structured_outputs_compile_timeout:g}; "
+                        "0: no limit)")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:

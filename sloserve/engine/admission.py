@@ -25,14 +25,26 @@ process calls it on the core's published :class:`~sloserve.engine.messages.Sched
   second: a prompt arriving at an idle queue still waits for the step in flight and then for a
   whole mixed step, which a rate-only estimate leaves out.
 
+* Compiles per client (``--max-pending-compiles-per-client N``, :class:`CompileSlots`): a
+  request with a structured-output spec new to the server makes the engine core compile a
+  grammar, which can take tens of seconds of its compile workers' time; a client (the API
+  process's name for it: its peer address) may have N such grammars compiling at once, and a
+  request that would add one more is rejected (429). The engine core knows no clients, so the
+  API process counts: a grammar is pending for a client from the arrival of its first request
+  until one of its requests gets its first output (the core runs no request of a spec before
+  the spec compiled) or the last of them ends; a spec that got an output is then known
+  compiled (the last :data:`KNOWN_SPECS` such specs) and no longer counts.
+
 A rejected request costs the server one estimate (no queueing, no KV blocks), so what was
 admitted before is neither lost nor slowed.
 """
 from __future__ import annotations
 
 import collections
+import hashlib
 import math
 import statistics
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -259,3 +271,85 @@ def check_arrival(limits: AdmissionLimits, load: LoadView, prompt_tokens: int | 
         wait_s=wait_s, max_waiting_requests=limits.max_waiting_requests,
         ttft_slo_s=limits.ttft_slo_s, reject_over_slo=limits.reject_over_slo,
         num_requests=len(choices))
+
+
+#: specs :class:`CompileSlots` remembers as compiled (the engine core caches as many grammars)
+KNOWN_SPECS = 256
+
+
+class CompileSlots:
+    """The per-client cap on structured-output grammars compiling (see the module docstring).
+
+    Args:
+        limit: ``--max-pending-compiles-per-client``: grammars new to the server one client may
+            have compiling at once; 0: no cap.
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._lock = threading.Lock()
+        #: client -> spec digest -> requests of that client waiting for that grammar
+        self._pending: dict[str, dict[bytes, int]] = {}
+        self._known: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+
+    def acquire(self, client: str, spec_key: str) -> "CompileSlot | Rejection | None":
+        """A slot for a request of ``client`` with the spec ``spec_key`` (``spec.key``): None
+        when nothing needs holding (no cap, or a spec known compiled), a Rejection when the
+        client has ``limit`` other grammars pending."""
+        if not self.limit:
+            return None
+        digest = hashlib.sha256(spec_key.encode("utf-8", "surrogatepass")).digest()
+        with self._lock:
+            if digest in self._known:
+                self._known.move_to_end(digest)
+                return None
+            mine = self._pending.setdefault(client, {})
+            if digest not in mine and len(mine) >= self.limit:
+                return Rejection(
+                    f"client {client} has {len(mine)} structured-output grammars compiling, "
+                    f"the limit is {self.limit} per client (--max-pending-compiles-per-client); "
+                    f"retry when one finished, in 1 s", 1)
+            mine[digest] = mine.get(digest, 0) + 1
+        return CompileSlot(self, client, digest)
+
+    def pending(self, client: str) -> int:
+        """Grammars pending for ``client``."""
+        with self._lock:
+            return len(self._pending.get(client, ()))
+
+    def _done(self, client: str, digest: bytes, compiled: bool) -> None:
+        with self._lock:
+            if compiled:
+                self._known[digest] = None
+                self._known.move_to_end(digest)
+                while len(self._known) > KNOWN_SPECS:
+                    self._known.popitem(last=False)
+            mine = self._pending.get(client)
+            if mine is None or digest not in mine:
+                return
+            mine[digest] -= 1
+            if mine[digest] <= 0 or compiled:
+                del mine[digest]
+            if not mine:
+                del self._pending[client]
+
+
+class CompileSlot:
+    """One request's hold on its client's count: given back once, when it got its first
+    output (``compiled``) or ended (``release``)."""
+
+    def __init__(self, slots: CompileSlots, client: str, digest: bytes):
+        self._slots, self._client, self._digest = slots, client, digest
+        self._held = True
+
+    def compiled(self) -> None:
+        """Its grammar compiled: the spec no longer counts for anyone (idempotent)."""
+        if self._held:
+            self._held = False
+            self._slots._done(self._client, self._digest, True)
+
+    def release(self) -> None:
+        """The request ended (idempotent)."""
+        if self._held:
+            self._held = False
+            self._slots._done(self._client, self._digest, False)

@@ -23,7 +23,8 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 
 from sloserve.config import EngineConfig
-from sloserve.engine.admission import AdmissionLimits, Rejection, check_arrival
+from sloserve.engine.admission import (AdmissionLimits, CompileSlot, CompileSlots, Rejection,
+                                       check_arrival)
 from sloserve.engine.core_client import CoreClient
 from sloserve.engine.messages import (EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest,
                                       EngineCoreResetPrefixCache,
@@ -66,6 +67,8 @@ class AsyncLLM:
                  step_trace: str | None = None, log_level: str = "info"):
         self.config = config
         self.admission_limits = AdmissionLimits.of(config)
+        #: the per-client cap on grammars compiling (``--max-pending-compiles-per-client``)
+        self.compile_slots = CompileSlots(config.max_pending_compiles_per_client)
         self.client = CoreClient(config, step_trace, log_level)
         try:  # the tokenizer loads here while the core loads the weights
             try:
@@ -168,7 +171,8 @@ class AsyncLLM:
         """Validate and tokenize (raises ParamError) without queueing."""
         return self.processor.make_request(prompt, params, request_id, arrival_time, **kw)
 
-    def reserve(self, requests: list[EngineCoreRequest]) -> "Reservation | Rejection":
+    def reserve(self, requests: list[EngineCoreRequest],
+                client: str | None = None) -> "Reservation | Rejection":
         """Overload control at arrival (``engine.admission``) for the engine requests of one API
         request (its ``n`` choices, its prompts): a :class:`Rejection` (nothing reserved), or
         a :class:`Reservation` of one place in the queue for each of them, counted as waiting
@@ -177,9 +181,21 @@ class AsyncLLM:
         sends to those on their way; the caller gives the rest back
         (:meth:`Reservation.release`) when its response ends. Reads only the core's published
         snapshot and this process's own counts, so a core busy with a long step does not delay
-        the answer."""
+        the answer.
+
+        ``client`` (the peer address; None: not counted) is checked first against the cap on
+        grammars compiling per client when the requests have a structured-output spec
+        (:class:`~sloserve.engine.admission.CompileSlots`); the reservation then holds the
+        client's slot until the first output or its release."""
+        slot = None
+        spec = requests[0].sampling_params.structured_outputs if requests else None
+        if spec is not None and client is not None:
+            got = self.compile_slots.acquire(client, spec.key)
+            if isinstance(got, Rejection):
+                return got
+            slot = got
         if not self.admission_limits.active:
-            return Reservation(self, [])
+            return Reservation(self, [], slot)
         tokens = [len(r.prompt_token_ids) for r in requests]
         with self._admit_lock:
             s = self.stats
@@ -191,9 +207,11 @@ class AsyncLLM:
             wait = max(0.0, step_s - (time.monotonic() - self._last_step_end)) if busy else 0.0
             rej = check_arrival(self.admission_limits, s, tokens, wait, ahead)
             if rej is not None:
+                if slot is not None:
+                    slot.release()
                 return rej
             self._reserved += tokens
-            return Reservation(self, tokens)
+            return Reservation(self, tokens, slot)
 
     def _forget_received(self, s: SchedulerStats) -> None:
         """Drop the requests the core says it has queued from those counted as on their way."""
@@ -223,7 +241,9 @@ class AsyncLLM:
         ``reservation``: their places from :meth:`reserve`; each request sent takes its place
         (it stays counted, as on its way to the core). The caller gives back what was not sent
         (:meth:`Reservation.release`) when its response ends, however it ends: a generation
-        cancelled before it started runs no code of its own.
+        cancelled before it started runs no code of its own. The first output that is not a
+        failure tells the reservation the requests' grammar compiled (it frees the client's
+        compile slot).
 
         Leaving early aborts those not finished. Raises as :meth:`generate`.
         """
@@ -261,6 +281,8 @@ class AsyncLLM:
                     raise out
                 if out.finished:
                     unfinished.discard(out.request_id)
+                if reservation is not None and not out.error and out.finish_reason != "abort":
+                    reservation.grammar_compiled()  # the core ran it: its grammar is ready
                 yield index[out.request_id], out
         finally:
             for rid in added:
@@ -363,11 +385,19 @@ class AsyncLLM:
 class Reservation:
     """Places in the waiting queue that :meth:`AsyncLLM.reserve` admitted for a group of
     engine requests (their prompt token counts), held until each is sent (``take``) or the
-    rest is given back (``release``, idempotent; thread-safe through the engine's lock)."""
+    rest is given back (``release``, idempotent; thread-safe through the engine's lock); and
+    the client's compile slot, if its requests need a grammar new to the server, held until
+    ``grammar_compiled`` or ``release``."""
 
-    def __init__(self, engine: AsyncLLM, tokens: list[int]):
+    def __init__(self, engine: AsyncLLM, tokens: list[int], compile_slot: CompileSlot | None = None):
         self._engine = engine
         self._tokens = list(tokens)
+        self._compile_slot = compile_slot
+
+    def grammar_compiled(self) -> None:
+        """The requests' grammar is compiled: the client's compile slot is free (idempotent)."""
+        if self._compile_slot is not None:
+            self._compile_slot.compiled()
 
     def take(self, prompt_tokens: int) -> bool:
         """One request of ``prompt_tokens`` tokens was sent: whether it held a place here (the
@@ -378,7 +408,9 @@ class Reservation:
         return False
 
     def release(self) -> None:
-        """Give back the places of the requests not sent."""
+        """Give back the places of the requests not sent, and the compile slot."""
+        if self._compile_slot is not None:
+            self._compile_slot.release()
         with self._engine._admit_lock:
             for n in self._tokens:
                 self._engine._reserved.remove(n)

@@ -92,10 +92,11 @@ class EngineCore:
         self.num_kv_blocks = num_blocks
         self.kv_cache_bytes = num_blocks * self.kv_cache_spec.page_size_bytes
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        #: structured outputs: compiles grammars in its own thread (loading xgrammar and the
-        #: tokenizer at the first request that asks for one); the scheduler uses it
+        #: structured outputs: compiles grammars in low-priority worker processes, started at
+        #: the first request that asks for one; the scheduler uses it
         self.structured_output_manager = StructuredOutputManager(
-            lambda: _load_tokenizer(config), self.model_config.vocab_size)
+            config.model, config.load_format, self.model_config.vocab_size,
+            compile_timeout_s=config.structured_outputs_compile_timeout)
         self.scheduler = Scheduler(
             scheduler_config or SchedulerConfig.of(config, self.max_model_len), self.kv,
             structured_output_manager=self.structured_output_manager)
@@ -222,7 +223,8 @@ class EngineCore:
                               prefill_step_s=self.rates.prefill_step_s,
                               prefill_budget=s.prefill_budget(),
                               num_requests_received_total=s.num_requests_received,
-                              num_deferred_total=s.num_deferred)
+                              num_deferred_total=s.num_deferred,
+                              num_grammar_compiles=self.structured_output_manager.num_compiles)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> EngineCoreOutputs | None:
@@ -304,9 +306,3 @@ def _apply_remote_prefill(request: Request, kv: KVTransferParams) -> None:
                          f"{request.num_tokens}) (the prompt and output tokens), got "
                          f"{kv.num_computed_tokens}")
     request.num_computed_tokens = kv.num_computed_tokens
-
-
-def _load_tokenizer(config: EngineConfig):
-    """The model's tokenizer, for compiling grammars (in the manager's thread)."""
-    from sloserve.tokenizer import load_model_tokenizer
-    return load_model_tokenizer(config.model, config.load_format)

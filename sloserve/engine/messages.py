@@ -149,6 +149,8 @@ class SchedulerStats(msgspec.Struct):
         num_requests_received_total: requests the core has queued since start (the front end's
             sent count minus this is what is still on its way).
         num_deferred_total: requests SLO-aware deferral moved back since start.
+        num_grammar_compiles: structured-output grammars compiling or waiting to (0: no
+            compile work left; a compile no request needs any more is stopped at once).
     """
 
     num_running: int = 0
@@ -167,6 +169,7 @@ class SchedulerStats(msgspec.Struct):
     prefill_budget: int = 0
     num_requests_received_total: int = 0
     num_deferred_total: int = 0
+    num_grammar_compiles: int = 0
 
 
 class StepStats(msgspec.Struct):

@@ -30,11 +30,14 @@ in that step as beside a decode, so a short request waits for the step in flight
 of the long prompt (vLLM's partial prefills let short prompts pass long ones the same way).
 
 Structured outputs: the scheduler owns the injected structured-output manager, as vLLM's does. A
-request whose grammar still compiles waits, one whose grammar failed is finished (``abort``) at
+request whose grammar still compiles waits, one whose grammar failed is finished (``abort``, as
+its own fault when the grammar says so: ``bad_request``, e.g. a compile over its time limit) at
 the next ``schedule``; each sampling request with a grammar gets its token bitmask in the step
 that schedules it, and ``update_from_output`` advances its matcher: a completed grammar finishes
-the request (``stop``), a refused token or a broken matcher aborts it. Requests finish here and
-only here (stop strings, which need text, are checked by the front end's detokenizer, as in vLLM).
+the request (``stop``), a refused token or a broken matcher aborts it. A finished request
+releases its grammar (``release()``, where the grammar has one), so that a compile no request
+waits for any more is stopped. Requests finish here and only here (stop strings, which need
+text, are checked by the front end's detokenizer, as in vLLM).
 
 Every step schedules each running request past its prefill first, one token each (as long as
 max_num_seqs <= max_num_batched_tokens, the default). Plain Python: no torch, no xgrammar and no
@@ -237,11 +240,15 @@ class Scheduler:
         self.kv.free(request_id)
         self._finished_ids.append(request_id)
         self._grammar_pending.discard(request_id)
+        release = getattr(req.grammar, "release", None)
+        if release is not None:  # its compile stops if no other request waits for it
+            release()
         return req
 
     def take_finished_outputs(self) -> list[EngineCoreOutput]:
         """The outputs of requests the last ``schedule`` finished without running them (a
-        grammar that failed to compile: an engine fault, the front end checked the spec)."""
+        grammar that failed to compile: an engine fault, the front end checked the spec; or
+        the request's own when the grammar says so, ``bad_request``)."""
         outs, self._finished_outputs = self._finished_outputs, []
         return outs
 
@@ -255,7 +262,8 @@ class Scheduler:
                 self.finish_request(rid, RequestStatus.FINISHED_ABORTED)
                 self._finished_outputs.append(EngineCoreOutput(
                     request_id=rid, finish_reason="abort",
-                    error=f"grammar compilation failed: {r.grammar.error}"))
+                    error=f"grammar compilation failed: {r.grammar.error}",
+                    bad_request=bool(getattr(r.grammar, "bad_request", False))))
 
     def num_tokens_to_prefill(self) -> int:
         """Prompt tokens still to compute: every waiting request's and the running prefills'

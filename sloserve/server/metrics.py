@@ -13,8 +13,10 @@ Metric names, types and histogram buckets follow vLLM (v1) so existing Grafana d
   ``vllm:request_queue_time_seconds``, ``vllm:request_prefill_time_seconds``,
   ``vllm:request_decode_time_seconds``; (tokens) ``vllm:request_prompt_tokens``,
   ``vllm:request_generation_tokens``;
-* sloserve's own: counter ``sloserve:engine_steps``, histogram ``sloserve:batched_tokens_per_step``
-  (tokens), gauge ``sloserve:kv_cache_usage_peak_perc`` (fraction 0..1).
+* sloserve's own: counters ``sloserve:engine_steps``, ``sloserve:requests_rejected`` (HTTP
+  429s), histogram ``sloserve:batched_tokens_per_step`` (tokens), gauges
+  ``sloserve:kv_cache_usage_peak_perc`` (fraction 0..1), ``sloserve:grammar_compiles``
+  (structured-output grammars compiling or waiting to).
 
 Each instance owns its ``CollectorRegistry`` (several apps may live in one process).
 ``record`` is called from the engine thread; prometheus_client metrics are thread-safe.
@@ -159,6 +161,9 @@ class PrometheusStatLogger:
                                      build_1_2_5_buckets(max(self.max_num_batched_tokens, 1)))
         self.g_kv_peak = gauge("sloserve:kv_cache_usage_peak_perc",
                                "Peak KV-cache usage since start. 1 means 100 percent usage.")
+        self.g_grammar_compiles = gauge(
+            "sloserve:grammar_compiles",
+            "Structured-output grammars compiling or waiting to compile.")
 
     # ------------------------------------------------------------------------------ recording
     def record(self, it: IterationStats | None, finished: list[FinishedRequestStats]) -> None:
@@ -221,6 +226,12 @@ class PrometheusStatLogger:
             self.bind()
         self.g_running.set(num_running)
         self.g_waiting.set(num_waiting)
+
+    def set_grammar_compiles(self, n: int) -> None:
+        """Refresh the gauge of grammars compiling (at scrape time)."""
+        if not self._bound:
+            self.bind()
+        self.g_grammar_compiles.set(n)
 
     def count_rejection(self) -> None:
         if not self._bound:

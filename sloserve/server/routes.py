@@ -55,11 +55,14 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
         if not engine.is_running:
             raise APIError(503, "engine is not running")
 
-    def reserve(choices: list[Choice]) -> Reservation:
-        """Overload control: the choices' places in the queue, all of them or a 429 (nothing
-        reserved). Nothing awaits between this and the response that takes the reservation
-        (``serving``), so a burst is counted one request after the other."""
-        res = engine.reserve([c.request for c in choices])
+    def reserve(choices: list[Choice], raw: Request) -> Reservation:
+        """Overload control: the client's compile slot when the choices need a grammar new to
+        the server (``--max-pending-compiles-per-client``; the client is the peer address) and
+        the choices' places in the queue, all of them or a 429 (nothing reserved). Nothing
+        awaits between this and the response that takes the reservation (``serving``), so a
+        burst is counted one request after the other."""
+        client = raw.client.host if raw.client is not None else "unknown"
+        res = engine.reserve([c.request for c in choices], client)
         if isinstance(res, Rejection):
             metrics.count_rejection()
             raise APIError(429, res.message, headers={"Retry-After": str(res.retry_after_s)})
@@ -146,6 +149,7 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
         metrics.set_queue_sizes(s.num_running, s.num_waiting)
         metrics.set_kv_usage(s.kv_cache_usage)
         metrics.set_prefix_cache_totals(s.prefix_cache_queries_total, s.prefix_cache_hits_total)
+        metrics.set_grammar_compiles(s.num_grammar_compiles)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @r.post("/reset_prefix_cache")
@@ -176,7 +180,7 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
         except ParamError as e:
             raise APIError(400, str(e), e.param) from e
         choices = await make_choices(prompts, body, b.id)
-        res = reserve(choices)
+        res = reserve(choices, raw)
         if body.stream:
             return stream_response(engine, choices, body.include_usage, b, res)
         return await whole_response(engine, choices, raw, b, res)
@@ -204,7 +208,7 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
         long = sum(len(str(m.content or "")) for m in body.messages) > OFFLOAD_CHARS
         ids = await asyncio.to_thread(render) if long else render()
         choices = await make_choices([ids], body, b.id)
-        res = reserve(choices)
+        res = reserve(choices, raw)
         if body.stream:
             return stream_response(engine, choices, body.include_usage, b, res)
         return await whole_response(engine, choices, raw, b, res)

@@ -1,4 +1,5 @@
-"""Priority scheduling, SLO-aware deferral, the admission rules, and the scheduling flags."""
+"""Priority scheduling, SLO-aware deferral, the admission rules (the per-client cap on grammar
+compiles included), and the scheduling flags."""
 from __future__ import annotations
 
 import argparse
@@ -6,8 +7,8 @@ import argparse
 import pytest
 
 from sloserve.config import EngineConfig, add_scheduler_args, batching_from_args
-from sloserve.engine.admission import (AdmissionLimits, StepRates, check_admission,
-                                       check_arrival, estimate_ttft_s)
+from sloserve.engine.admission import (AdmissionLimits, CompileSlots, Rejection, StepRates,
+                                       check_admission, check_arrival, estimate_ttft_s)
 from sloserve.engine.kv_cache_manager import KVCacheManager
 from sloserve.engine.request import Request
 from sloserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -194,6 +195,35 @@ def test_check_arrival_reads_a_scheduler_or_its_published_stats_alike():
     assert check_arrival(AdmissionLimits(), stats, 10 ** 6, 1e9, [1] * 99) is None  # off
 
 
+def test_compile_slots_cap_the_new_grammars_of_each_client():
+    """``--max-pending-compiles-per-client 2``: a client may wait on two new grammars at once;
+    a third is a 429 naming the flag, while other clients, requests sharing a grammar already
+    pending and grammars known compiled are not held back; a grammar counts until one of its
+    requests got an output (then it is known compiled) or ended."""
+    slots = CompileSlots(2)
+    a = slots.acquire("10.0.0.1", "json schema:A")
+    b = slots.acquire("10.0.0.1", "json schema:B")
+    b2 = slots.acquire("10.0.0.1", "json schema:B")  # shares B's compile
+    assert slots.pending("10.0.0.1") == 2
+    rej = slots.acquire("10.0.0.1", "regex:C")
+    assert isinstance(rej, Rejection) and rej.retry_after_s == 1
+    assert rej.message.startswith("client 10.0.0.1 has 2 structured-output grammars compiling, "
+                                  "the limit is 2 per client (--max-pending-compiles-per-client)")
+    other = slots.acquire("10.0.0.2", "regex:C")
+    assert other is not None and slots.pending("10.0.0.2") == 1
+    b.release()
+    assert slots.pending("10.0.0.1") == 2  # b2 still waits on B
+    a.compiled()  # A's first output: A is compiled, for every client
+    assert slots.pending("10.0.0.1") == 1
+    assert slots.acquire("10.0.0.3", "json schema:A") is None
+    c = slots.acquire("10.0.0.1", "regex:C")
+    assert not isinstance(c, Rejection)
+    for s in (a, b2, b2, c, other):
+        s.release()  # idempotent
+    assert slots.pending("10.0.0.1") == slots.pending("10.0.0.2") == 0
+    assert CompileSlots(0).acquire("x", "regex:D") is None  # 0: no cap
+
+
 def _flags(*argv) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_scheduler_args(p)
@@ -221,4 +251,9 @@ def test_engine_config_maps_the_old_policy_and_validates_the_new():
         EngineConfig(ttft_slo_ms=0).validate()
     with pytest.raises(ValueError, match="max_waiting_requests must be an integer >= 1"):
         EngineConfig(max_waiting_requests=0).validate()
+    with pytest.raises(ValueError, match="structured_outputs_compile_timeout must be a number "
+                                         "of seconds >= 0"):
+        EngineConfig(structured_outputs_compile_timeout=-1).validate()
+    with pytest.raises(ValueError, match="max_pending_compiles_per_client must be an integer"):
+        EngineConfig(max_pending_compiles_per_client=-1).validate()
 

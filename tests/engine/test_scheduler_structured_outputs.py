@@ -1,7 +1,8 @@
 """The scheduler owns structured outputs: it gives a request its grammar, holds it while the
 grammar compiles, fills its token bitmask when it samples, advances its matcher over the sampled
 tokens and finishes it (a completed grammar: ``stop``; a refused token, a broken matcher or a
-grammar that failed to compile: ``abort``). A fake manager stands in for xgrammar, so these
+grammar that failed to compile: ``abort``), and releases the grammar when the request finishes
+however it finishes (so that a compile nobody waits for stops). A fake manager stands in for xgrammar, so these
 run without it; the scheduler module itself imports neither xgrammar nor torch."""
 from __future__ import annotations
 
@@ -21,10 +22,16 @@ class FakeGrammar:
     """Accepts the tokens in ``accepts`` (in any order), completes after ``complete_after`` of
     them; ``mask`` is what fill_bitmask returns (an exception instance: it raises it)."""
 
-    def __init__(self, accepts=(), complete_after=None, mask=ALLOWED, ready=True, error=None):
+    def __init__(self, accepts=(), complete_after=None, mask=ALLOWED, ready=True, error=None,
+                 bad_request=False):
         self.accepts, self.complete_after = set(accepts), complete_after
         self.mask, self.ready, self.error = mask, ready, error
+        self.bad_request = bad_request
         self.accepted: list[int] = []
+        self.released = 0
+
+    def release(self) -> None:
+        self.released += 1
 
     def fill_bitmask(self) -> bytes:
         if isinstance(self.mask, Exception):
@@ -106,6 +113,38 @@ def test_a_grammar_that_failed_to_compile_finishes_its_request_at_the_next_sched
     assert (o.request_id, o.finish_reason, o.error) == ("r", "abort",
                                                         "grammar compilation failed: ValueError: bad")
     assert not s.has_unfinished() and s.take_finished_outputs() == []
+
+
+def test_a_grammar_over_its_compile_limit_fails_its_request_as_a_bad_request():
+    g = FakeGrammar(ready=False)
+    s = scheduler_with(g)
+    s.add_request(structured())
+    s.add_request(make_request("plain", 5))
+    assert [sr.request_id for sr in s.schedule(0.0).scheduled] == ["plain"]
+    g.ready, g.error, g.bad_request = True, "over the limit (--flag 1)", True
+    s.schedule(0.0)
+    [o] = s.take_finished_outputs()
+    assert (o.request_id, o.bad_request, o.error) == (
+        "r", True, "grammar compilation failed: over the limit (--flag 1)")
+    assert list(s.requests) == ["plain"] and g.released == 1
+
+
+@pytest.mark.parametrize("how", ["abort", "finish"])
+def test_a_finished_request_releases_its_grammar_once(how):
+    g = FakeGrammar(accepts={7}, complete_after=1, ready=False)
+    s = scheduler_with(g)
+    s.add_request(structured())
+    s.schedule(0.0)  # still compiling: waits
+    assert g.released == 0
+    if how == "abort":  # the client went away while it compiled
+        s.finish_request("r", RequestStatus.FINISHED_ABORTED)
+    else:
+        g.ready = True
+        _, outs = step(s, {"r": [7]})
+        assert outs["r"].finish_reason == "stop"
+    assert g.released == 1 and not s.has_unfinished()
+    s.finish_request("r", RequestStatus.FINISHED_ABORTED)  # unknown now: nothing more
+    assert g.released == 1
 
 
 def test_a_completed_grammar_stops_the_request_even_with_ignore_eos():

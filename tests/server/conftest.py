@@ -62,10 +62,16 @@ def start_server(config: EngineConfig, step_trace: str | None = None) -> LiveSer
     return LiveServer(engine, server, thread, port)
 
 
+#: the session server's --structured-outputs-compile-timeout (CPU s): every grammar the tests
+#: use compiles in milliseconds but the wide schemas of the compile-limit tests
+COMPILE_TIMEOUT_S = 1.0
+
+
 @pytest.fixture(scope="session")
 def live_server():
     srv = start_server(EngineConfig(model=None, dtype="float32", num_kv_blocks=512,
-                                    max_model_len=2048, max_num_batched_tokens=512))
+                                    max_model_len=2048, max_num_batched_tokens=512,
+                                    structured_outputs_compile_timeout=COMPILE_TIMEOUT_S))
     yield srv
     srv.stop()
 

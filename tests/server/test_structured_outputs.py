@@ -227,3 +227,76 @@ def test_lone_surrogates_in_a_choice_or_cache_salt_are_400(http, engine, helpers
     err = r.json()["error"]
     assert err["param"] == param and "surrogate" in err["message"]
     helpers.wait_all_blocks_free(engine)
+
+
+def wide_schema(prefix: str, n: int = 2000) -> dict:
+    """An object of ``n`` optional integer properties: its grammar takes tens of seconds of CPU
+    to compile (the session server's --structured-outputs-compile-timeout is 1 s)."""
+    return {"type": "object",
+            "properties": {f"{prefix}{i:04d}": {"type": "integer"} for i in range(n)}}
+
+
+def wait_until(cond, what: str, timeout: float = 300.0) -> None:
+    """Poll ``cond`` (a hang guard: ``timeout`` is not a speed bound)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what}: still not after {timeout} s"
+        time.sleep(0.02)
+
+
+def test_compiles_are_capped_per_client_and_one_over_its_limit_fails_alone(http, engine,
+                                                                           helpers):
+    """A client's two wide schemas compile in the engine core's low-priority workers; its third
+    new grammar meanwhile is a 429 naming --max-pending-compiles-per-client (2, the default),
+    while another client's new grammar and a plain request are served; the two then fail alone
+    with a 400 naming --structured-outputs-compile-timeout and its value, and the server serves
+    on with no compile work left."""
+    import threading
+
+    from tests.server.conftest import COMPILE_TIMEOUT_S
+    results: dict[str, httpx.Response] = {}
+
+    def ask(prefix: str) -> None:
+        results[prefix] = httpx.post(http.base_url.join("/v1/completions"), timeout=300, json={
+            "prompt": "x", "max_tokens": 4, "structured_outputs": {"json": wide_schema(prefix)}})
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in "ab"]
+    for t in threads:
+        t.start()
+    wait_until(lambda: engine.compile_slots.pending("127.0.0.1") == 2, "two compiles pending")
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 4,
+                                           "structured_outputs": {"json": wide_schema("c")}})
+    assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+    err = r.json()["error"]
+    assert err["type"] == "RateLimitError" and "(--max-pending-compiles-per-client)" in err["message"]
+    # another client (a proxy on 127.0.0.1 names it) has its own count
+    r = http.post("/v1/completions", headers={"X-Forwarded-For": "10.9.8.7"}, json={
+        "prompt": "Answer:", "max_tokens": 8, "structured_outputs": {"regex": "[0-9]{3}"}})
+    assert r.status_code == 200 and re.fullmatch("[0-9]{3}", r.json()["choices"][0]["text"])
+    r = http.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 8,
+                                           "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    for t in threads:
+        t.join()
+    for p in "ab":
+        assert results[p].status_code == 400, results[p].text
+        err = results[p].json()["error"]
+        assert err["type"] == "BadRequestError"
+        assert f"(--structured-outputs-compile-timeout {COMPILE_TIMEOUT_S:g})" in err["message"]
+    assert http.get("/health").status_code == 200
+    wait_until(lambda: engine.stats.num_grammar_compiles == 0, "no compile left")
+    assert engine.compile_slots.pending("127.0.0.1") == 0
+    helpers.wait_all_blocks_free(engine)
+
+
+def test_the_compile_of_a_client_that_went_away_is_stopped(http, engine, helpers):
+    with http.stream("POST", "/v1/completions", json={
+            "prompt": "x", "max_tokens": 4, "stream": True,
+            "structured_outputs": {"json": wide_schema("d")}}) as r:
+        assert r.status_code == 200
+        wait_until(lambda: engine.stats.num_grammar_compiles == 1, "compile running")
+    # the connection is closed: the request is aborted and its compile killed
+    wait_until(lambda: engine.stats.num_grammar_compiles == 0 and not engine.num_unfinished,
+               "compile stopped")
+    assert http.get("/metrics").text.count('sloserve:grammar_compiles{model_name=') == 1
+    helpers.wait_all_blocks_free(engine)
