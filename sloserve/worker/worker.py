@@ -10,6 +10,7 @@ methods (plain data in and out, apart from KV export / import buffers).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -49,16 +50,23 @@ class Worker:
 
     # ------------------------------------------------------------------ start-up
     def init_device(self) -> None:
-        """Set the torch threads and choose the dtypes and the attention backend for this CPU
-        (logged in one line). Raises ValueError for an unknown dtype or backend."""
+        """Set the torch threads (``sloserve.cpus.cpu_budget``: ``--num-threads``,
+        ``OMP_NUM_THREADS``, or the CPUs this process may use), choose the dtypes and the
+        attention backend for this CPU (logged in one line). Raises ValueError for an unknown
+        dtype or backend."""
+        from sloserve.cpus import cpu_budget
         from sloserve.model.attention import get_attention_backend
         from sloserve.model.loader import parse_dtype, parse_kv_cache_dtype
         from sloserve.platform import choose_dtype
 
         cfg = self.config
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
-        self.dtype_choice = choose_dtype(cfg.dtype, cfg.kv_cache_dtype)
+        budget = cpu_budget(cfg.num_threads)
+        if budget.source == "detected" and torch.get_num_threads() < budget.threads:
+            # this process already runs fewer (torch.set_num_threads before an in-process
+            # engine, or torch's default of one thread per physical core): kept
+            budget = dataclasses.replace(budget, threads=torch.get_num_threads(), source="torch")
+        torch.set_num_threads(budget.threads)
+        self.dtype_choice = choose_dtype(cfg.dtype, cfg.kv_cache_dtype, budget)
         logger.info("%s", self.dtype_choice.describe())
         self.dtype = parse_dtype(self.dtype_choice.dtype)
         self.kv_cache_dtype = parse_kv_cache_dtype(self.dtype_choice.kv_cache_dtype)
