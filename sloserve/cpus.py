@@ -9,6 +9,7 @@ says otherwise; the count and where it came from are part of the engine's ``cpu:
 (``sloserve.platform``).
 
 :func:`engine_core_env`: the engine-core process starts with OpenMP's busy-wait bounded.
+``sloserve.worker.threads`` then runs one thread fewer while other processes hold the cores.
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 
 import torch
 
@@ -47,11 +48,14 @@ class Worker:
         #: the one log line on which weights and kernels serve which steps
         self.weights_line = ""
         self.model_runner = None
+        #: one thread fewer while other processes hold the cores (sloserve.worker.threads)
+        self.thread_governor = None
 
     # ------------------------------------------------------------------ start-up
     def init_device(self) -> None:
         """Set the torch threads (``sloserve.cpus.cpu_budget``: ``--num-threads``,
-        ``OMP_NUM_THREADS``, or the CPUs this process may use), choose the dtypes and the
+        ``OMP_NUM_THREADS``, or the CPUs this process may use, then adjusted by
+        ``sloserve.worker.threads``), choose the dtypes and the
         attention backend for this CPU (logged in one line). Raises ValueError for an unknown
         dtype or backend."""
         from sloserve.cpus import cpu_budget
@@ -66,6 +70,9 @@ class Worker:
             # engine, or torch's default of one thread per physical core): kept
             budget = dataclasses.replace(budget, threads=torch.get_num_threads(), source="torch")
         torch.set_num_threads(budget.threads)
+        if budget.source == "detected":  # never against a count the user chose
+            from sloserve.worker.threads import ThreadGovernor
+            self.thread_governor = ThreadGovernor(budget.threads, torch.set_num_threads)
         self.dtype_choice = choose_dtype(cfg.dtype, cfg.kv_cache_dtype, budget)
         logger.info("%s", self.dtype_choice.describe())
         self.dtype = parse_dtype(self.dtype_choice.dtype)
@@ -133,7 +140,11 @@ class Worker:
     # ------------------------------------------------------------------ steps
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step (forward and sampling) on the model runner."""
-        return self.model_runner.execute(scheduler_output)
+        started = time.monotonic()
+        out = self.model_runner.execute(scheduler_output)
+        if self.thread_governor is not None:
+            self.thread_governor.after_step(started)
+        return out
 
     def export_kv(self, block_ids: list[int], layer: int | None = None) -> torch.Tensor:
         """See ``ModelRunner.export_kv``."""
