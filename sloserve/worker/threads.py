@@ -45,7 +45,7 @@ CONTENDED = 0.3
 #: what each thread of the smaller team gets
 EARN = 0.4
 #: idle CPUs (of those the process may use, averaged over a window) that add a thread at once
-RAISE_IDLE = 0.75
+RAISE_IDLE = 0.5
 #: seconds before the first trial of a kind is repeated; doubled after each that changed
 #: nothing, up to MAX_PROBE_S
 PROBE_S = 10.0
