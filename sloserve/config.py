@@ -102,8 +102,10 @@ class EngineConfig:
             None: unbounded. (Decided by the front end, see ``engine.admission``.)
         seed: seed of the engine RNG (unseeded sampling requests draw their seeds from it).
         attention_backend: "auto" (the best that runs here) or a registered backend's name.
-        num_threads: torch intra-op threads of the engine core (None: torch's default, every
-            core).
+        num_threads: torch intra-op threads of the engine core, fixed (None: the CPUs the
+            process may use, its affinity mask and cgroup quota, one fewer while other
+            processes hold the cores; see ``sloserve.cpus.cpu_budget`` and
+            ``sloserve.worker.threads``).
         quantization: "auto" (a GGUF's weights as stored, dense bf16/fp32 for HF folders),
             "none" (dense), "gguf" (as stored), "int8" / "int4" (requantize every linear weight).
         enforce_eager: run every step on the model's plain torch path (no fused quantized
@@ -360,7 +362,9 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
                    choices=ATTENTION_BACKEND_CHOICES,
                    help="auto (the fastest that runs here) or a backend name")
     p.add_argument("--num-threads", type=int, default=None,
-                   help="torch intra-op threads of the engine core (default: every core)")
+                   help="compute threads of the engine core, fixed (default: the CPUs it may "
+                        "use, affinity mask and cgroup quota, fewer while other processes hold "
+                        "them)")
     p.add_argument("--max-logprobs", type=int, default=_D.max_logprobs,
                    help=f"most logprobs / top_logprobs / prompt_logprobs per request "
                         f"(default {_D.max_logprobs})")

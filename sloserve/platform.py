@@ -12,6 +12,9 @@ with the ISA flags and the probe's ratios, is one log line (:meth:`DtypeChoice.d
 
 An AVX-512 machine exercises the AVX2 choice with ``ATEN_CPU_CAPABILITY=avx2
 ONEDNN_MAX_CPU_ISA=AVX2``.
+
+The log line also says how many compute threads the engine runs and why
+(``sloserve.cpus.cpu_budget``).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 
 from sloserve.config import DTYPE_CHOICES as DTYPES
 from sloserve.config import KV_CACHE_DTYPE_CHOICES as KV_CACHE_DTYPES
+from sloserve.cpus import CpuBudget
 
 #: ISA flags of /proc/cpuinfo that decide which kernels are fast, in the order they are shown
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
@@ -46,6 +50,7 @@ class CpuInfo:
             after ``ATEN_CPU_CAPABILITY``.
         onednn_max_isa: ``ONEDNN_MAX_CPU_ISA`` if set (caps oneDNN's kernels, torch's bf16 GEMMs).
         num_threads: torch intra-op threads.
+        budget: how the engine chose its thread count (None: not chosen, torch's default).
     """
 
     model_name: str
@@ -53,6 +58,7 @@ class CpuInfo:
     aten_capability: str
     onednn_max_isa: str | None
     num_threads: int
+    budget: CpuBudget | None = None
 
     @property
     def has_native_bf16(self) -> bool:
@@ -64,8 +70,10 @@ class CpuInfo:
         caps = f"ATen {self.aten_capability}"
         if self.onednn_max_isa:
             caps += f", ONEDNN_MAX_CPU_ISA={self.onednn_max_isa}"
+        threads = (self.budget.describe() if self.budget is not None
+                   else f"{self.num_threads} torch threads")
         return (f"{self.model_name}; ISA {' '.join(self.flags) or 'none of ' + '/'.join(ISA_FLAGS[:2])}; "
-                f"{caps}; {self.num_threads} torch threads")
+                f"{caps}; {threads}")
 
 
 def _cpuinfo() -> tuple[str, set[str]]:
@@ -85,8 +93,9 @@ def _cpuinfo() -> tuple[str, set[str]]:
     return name, flags
 
 
-def detect_cpu() -> CpuInfo:
-    """Read the CPU's ISA flags and torch's caps (cheap; call after setting torch's threads)."""
+def detect_cpu(budget: CpuBudget | None = None) -> CpuInfo:
+    """Read the CPU's ISA flags and torch's caps (cheap; call after setting torch's threads);
+    ``budget``: how the threads were chosen, for the log line."""
     import torch
 
     name, flags = _cpuinfo()
@@ -95,7 +104,7 @@ def detect_cpu() -> CpuInfo:
     except Exception:  # pragma: no cover - very old torch
         cap = "unknown"
     return CpuInfo(name, tuple(f for f in ISA_FLAGS if f in flags), cap,
-                   os.environ.get("ONEDNN_MAX_CPU_ISA"), torch.get_num_threads())
+                   os.environ.get("ONEDNN_MAX_CPU_ISA"), torch.get_num_threads(), budget)
 
 
 @dataclass(frozen=True)
@@ -220,9 +229,10 @@ def _cached_probe() -> MatmulProbe:
     return probe_matmul()
 
 
-def choose_dtype(requested: str = "auto", kv_cache_dtype: str = "auto") -> DtypeChoice:
+def choose_dtype(requested: str = "auto", kv_cache_dtype: str = "auto",
+                 budget: CpuBudget | None = None) -> DtypeChoice:
     """Resolve ``--dtype`` / ``--kv-cache-dtype`` for this CPU (probes once per process; no
-    probe for ``float32``).
+    probe for ``float32``); ``budget``: the thread choice, for the log line.
 
     Raises:
         ValueError: an unknown dtype.
@@ -230,7 +240,7 @@ def choose_dtype(requested: str = "auto", kv_cache_dtype: str = "auto") -> Dtype
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
                          f"{kv_cache_dtype!r}")
-    cpu = detect_cpu()
+    cpu = detect_cpu(budget)
     probe = None if requested == "float32" else _cached_probe()
     dtype, reason = decide_dtype(requested, probe)
     kv = dtype if kv_cache_dtype == "auto" else kv_cache_dtype

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from sloserve.cpus import CpuBudget
 from sloserve.platform import (BF16_MAX_GEMM_RATIO, DTYPES, MatmulProbe, choose_dtype,
                                decide_dtype, detect_cpu)
 
@@ -84,6 +85,11 @@ def test_under_avx2_caps_auto_falls_back_to_float32():
     assert dtype == "float32"
 
 
+def test_the_cpu_line_names_the_threads_and_their_source():
+    line = choose_dtype("float32", budget=CpuBudget(3, "--num-threads", 2, None)).describe()
+    assert "; threads 3 (--num-threads; affinity 2, quota none) -> dtype float32" in line
+
+
 def test_engine_logs_its_choice(tiny_llama_dir, caplog):
     from sloserve.config import EngineConfig
     from sloserve.engine.llm_engine import LLMEngine
@@ -94,6 +100,13 @@ def test_engine_logs_its_choice(tiny_llama_dir, caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cpu: ")]
     assert len(lines) == 1 and "-> dtype float32, KV cache bfloat16" in lines[0]
     assert set(DTYPES) >= {eng.dtype_choice.dtype}
+    # the threads and where their count came from (this test process may run fewer than the
+    # CPUs it has: the line then says torch's count was kept)
+    budget = eng.dtype_choice.cpu.budget
+    assert f"; {budget.describe()} -> dtype" in lines[0]
+    assert budget.source in ("detected", "torch", "OMP_NUM_THREADS")
+    worker = eng.core.model_executor.driver_worker
+    assert (worker.thread_governor is not None) == (budget.source == "detected")
 
 
 def test_the_probe_alternates_its_dtypes_so_a_burst_hits_both(monkeypatch):

@@ -2,8 +2,9 @@
 
 Starts the process (``python -m sloserve.engine.core_proc``: a fresh interpreter, no inherited
 OpenMP state, and unlike ``multiprocessing``'s spawn it never re-imports the caller's main
-module), binds the two ZeroMQ sockets it connects to, waits for its EngineCoreReady, and then
-sends and receives messages. Sending is thread-safe (a lock around the PUSH socket); receiving is for one
+module; its environment bounds OpenMP's busy-wait, ``sloserve.cpus.engine_core_env``), binds
+the two ZeroMQ sockets it connects to, waits for its EngineCoreReady, and then sends and
+receives messages. Sending is thread-safe (a lock around the PUSH socket); receiving is for one
 thread (the async front end's receiver).
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import asdict
 import zmq
 
 from sloserve.config import EngineConfig
+from sloserve.cpus import engine_core_env
 from sloserve.engine.messages import (EngineCoreReady, EngineInfo, FromCore, ToCore,
                                       decode_from_core, encoder)
 
@@ -70,7 +72,7 @@ class CoreClient:
             spec = {"config": asdict(config), "step_trace": step_trace, "input": in_addr,
                     "output": out_addr, "log_level": log_level, "parent_pid": os.getpid()}
             self.proc = subprocess.Popen([sys.executable, "-m", "sloserve.engine.core_proc",
-                                          json.dumps(spec)])
+                                          json.dumps(spec)], env=engine_core_env())
         except BaseException:
             if self.proc is not None and self.proc.poll() is None:
                 self.proc.kill()

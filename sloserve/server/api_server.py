@@ -4,8 +4,9 @@
     from sloserve.server.api_server import run_server
     run_server(EngineConfig(dtype="float32"), host="0.0.0.0", port=8000)
 
-Thread placement on a small CPU: the engine core's torch uses every core (``--num-threads``
-changes it); this process imports no torch and does no math, so its event loop, the tokenizer
+Thread placement on a small CPU: the engine core's torch uses every core it may (affinity and
+cgroup quota; ``--num-threads`` fixes the count) and its OpenMP threads spin only briefly before
+they sleep; this process imports no torch and does no math, so its event loop, the tokenizer
 and the SSE streams take what the core's threads leave between steps.
 
 Start: the port is bound first (a busy port or a bad host is one error line before any model

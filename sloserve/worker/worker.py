@@ -10,8 +10,10 @@ methods (plain data in and out, apart from KV export / import buffers).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import time
 
 import torch
 
@@ -46,19 +48,32 @@ class Worker:
         #: the one log line on which weights and kernels serve which steps
         self.weights_line = ""
         self.model_runner = None
+        #: one thread fewer while other processes hold the cores (sloserve.worker.threads)
+        self.thread_governor = None
 
     # ------------------------------------------------------------------ start-up
     def init_device(self) -> None:
-        """Set the torch threads and choose the dtypes and the attention backend for this CPU
-        (logged in one line). Raises ValueError for an unknown dtype or backend."""
+        """Set the torch threads (``sloserve.cpus.cpu_budget``: ``--num-threads``,
+        ``OMP_NUM_THREADS``, or the CPUs this process may use, then adjusted by
+        ``sloserve.worker.threads``), choose the dtypes and the
+        attention backend for this CPU (logged in one line). Raises ValueError for an unknown
+        dtype or backend."""
+        from sloserve.cpus import cpu_budget
         from sloserve.model.attention import get_attention_backend
         from sloserve.model.loader import parse_dtype, parse_kv_cache_dtype
         from sloserve.platform import choose_dtype
 
         cfg = self.config
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
-        self.dtype_choice = choose_dtype(cfg.dtype, cfg.kv_cache_dtype)
+        budget = cpu_budget(cfg.num_threads)
+        if budget.source == "detected" and torch.get_num_threads() < budget.threads:
+            # this process already runs fewer (torch.set_num_threads before an in-process
+            # engine, or torch's default of one thread per physical core): kept
+            budget = dataclasses.replace(budget, threads=torch.get_num_threads(), source="torch")
+        torch.set_num_threads(budget.threads)
+        if budget.source == "detected":  # never against a count the user chose
+            from sloserve.worker.threads import ThreadGovernor
+            self.thread_governor = ThreadGovernor(budget.threads, torch.set_num_threads)
+        self.dtype_choice = choose_dtype(cfg.dtype, cfg.kv_cache_dtype, budget)
         logger.info("%s", self.dtype_choice.describe())
         self.dtype = parse_dtype(self.dtype_choice.dtype)
         self.kv_cache_dtype = parse_kv_cache_dtype(self.dtype_choice.kv_cache_dtype)
@@ -125,7 +140,11 @@ class Worker:
     # ------------------------------------------------------------------ steps
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step (forward and sampling) on the model runner."""
-        return self.model_runner.execute(scheduler_output)
+        started = time.monotonic()
+        out = self.model_runner.execute(scheduler_output)
+        if self.thread_governor is not None:
+            self.thread_governor.after_step(started)
+        return out
 
     def export_kv(self, block_ids: list[int], layer: int | None = None) -> torch.Tensor:
         """See ``ModelRunner.export_kv``."""
