@@ -80,6 +80,11 @@ class AttentionBackend(abc.ABC):
     compute_dtype: torch.dtype = torch.float32
     #: the KV cache dtypes it reads (None: any)
     kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
+    #: it can compute each query row's attention independently of the step's other rows and
+    #: of how the request was chunked (``--batch-invariant``, see ``sloserve.model.invariant``)
+    supports_batch_invariant: ClassVar[bool] = False
+    #: set by the engine: ``--batch-invariant`` is on
+    batch_invariant: bool = False
 
     @classmethod
     def supports(cls, kv_cache_dtype: torch.dtype | None) -> bool:

@@ -19,6 +19,13 @@ are interchangeable on one cache). Per step:
 The KV cache is float32, bf16 or int8 (``kv_int8``: D codes and a float32 scale per head and
 token, half the bytes of bf16 for the decode kernel to read).
 
+With ``--batch-invariant`` every query row of the step, decode or prefill, runs the paged
+decode kernel as a request of its own whose context ends at its position (its request's block
+table, seq_len = position + 1; the step's K/V are written first): the splits are fixed
+multiples of ``SPLIT_LEN`` positions merged in order, so a row's output is the same in any
+chunk, after a prefix-cache hit, as a decode step and on any thread count
+(``sloserve.model.invariant``).
+
 Available where the kernels load (``sloserve.kernels``); ``auto`` prefers it to ``torch-ref``.
 """
 from __future__ import annotations
@@ -65,6 +72,7 @@ class CpuPagedBackend(AttentionBackend):
 
     name = "cpu-paged"
     priority = 10
+    supports_batch_invariant = True
     # the kernels read bf16, float32 or int8 entries (a float16 cache read as float32 ran off
     # its end)
     kv_cache_dtypes = (torch.float32, torch.bfloat16, torch.int8)
@@ -99,6 +107,8 @@ class CpuPagedBackend(AttentionBackend):
     kv_cache_shape = staticmethod(TorchReferenceBackend.kv_cache_shape)
 
     def build_metadata(self, inputs: StepInputs) -> CpuPagedMetadata:
+        if self.batch_invariant:
+            return self._rows_metadata(inputs)
         ref = TorchReferenceBackend.build_metadata(self, inputs)
         bs = inputs.block_size
         mb = [inputs.block_table[b, :-(-seq // bs)].contiguous()
@@ -114,6 +124,18 @@ class CpuPagedBackend(AttentionBackend):
                                 inputs.block_table.index_select(0, idx).contiguous(), lens,
                                 max(inputs.seq_lens_list[b] for b in dec), ref.multi,
                                 all_decode=len(dec) == len(inputs.query_lens), multi_blocks=mb)
+
+    @staticmethod
+    def _rows_metadata(inputs: StepInputs) -> CpuPagedMetadata:
+        """--batch-invariant: every query row a decode of its own (see the module docstring):
+        row t's block table is its request's, its context ends at its position."""
+        T = inputs.num_tokens
+        req = torch.repeat_interleave(torch.arange(inputs.num_reqs),
+                                      torch.tensor(inputs.query_lens, dtype=torch.long))
+        return CpuPagedMetadata(inputs.slot_mapping, torch.arange(T),
+                                inputs.block_table.index_select(0, req).contiguous(),
+                                inputs.positions + 1, max(inputs.seq_lens_list), [],
+                                all_decode=True)
 
     def forward(self, q, k, v, kv_cache, meta: CpuPagedMetadata, scale):
         kf = k if k.dtype == torch.float32 else k.float()
