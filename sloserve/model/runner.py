@@ -86,7 +86,8 @@ def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
         num_computed_tokens=torch.tensor(done, dtype=torch.long),
         block_table=table, slot_mapping=torch.tensor(slots, dtype=torch.long),
         logits_indices=torch.tensor(logits_idx, dtype=torch.long), block_size=bs,
-        query_lens=qlens, seq_lens_list=seqs, num_computed_list=done)
+        query_lens=qlens, seq_lens_list=seqs, num_computed_list=done,
+        prompt_lens=[sr.num_prompt_tokens for sr in out.scheduled])
 
 
 class ModelRunner:

@@ -16,7 +16,7 @@ available one with the highest ``priority``.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -40,6 +40,8 @@ class StepInputs:
         block_size: tokens per KV block.
         query_lens, seq_lens_list, num_computed_list: host-side (Python) copies, [B] each, for
             backends that plan on the CPU without reading tensors back.
+        prompt_lens: [B] each request's prompt length (positions below it are prompt
+            positions; 0: not known, every position counts as generated).
     """
 
     input_ids: torch.Tensor
@@ -54,6 +56,7 @@ class StepInputs:
     query_lens: list[int]
     seq_lens_list: list[int]
     num_computed_list: list[int]
+    prompt_lens: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
