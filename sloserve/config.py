@@ -113,10 +113,10 @@ class EngineConfig:
         batch_invariant: a request's token ids, logprobs and text do not depend on its
             batch-mates, ``n``, chunking, prefix-cache hits or the thread count (vLLM's
             ``VLLM_BATCH_INVARIANT``; default off, see README "Numerics" for its cost): one
-            kernel per op whatever the step's token count, every query row's attention on the
-            decode kernel, the sampler row by row (``sloserve.model.model_loader``,
-            ``sloserve.model.attention.cpu_paged``, ``sloserve.model.sampler``). Runs on the
-            CPU kernels only: quantized weights, or dense bf16 on the AMX GEMM.
+            kernel per op whatever the step's token count, each position's attention always on
+            the same row-invariant kernel, the sampler row by row (``sloserve.model.invariant``
+            says what each op does). Runs on the CPU kernels only: quantized weights, or dense
+            bf16 on the AMX GEMM.
     """
 
     model: str | None = None

@@ -19,20 +19,26 @@ Where the default path depends on the batch, and what the mode does instead:
   cos/sin come from a table computed once per position (:class:`RopeTableCache`), not per step
   (torch's vectorized cos and its scalar tail round differently, and which elements fall in the
   tail depends on the step's size and thread split).
-* Attention (:mod:`sloserve.model.attention.cpu_paged`): every query row, prefill or decode, on
-  the paged decode kernel with its own context length (position + 1): splits at fixed
-  multiples of ``SPLIT_LEN`` positions merged in order (never by thread count). A prompt
-  token's attention is then the same whether its chunk began at 0 or elsewhere, whether it was
-  the last token recomputed after a prefix-cache hit, or a decode step. The prefill kernel
-  (AMX flash attention) is not used: its query tiles share a rescaling decision, and its bf16
-  products differ from the decode kernel's float32 ones.
+* Attention (:mod:`sloserve.model.attention.cpu_paged`): each position is always computed by
+  the same kernel, one whose result for a query row depends on that row alone. Prompt
+  positions (below the request's prompt length, which the scheduler passes down): the flash
+  attention kernel's invariant variant, whose query lanes never touch each other (by default
+  a tile's 16 queries share the decision to move the softmax reference, so a token's result
+  depends on which chunk it came in); also for a one-token chunk and for the last prompt token
+  recomputed after a full prefix-cache hit. Generated positions (decodes, and tokens recomputed
+  after a preemption): the paged decode kernel, each row as a request of its own, its splits at
+  fixed multiples of ``SPLIT_LEN`` positions merged in order (never by thread count). So no
+  position ever needs the two kernels to agree. Where the flash kernel does not run (float32,
+  no AMX / AVX512-BF16) every row takes the decode kernel that way.
 * Sampling and logprobs (:mod:`sloserve.model.sampler`, :mod:`sloserve.model.runner`): row by
   row on one torch thread (:func:`one_thread`), so that torch's elementwise and reduction
   loops see the same element layout whatever the step.
 
-The cost is in prefill attention (the decode kernel's float32 arithmetic, ~3x the AMX flash
-attention's time per prompt token) and in large prefill steps of models whose dense GEMM would
-beat the quantized product; decode steps run the same kernels as without the mode.
+What it costs: decode steps and prompts run the kernels they run without the mode (the
+invariant flash variant adds a mask per diagonal block); the difference is in the linear
+layers of large steps, which keep the quantized product where the default would have switched
+to the AMX GEMM above its measured crossover, and, where the flash kernel does not run, prompt
+attention on the decode kernel. README "Numerics" gives the measured figures.
 """
 from __future__ import annotations
 
