@@ -130,6 +130,13 @@ class EngineConfig:
         logprobs_mode: "raw_logprobs" (default: log-softmax of the model's logits),
             "processed_logprobs" (after temperature, top-k and top-p), or the logits themselves
             ("raw_logits", "processed_logits"), as vLLM's ``--logprobs-mode``.
+        batch_invariant: a request's token ids, logprobs and text do not depend on its
+            batch-mates, ``n``, chunking, prefix-cache hits or the thread count (vLLM's
+            ``VLLM_BATCH_INVARIANT``; default off, see README "Numerics" for its cost): one
+            kernel per op whatever the step's token count, each position's attention always on
+            the same row-invariant kernel, the sampler row by row (``sloserve.model.invariant``
+            says what each op does). Runs on the CPU kernels only: quantized weights, or dense
+            bf16 on the AMX GEMM.
     """
 
     model: str | None = None
@@ -163,6 +170,7 @@ class EngineConfig:
     engine_stall_timeout: float = DEFAULT_ENGINE_STALL_TIMEOUT_S
     structured_outputs_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S
     max_pending_compiles_per_client: int = DEFAULT_MAX_PENDING_COMPILES_PER_CLIENT
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.scheduling_policy in POLICIES:  # the old spelling: one release of grace
@@ -231,6 +239,17 @@ class EngineConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got "
                                  f"{getattr(self, name)!r}")
+        if self.batch_invariant:
+            # the torch reference's matmuls and SDPA pick their kernels by shape: no
+            # batch-invariant path there (sloserve.model.model_loader says the same for weights
+            # the kernels cannot serve invariantly)
+            if self.enforce_eager:
+                raise ValueError("batch_invariant runs on the CPU kernels: it cannot be "
+                                 "combined with enforce_eager (the torch reference's products "
+                                 "depend on the step's size)")
+            if self.attention_backend == "torch-ref":
+                raise ValueError("batch_invariant needs the cpu-paged attention backend (or "
+                                 "auto), not torch-ref")
 
     def resolve_kv_cache(self, page_size_bytes: int, available_bytes: int,
                          model_max_len: int) -> tuple[int, int]:
@@ -383,6 +402,12 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
                         "compile nobody waits for any more (its clients disconnected) is "
                         f"killed at once (default {_D.structured_outputs_compile_timeout:g}; "
                         "0: no limit)")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
+                   default=_D.batch_invariant,
+                   help="a request's tokens, logprobs and text do not depend on its batch-mates, "
+                        "n, chunking, prefix-cache hits or the thread count (default off: "
+                        "prefills are slower with it, see README Numerics); needs the CPU "
+                        "kernels and quantized weights or dense bf16 weights on AMX")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:

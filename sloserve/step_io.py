@@ -46,6 +46,9 @@ class ScheduledRequest:
             little-endian bitmask of ceil(vocab / 32) int32 words in bytes (bit ``t % 32`` of
             word ``t // 32`` set: token t allowed); empty: no constraint. One entry per sampled
             position leaves room for draft positions.
+        num_prompt_tokens: the request's prompt length: positions below it are prompt
+            positions, the others generated ones (--batch-invariant computes the two kinds on
+            their own kernels, whatever chunk they come in); 0: not given (all generated).
     """
 
     request_id: str
@@ -59,6 +62,7 @@ class ScheduledRequest:
     spec_token_ids: list[int] = field(default_factory=list)
     prompt_logprob_targets: list[int] = field(default_factory=list)
     token_bitmask: list[bytes] = field(default_factory=list)
+    num_prompt_tokens: int = 0
 
     @property
     def start_pos(self) -> int:

@@ -115,3 +115,21 @@ def test_choices_are_checked_by_validate(name, value):
     """A value outside a setting's choices is refused before any model loads, naming them."""
     with pytest.raises(ValueError, match=f"{name} must be one of auto, .*, got '{value}'"):
         EngineConfig(**{name: value}).validate()
+
+
+def test_batch_invariant_flag():
+    """--batch-invariant (default off) reaches the config; the torch reference has no
+    batch-invariant path, so it is refused with --enforce-eager or the torch-ref backend before
+    any model loads."""
+    import argparse
+
+    from sloserve import config
+    p = argparse.ArgumentParser()
+    config.add_engine_args(p)
+    assert config.engine_config_from_args(p.parse_args([])).batch_invariant is False
+    assert config.engine_config_from_args(p.parse_args(["--batch-invariant"])).batch_invariant
+    EngineConfig(batch_invariant=True).validate()
+    with pytest.raises(ValueError, match="cannot be combined with enforce_eager"):
+        EngineConfig(batch_invariant=True, enforce_eager=True).validate()
+    with pytest.raises(ValueError, match="needs the cpu-paged attention backend"):
+        EngineConfig(batch_invariant=True, attention_backend="torch-ref").validate()

@@ -569,7 +569,8 @@ class Scheduler:
             block_ids=list(self.kv.get_block_table(req.request_id)),
             sampling_params=req.sampling_params, samples=end == req.num_tokens,
             is_decode=end == req.num_tokens and end - start == 1 and req.num_output_tokens > 0,
-            spec_token_ids=list(spec), prompt_logprob_targets=targets)
+            spec_token_ids=list(spec), prompt_logprob_targets=targets,
+            num_prompt_tokens=req.num_prompt_tokens)
 
     # ----------------------------------------------------------------- results
     def update_from_output(self, out: SchedulerOutput, runner_out: ModelRunnerOutput,

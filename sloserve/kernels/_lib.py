@@ -42,7 +42,7 @@ _SIGS = {
     "sl_avx512_bf16": ([], _I32),
     "sl_prefill_attn_scratch": ([_I64, _I64, _I64, _I64], _I64),
     "sl_prefill_attn": ([_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _F, _P,
-                         _P, _I32], _I32),
+                         _P, _I32, _I32], _I32),
     "sl_paged_attn_decode": ([_P, _I64, _P, _I32, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64,
                               _I64, _F, _I64, _I64, _P, _P], None),
 }

@@ -308,15 +308,18 @@ class Kernels:
 
 
     def prefill_attn(self, q: torch.Tensor, cache: torch.Tensor, blocks: torch.Tensor,
-                     num_computed: int, scale: float, isa: str | None = None) -> torch.Tensor:
+                     num_computed: int, scale: float, isa: str | None = None,
+                     invariant: bool = False) -> torch.Tensor:
         """Causal attention of one request's ``n`` new query tokens q [n, H, D] (float32, heads
         contiguous) over its whole context in one layer's bf16 cache [2, blocks, bs, Hkv, D]
         (positions 0 .. num_computed + n - 1, the chunk's K/V already written), through its
         block table ``blocks`` (int64, at least ceil(context / bs) entries) -> [n, H, D] float32.
         Flash attention over 64-token blocks with Q, K, V and the probabilities in bf16 and
         float32 accumulation (``csrc/prefill_attn.h``), on ``isa`` (``amx`` or ``avx512_bf16``;
-        default :attr:`prefill_attn_isa`). ValueError for D % 32 != 0, a non-bf16 cache, too few
-        blocks or an ``isa`` this CPU cannot run."""
+        default :attr:`prefill_attn_isa`). ``invariant`` (``--batch-invariant``): each query
+        token's output depends on its own scores alone, not on the chunk's other tokens, so it
+        is the same whatever chunk it comes in (``csrc/prefill_attn.h``, INV). ValueError for
+        D % 32 != 0, a non-bf16 cache, too few blocks or an ``isa`` this CPU cannot run."""
         isa = isa or self.prefill_attn_isa
         if not {"amx": self.amx, "avx512_bf16": self._avx512_bf16}.get(isa):
             raise ValueError(f"prefill_attn: isa {isa!r} is not available here "
@@ -347,7 +350,8 @@ class Kernels:
         scratch = self._scratch(self.lib.sl_prefill_attn_scratch(ctx, hkv, D, threads))
         if self.lib.sl_prefill_attn(q.data_ptr(), q.stride(0), n, num_computed,
                                     cache.data_ptr(), blocks.data_ptr(), bs, nb, H, hkv, D,
-                                    scale, out.data_ptr(), scratch, int(isa == "amx")):
+                                    scale, out.data_ptr(), scratch, int(isa == "amx"),
+                                    int(invariant)):
             raise RuntimeError(f"the {self.variant} kernels have no bf16 prefill attention")
         return out
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from sloserve.kernels import X16Weight
 from sloserve.model import crossover, hugepages
+from sloserve.model.invariant import ALL_ROWS, RopeTableCache
 from sloserve.model.layers.custom_op import CustomOp
 from sloserve.model.layers.fused_layer import build_fused_layers
 from sloserve.model.layers.linear import (KernelDenseLinearMethod, LinearBase,
@@ -46,10 +47,13 @@ def get_model(config, dtype: torch.dtype) -> LoadedModel:
     enforce_eager, dtype, max_num_batched_tokens, max_num_seqs) in ``dtype`` and choose its
     ops: the kernels where they load and ``--enforce-eager`` is off (int8 activations for the
     quantized products unless ``--dtype float32``), else the torch reference. On the kernels
-    the dense GEMM shapes a step can take are run once (:func:`warm_up`).
+    the dense GEMM shapes a step can take are run once (:func:`warm_up`). With
+    ``batch_invariant`` one method serves every step (:func:`make_batch_invariant`).
 
     Raises:
-        everything ``sloserve.model.loader.load_model`` raises.
+        everything ``sloserve.model.loader.load_model`` raises; ValueError for
+        ``batch_invariant`` where the kernels do not load or cannot serve the weights
+        invariantly.
     """
     from sloserve.model.loader import load_model
     model, weights = load_model(config.model, dtype, config.load_format, with_tokenizer=False,
@@ -69,12 +73,19 @@ def get_model(config, dtype: torch.dtype) -> LoadedModel:
                            f"{head}; --enforce-eager: every step on the model's torch forward")
     from sloserve import kernels
     k = kernels.load()
+    inv = getattr(config, "batch_invariant", False)
     if k is None:
+        if inv:
+            raise ValueError("--batch-invariant runs on the CPU kernels, which do not load here")
         return LoadedModel(model, weights.name, f"{head}; no CPU kernels here: every step on "
                                                 f"the model's torch forward")
     # --dtype float32 asks for exact arithmetic: the quantized products then take float32
     # inputs; otherwise (auto, bf16) they quantize them to int8 like llama.cpp (~1.4x faster)
     int8_act = config.dtype != "float32"
+    if inv:
+        make_batch_invariant(model, k, int8_act)
+        return LoadedModel(model, weights.name, f"{head}; fused forward on the {k.variant} "
+                                                f"kernels, --batch-invariant: {model.invariant_how}")
     use_kernels(model, k, int8_activations=int8_act)
     p = model.policy
     dense = f"dense {dt} GEMM"
@@ -161,6 +172,34 @@ def use_kernels(model, kernels, int8_activations: bool = True,
                                       lambda: crossover.amx_crossover(model))
     policy.quant_max_tokens = _given_or(quant_max_tokens, quantized,
                                         lambda: crossover.quant_crossover(model))
+
+
+def make_batch_invariant(model, kernels, int8_activations: bool = True) -> None:
+    """``use_kernels`` for ``--batch-invariant`` (see :mod:`sloserve.model.invariant`): one
+    linear method for every step, whatever its token count: the quantized weights where every
+    layer has them, else the AMX bf16 GEMM; no crossover is measured. RoPE's tables come from
+    a per-position cache. Sets ``model.invariant_how`` (for the start-up line).
+
+    Raises:
+        ValueError: dense weights and no AMX GEMM for them (float32, float16, or a CPU without
+            AMX): oneDNN's per-row result depends on the step's row count.
+    """
+    quantized = all(lin.is_quantized for lin in model.linear_layers())
+    use_kernels(model, kernels, int8_activations=int8_activations,
+                quant_max_tokens=ALL_ROWS, amx_max_tokens=0 if quantized else ALL_ROWS)
+    p = model.policy
+    if quantized:
+        model.invariant_how = (f"every step on the quantized weights "
+                               f"({'int8' if int8_activations else 'float32'} activations)")
+    elif p.amx_max_tokens:
+        model.invariant_how = "every step on the AMX bfloat16 GEMM"
+    else:
+        dt = str(model.lm_head.weight.dtype).removeprefix("torch.")
+        raise ValueError(
+            f"--batch-invariant: the dense {dt} weights would run on oneDNN here, whose "
+            f"per-row result depends on the step's row count; serve quantized weights (a GGUF, "
+            f"or --quantization int8 / int4) or bfloat16 on a CPU with AMX")
+    model.model.rotary_emb.table_cache = RopeTableCache(model.model.rotary_emb.inv_freq)
 
 
 def _is_gate_up(model, lin) -> bool:

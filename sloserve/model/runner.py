@@ -19,6 +19,7 @@ from sloserve.model.attention import AttentionBackend, StepInputs
 from sloserve.model import hugepages
 from sloserve.model.config import ModelConfig
 from sloserve.model import logprobs as lp
+from sloserve.model.invariant import one_thread
 from sloserve.model.sampler import Sampler, apply_token_bitmask
 from sloserve.step_io import ModelRunnerOutput, SchedulerOutput
 
@@ -85,7 +86,8 @@ def build_step_inputs(out: SchedulerOutput, block_size: int) -> StepInputs:
         num_computed_tokens=torch.tensor(done, dtype=torch.long),
         block_table=table, slot_mapping=torch.tensor(slots, dtype=torch.long),
         logits_indices=torch.tensor(logits_idx, dtype=torch.long), block_size=bs,
-        query_lens=qlens, seq_lens_list=seqs, num_computed_list=done)
+        query_lens=qlens, seq_lens_list=seqs, num_computed_list=done,
+        prompt_lens=[sr.num_prompt_tokens for sr in out.scheduled])
 
 
 class ModelRunner:
@@ -210,9 +212,22 @@ class ModelRunner:
 
     def _logprobs(self, sp, rows: torch.Tensor, token_ids: list[int], k: int):
         """Logprobs of ``token_ids`` (one per row) and the top ``k``, per --logprobs-mode."""
+        if getattr(self.sampler, "batch_invariant", False) and rows.shape[0]:
+            # one row at a time on one thread: a row's values must not depend on how many rows
+            # (a prompt's chunk) share the call (sloserve.model.invariant)
+            with one_thread():
+                values = torch.cat([lp.logprob_values(self._processed(sp, r[None]),
+                                                      self.logprobs_mode) for r in rows])
+                return lp.gather(values, token_ids, k)
+        return lp.gather(lp.logprob_values(self._processed(sp, rows), self.logprobs_mode),
+                         token_ids, k)
+
+    def _processed(self, sp, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` as --logprobs-mode reads them: processed_* modes take the sampler's
+        processed logits (temperature, top-k, top-p)."""
         if self.logprobs_mode.startswith("processed"):
-            rows = torch.stack([self.sampler.processed_logits(r, sp) for r in rows])
-        return lp.gather(lp.logprob_values(rows, self.logprobs_mode), token_ids, k)
+            return torch.stack([self.sampler.processed_logits(r, sp) for r in rows])
+        return rows
 
     # ------------------------------------------------------------------ KV export / import
     def export_kv(self, block_ids: list[int], layer: int | None = None) -> torch.Tensor:

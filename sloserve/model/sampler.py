@@ -3,20 +3,42 @@ from __future__ import annotations
 
 import torch
 
+from sloserve.model.invariant import one_thread
 from sloserve.sampling_params import SamplingParams
 
 
 class Sampler:
     """Picks one token per row of logits.
 
-    Every request that is not greedy draws from its own torch.Generator, seeded with its `seed`
-    (or, without one, from the engine's seeded RNG when the request first samples), so a request's
-    tokens do not depend on which other requests share its batch.
+    Randomness: a request that is not greedy draws one float64 uniform per sampled position
+    from its own torch.Generator, seeded with its ``seed``; without a seed, with one drawn from
+    the engine's RNG (``--seed``) when the request first samples, so an unseeded request's
+    stream depends on the order in which requests reach their first sample (as in vLLM: pass a
+    seed for reproducible samples). The server gives choice i of a seeded request with ``n`` > 1
+    the seed ``seed + i`` (``sampling_params.child_seed``, vLLM's rule), so choice 0 draws the
+    stream the request alone would. No request's stream depends on another's draws.
+
+    What holds about batch-mates:
+
+    * Without ``--batch-invariant`` (the default): only the stream above. The logits a
+      request samples from depend on its batch-mates (the step's token count picks the linear
+      kernels and the dtype between them, chunking and prefix-cache hits pick the attention
+      kernel), and the sampling math runs on all rows at once (torch's vectorized loops and
+      their scalar tails, split over threads by the step's size). So neither a greedy nor a
+      seeded request is guaranteed the same tokens alone and batched, in bfloat16 or float32.
+    * With ``batch_invariant`` (``--batch-invariant``): the logits of a row do not depend on
+      the step (``sloserve.model.invariant``), and the sampled rows are processed one at a
+      time on one torch thread, so a greedy or seeded request's tokens and logprobs are the
+      same alone, beside any batch-mates, as any choice of ``n`` with its seed, under any
+      chunking, prefix-cache hit or thread count. (Draft-token verify steps, which only tests
+      schedule, draw one uniform per verified position: a rejected draft's draws are spent.)
     """
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, batch_invariant: bool = False):
         self._rng = torch.Generator().manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
+        #: sample the non-greedy rows one at a time on one thread (see the class docstring)
+        self.batch_invariant = batch_invariant
 
     def _generator(self, request_id: str, sp: SamplingParams) -> torch.Generator:
         g = self._generators.get(request_id)
@@ -35,7 +57,8 @@ class Sampler:
         """Sample.
 
         Greedy rows take the argmax; the other rows are sampled together (:func:`draw`), each
-        with one uniform draw from its request's generator.
+        with one uniform draw from its request's generator (with ``batch_invariant``: one row
+        at a time on one thread).
 
         Args:
             logits: [S, V] float32.
@@ -51,20 +74,31 @@ class Sampler:
             sub = logits if len(greedy) == len(params) else logits[greedy]
             for i, t in zip(greedy, sub.argmax(dim=-1).tolist()):
                 out[i] = t
-        if rows:
+        if rows and self.batch_invariant:
+            with one_thread():
+                for i in rows:
+                    out[i] = self._draw_rows(logits[i:i + 1], [request_ids[i]], [params[i]])[0]
+        elif rows:
             sub = logits if len(rows) == len(params) else logits[rows]
-            # float32 whatever the logits' dtype (fp16 logits / 1e-4 overflowed to inf - inf)
-            temps = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32)
-            scaled = sub.float() / temps[:, None]
-            for j, i in enumerate(rows):  # top-k / top-p rows: one at a time
-                if 0 < params[i].top_k < logits.shape[-1] or params[i].top_p < 1.0:
-                    scaled[j] = self.processed_logits(sub[j], params[i])
-            u = torch.cat([torch.rand(1, generator=self._generator(request_ids[i], params[i]),
-                                      dtype=torch.float64) for i in rows])
-            scaled -= scaled.amax(dim=-1, keepdim=True)  # in place: one [S, V] buffer in all
-            for i, t in zip(rows, draw(scaled.exp_(), u).tolist()):
+            for i, t in zip(rows, self._draw_rows(sub, [request_ids[i] for i in rows],
+                                                  [params[i] for i in rows])):
                 out[i] = t
         return out
+
+    def _draw_rows(self, sub: torch.Tensor, request_ids: list[str],
+                   params: list[SamplingParams]) -> list[int]:
+        """Sample every row of ``sub`` [R, V] (the non-greedy rows), each with one uniform
+        from its request's generator (:func:`draw`)."""
+        # float32 whatever the logits' dtype (fp16 logits / 1e-4 overflowed to inf - inf)
+        temps = torch.tensor([sp.temperature for sp in params], dtype=torch.float32)
+        scaled = sub.float() / temps[:, None]
+        for j, sp in enumerate(params):  # top-k / top-p rows: one at a time
+            if 0 < sp.top_k < sub.shape[-1] or sp.top_p < 1.0:
+                scaled[j] = self.processed_logits(sub[j], sp)
+        u = torch.cat([torch.rand(1, generator=self._generator(rid, sp), dtype=torch.float64)
+                       for rid, sp in zip(request_ids, params)])
+        scaled -= scaled.amax(dim=-1, keepdim=True)  # in place: one [S, V] buffer in all
+        return draw(scaled.exp_(), u).tolist()
 
     @staticmethod
     def processed_logits(row: torch.Tensor, sp: SamplingParams) -> torch.Tensor:

@@ -79,6 +79,12 @@ class Worker:
         self.kv_cache_dtype = parse_kv_cache_dtype(self.dtype_choice.kv_cache_dtype)
         self.attn_backend = get_attention_backend(cfg.attention_backend, self.kv_cache_dtype)
         self.attn_backend.compute_dtype = self.dtype
+        if cfg.batch_invariant:
+            if not self.attn_backend.supports_batch_invariant:
+                raise ValueError(f"--batch-invariant needs an attention backend that computes "
+                                 f"each query row alone (cpu-paged, on the CPU kernels); "
+                                 f"{self.attn_backend.name} does not")
+            self.attn_backend.batch_invariant = True
 
     def load_model(self) -> None:
         """Load the weights and build the model on the ops that serve this CPU (warmed up).
@@ -134,8 +140,9 @@ class Worker:
                              f"more than 90% of this machine's {phys / GiB:.1f} GiB of memory")
         cfg = self.config
         self.model_runner = ModelRunner(self.model, self.model_config, num_blocks, cfg.block_size,
-                                        self.kv_cache_dtype, Sampler(cfg.seed), self.attn_backend,
-                                        logprobs_mode=cfg.logprobs_mode)
+                                        self.kv_cache_dtype,
+                                        Sampler(cfg.seed, batch_invariant=cfg.batch_invariant),
+                                        self.attn_backend, logprobs_mode=cfg.logprobs_mode)
 
     # ------------------------------------------------------------------ steps
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -2,6 +2,7 @@
 run (an AVX-512 machine runs the AVX2 and generic builds too; an AVX2 host skips AVX-512)."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -591,3 +592,111 @@ def test_prefill_attention_refuses_an_isa_this_cpu_lacks(monkeypatch):
     for isa in ("amx", "avx2"):
         with pytest.raises(ValueError, match=f"isa '{isa}' is not available"):
             k.prefill_attn(q, cache, torch.arange(4), 0, 0.125, isa=isa)
+
+
+# ------------------------------------------------------------------ --batch-invariant
+# The kernels --batch-invariant relies on (sloserve.model.invariant) give each row the same
+# bits whatever the other rows of the call, their number and the thread count: the quantized
+# products (x16 and row layouts, int8 or float32 activations), the AMX GEMM, the paged decode
+# attention per row, and the prefill attention's invariant variant per query token whatever
+# chunk it comes in. Exact equality: that is the property.
+
+#: row subsets of a 150-row input: single rows, tails of a 16-row tile, several tiles
+SUBSETS = [(0, 1), (149, 150), (5, 8), (16, 33), (40, 104), (0, 150)]
+
+
+@contextlib.contextmanager
+def kernel_threads(k, n: int):
+    before = k.lib.sl_num_threads()
+    k.set_num_threads(n)
+    try:
+        yield
+    finally:
+        k.set_num_threads(before)
+
+
+def _rows_invariant(k, fn, x: torch.Tensor) -> None:
+    """fn's rows of every subset of x, on 1 and 3 threads, are the full call's rows."""
+    full = fn(x)
+    for threads in (1, 3):
+        with kernel_threads(k, threads):
+            for a, b in SUBSETS:
+                assert torch.equal(fn(x[a:b].contiguous()), full[a:b]), (a, b, threads)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_quantized_products_rows(k, kind):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 576, generator=g)
+    qw = quantize_int4(w, "t") if kind == "int4" else quantize_int8(w, "t")
+    x = torch.randn(150, 576, generator=g) * 3
+    _rows_invariant(k, lambda t: k.qlinear(t, qw), x)          # float32 activations
+    _rows_invariant(k, lambda t: k.qlinear_i8(t, qw), x)       # int8, row layout
+    x16 = k.pack_x16(qw)
+    _rows_invariant(k, lambda t: k.qlinear_x16(t, x16), x)     # int8, x16 layout
+    sw = k.pack_x16_swiglu(qw)
+    _rows_invariant(k, lambda t: k.qlinear_x16_swiglu(t, sw), x)
+
+
+def test_amx_gemm_rows():
+    k = _amx()
+    g = torch.Generator().manual_seed(4)
+    w = k.pack_amx(torch.randn(96, 576, generator=g).bfloat16())
+    _rows_invariant(k, lambda t: k.amx_linear(t, w), torch.randn(150, 576, generator=g))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32, torch.int8])
+def test_paged_decode_rows(k, cache_dtype):
+    """A query row's output with its context length is the same alone, among rows of other
+    lengths (one to eight splits of 64) and on another thread count."""
+    g = torch.Generator().manual_seed(5)
+    h, hkv, d, bs, nb = 9, 3, 64, 16, 40
+    width = d + 4 if cache_dtype == torch.int8 else d
+    cache = torch.empty(2, nb, bs, hkv, width, dtype=cache_dtype)
+    kv = torch.randn(nb * bs, hkv, d, generator=g)
+    k.cache_write(kv, kv * 0.5, cache, torch.arange(nb * bs))
+    lens = torch.tensor([1, 7, 64, 65, 300, 511, 130, 2, 640, 33])
+    table = torch.stack([torch.randperm(nb, generator=g) for _ in lens])
+    q = torch.randn(len(lens), h, d, generator=g)
+    full = k.paged_attn_decode(q, cache, table, lens, int(lens.max()), 0.125, 64)
+    for threads in (1, 3):
+        with kernel_threads(k, threads):
+            for i in range(len(lens)):
+                one = k.paged_attn_decode(q[i:i + 1].contiguous(), cache, table[i:i + 1],
+                                          lens[i:i + 1], int(lens[i]), 0.125, 64)
+                assert torch.equal(one[0], full[i]), (i, threads)
+
+
+@pytest.mark.parametrize("h,hkv,d,bs", [(9, 3, 64, 16), (4, 1, 32, 5)])
+@pytest.mark.parametrize("isa", PREFILL_ISAS)
+def test_invariant_prefill_attention_is_the_same_in_every_chunking(isa, h, hkv, d, bs):
+    """A prompt of 300 tokens cut into chunks five ways (one-token chunks, chunks off the
+    16-token tiles and the 64-token context blocks): every token's output is bit-identical
+    with the invariant variant, on 1 and 3 threads; and it is as close to causal attention
+    as the default variant (the scores are large here, so that the softmax's reference moves
+    often: bf16 queries and probabilities then err by ~0.1 in either variant)."""
+    k = _prefill(isa)
+    g = torch.Generator().manual_seed(6)
+    n = 300
+    nb = -(-n // bs) + 4
+    cache = (torch.randn(2, nb, bs, hkv, d, generator=g) * 2).bfloat16()
+    blocks = torch.randperm(nb, generator=g)[:-(-n // bs)].contiguous()
+    q = torch.randn(n, h, d, generator=g) * 3
+
+    def chunked(cuts):
+        outs, p = [], 0
+        for c in cuts:
+            outs.append(k.prefill_attn(q[p:p + c], cache, blocks, p, d ** -0.5, isa=isa,
+                                       invariant=True))
+            p += c
+        return torch.cat(outs)
+    full = chunked([n])
+    for threads in (1, 3):
+        with kernel_threads(k, threads):
+            for cuts in ([1, 299], [17, 100, 183], [64, 1, 1, 234], [299, 1], [5] * 60):
+                assert torch.equal(chunked(cuts), full), (cuts, threads)
+    kv = cache[:, blocks].reshape(2, -1, hkv, d)[:, :n]
+    ref = _dense_attention(q.bfloat16(), kv[0], kv[1], 0)
+    default = k.prefill_attn(q, cache, blocks, 0, d ** -0.5, isa=isa)
+    err = float((full.double() - ref).abs().max())
+    assert err <= 1.25 * float((default.double() - ref).abs().max()) + 1e-3, err

@@ -71,3 +71,37 @@ def test_load_weights_refuses_unknown_and_missing_parameters(tiny_llama_dir):
     del sd["model.layers.1.self_attn.k_proj.weight"]
     with pytest.raises(ValueError, match="model.layers.1.self_attn.qkv_proj.weight was not"):
         LlamaForCausalLM(lw.config).load_weights(sd.items())
+
+
+def test_batch_invariant_serves_every_step_on_one_method(tiny_llama_dir):
+    """--batch-invariant: quantized weights serve every step (no crossover, no AMX packing),
+    RoPE's tables come from the per-position cache; dense weights that only oneDNN would serve
+    (float32) are refused with the way out in the message."""
+    from sloserve import kernels
+    from sloserve.model.invariant import ALL_ROWS
+    if kernels.load() is None:
+        pytest.skip("no CPU kernels on this machine")
+    model, _, line = get_model(EngineConfig(model=tiny_llama_dir, dtype="float32",
+                                            quantization="int8", batch_invariant=True),
+                               torch.float32)
+    assert (model.policy.quant_max_tokens, model.policy.amx_max_tokens) == (ALL_ROWS, 0)
+    assert model.plan(10_000).act_dtype == torch.float32
+    assert model.model.rotary_emb.table_cache is not None
+    assert line.endswith("--batch-invariant: every step on the quantized weights (float32 "
+                         "activations)")
+    with pytest.raises(ValueError, match="oneDNN.*--quantization int8"):
+        get_model(EngineConfig(model=tiny_llama_dir, dtype="float32", batch_invariant=True),
+                  torch.float32)
+
+
+def test_rope_table_cache_is_the_per_step_tables():
+    from sloserve.model.invariant import RopeTableCache
+    inv = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    cache = RopeTableCache(inv)
+    pos = torch.tensor([5000, 0, 17, 4095, 4096], dtype=torch.long)
+    cos, sin = cache(pos)
+    ang = pos.float()[:, None] * inv[None, :]
+    assert cache.cos.shape[0] == 2 * RopeTableCache.CHUNK
+    torch.testing.assert_close(cos, ang.cos(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(sin, ang.sin(), atol=1e-6, rtol=0)
+    assert torch.equal(cache(pos[2:3])[0], cos[2:3])  # looked up, not computed again

@@ -190,7 +190,8 @@ int sl_avx512_bf16() {
 // q [n, H, D] float32 (token stride q_stride floats, heads contiguous), n new tokens after P
 // cached ones (their K/V already written), D % 32 == 0, H a multiple of Hkv; blocks: the
 // request's block table; out [n, H, D] float32; amx 1: on the tiles (only after sl_amx_init()
-// gave 1), 0: on AVX512-BF16 (only where sl_avx512_bf16() gives 1). scratch:
+// gave 1), 0: on AVX512-BF16 (only where sl_avx512_bf16() gives 1); invariant 1: each query
+// token's output independent of its tile-mates (--batch-invariant, see prefill_attn). scratch:
 // sl_prefill_attn_scratch(P + n, Hkv, D, threads) bytes, 64-byte aligned (0: no such kernel
 // here). Returns -1 without these kernels or for another D.
 int64_t sl_prefill_attn_scratch(int64_t ctx, int64_t Hkv, int64_t D, int64_t threads) {
@@ -204,15 +205,16 @@ int64_t sl_prefill_attn_scratch(int64_t ctx, int64_t Hkv, int64_t D, int64_t thr
 int sl_prefill_attn(const float* q, int64_t q_stride, int64_t n, int64_t P,
                     const uint16_t* cache, const int64_t* blocks, int64_t block_size,
                     int64_t num_blocks, int64_t H, int64_t Hkv, int64_t D, float scale,
-                    float* out, void* scratch, int amx) {
+                    float* out, void* scratch, int amx, int invariant) {
 #if SL_AMX
   if (D % 32 || D <= 0 || H % Hkv) return -1;
   const PrefillAttnArgs args{q, q_stride, n, P, cache, blocks, block_size, num_blocks, H, Hkv, D,
                              scale, out};
-  if (amx)
-    prefill_attn<true>(args, static_cast<uint8_t*>(scratch));
-  else
-    prefill_attn<false>(args, static_cast<uint8_t*>(scratch));
+  uint8_t* sc = static_cast<uint8_t*>(scratch);
+  if (amx && invariant) prefill_attn<true, true>(args, sc);
+  else if (amx) prefill_attn<true, false>(args, sc);
+  else if (invariant) prefill_attn<false, true>(args, sc);
+  else prefill_attn<false, false>(args, sc);
   return 0;
 #else
   return -1;

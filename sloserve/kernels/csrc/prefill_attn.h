@@ -189,7 +189,13 @@ inline void bf16_pv(const uint16_t* vt0, const uint16_t* vt1, const uint16_t* pt
 
 // AMX: the products on the tiles; else on AVX512-BF16's vdpbf16ps (same packing, same online
 // softmax, the same bf16 roundings: the two agree to float32 summation order).
-template <bool AMX>
+// INV (--batch-invariant): every query lane's arithmetic depends on its own scores alone, so
+// that a query token's output is the same in any tile, i.e. whatever chunk it came in: a lane's
+// reference m is raised only when its own block max passes it (not when another lane's does),
+// and masked tokens get a probability of exactly 0 (not exp2(-126)), so that the context blocks
+// a tile walks past a lane's own position (its later tile-mates') add nothing to that lane.
+// Each lane walks the context in the same 64-token blocks from position 0 in every tile.
+template <bool AMX, bool INV>
 void prefill_attn(const PrefillAttnArgs& a, uint8_t* scratch) {
   const int64_t ctx = a.P + a.n, G = a.H / a.Hkv, D = a.D, DC = D / 32, DE = D / 16;
   const int64_t NJ = (ctx + 63) / 64;                 // 64-token context blocks
@@ -296,11 +302,12 @@ void prefill_attn(const PrefillAttnArgs& a, uint8_t* scratch) {
         // lazy rescaling: m is the reference the P values are taken against, raised only when
         // a lane's block max passes it by more than 2^8 (P <= 256 otherwise); O^T and l then
         // go unscaled, and the PV products accumulate straight into O^T's tiles
-        const bool raise = _mm512_cmp_ps_mask(bm, _mm512_add_ps(m, _mm512_set1_ps(8.f)),
-                                              _CMP_GT_OQ) != 0;
+        const __mmask16 up = _mm512_cmp_ps_mask(bm, _mm512_add_ps(m, _mm512_set1_ps(8.f)),
+                                                _CMP_GT_OQ);
         __m512 alpha = _mm512_set1_ps(1.f);
-        if (raise) {
-          const __m512 mn = _mm512_max_ps(m, bm);
+        if (up != 0) {
+          // INV: only the lanes that passed move (the others' alpha is exp2(0) = 1 exactly)
+          const __m512 mn = INV ? _mm512_mask_max_ps(m, up, m, bm) : _mm512_max_ps(m, bm);
           // lanes with nothing visible yet keep m = -inf; they compute with 0 (p ~ 1e-38)
           alpha = exp2_ps(_mm512_sub_ps(m, _mm512_mask_blend_ps(
               _mm512_cmp_ps_mask(mn, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), mn,
@@ -313,8 +320,14 @@ void prefill_attn(const PrefillAttnArgs& a, uint8_t* scratch) {
             _mm512_cmp_ps_mask(m, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), m, _mm512_setzero_ps());
         __m512 sum = _mm512_setzero_ps();
         for (int p = 0; p < 32; ++p) {  // P^T rows 2p, 2p + 1 -> pair row p of tile p / 16
-          const __m512 p0 = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(st + 32 * p), mu));
-          const __m512 p1 = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(st + 32 * p + 16), mu));
+          const __m512 s0 = _mm512_loadu_ps(st + 32 * p), s1 = _mm512_loadu_ps(st + 32 * p + 16);
+          __m512 p0 = exp2_ps(_mm512_sub_ps(s0, mu));
+          __m512 p1 = exp2_ps(_mm512_sub_ps(s1, mu));
+          if (INV && diag) {  // masked tokens (score -inf): exactly 0
+            const __m512 ninf = _mm512_set1_ps(-INFINITY);
+            p0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s0, ninf, _CMP_NEQ_UQ), p0);
+            p1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s1, ninf, _CMP_NEQ_UQ), p1);
+          }
           sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
           const __m512i pair = _mm512_permutexvar_epi16(pair_idx,
                                                         (__m512i)_mm512_cvtne2ps_pbh(p1, p0));

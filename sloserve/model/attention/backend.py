@@ -16,7 +16,7 @@ available one with the highest ``priority``.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -40,6 +40,8 @@ class StepInputs:
         block_size: tokens per KV block.
         query_lens, seq_lens_list, num_computed_list: host-side (Python) copies, [B] each, for
             backends that plan on the CPU without reading tensors back.
+        prompt_lens: [B] each request's prompt length (positions below it are prompt
+            positions; 0: not known, every position counts as generated).
     """
 
     input_ids: torch.Tensor
@@ -54,6 +56,7 @@ class StepInputs:
     query_lens: list[int]
     seq_lens_list: list[int]
     num_computed_list: list[int]
+    prompt_lens: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -80,6 +83,11 @@ class AttentionBackend(abc.ABC):
     compute_dtype: torch.dtype = torch.float32
     #: the KV cache dtypes it reads (None: any)
     kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
+    #: it can compute each query row's attention independently of the step's other rows and
+    #: of how the request was chunked (``--batch-invariant``, see ``sloserve.model.invariant``)
+    supports_batch_invariant: ClassVar[bool] = False
+    #: set by the engine: ``--batch-invariant`` is on
+    batch_invariant: bool = False
 
     @classmethod
     def supports(cls, kv_cache_dtype: torch.dtype | None) -> bool:

@@ -19,6 +19,20 @@ are interchangeable on one cache). Per step:
 The KV cache is float32, bf16 or int8 (``kv_int8``: D codes and a float32 scale per head and
 token, half the bytes of bf16 for the decode kernel to read).
 
+With ``--batch-invariant`` (``sloserve.model.invariant``) each position is always computed by
+the same kernel, one whose result for a query row depends on that row alone, whatever chunk,
+step or thread count it comes in:
+
+* prompt positions (below the request's prompt length): the flash attention kernel's invariant
+  variant (``Kernels.prefill_attn(..., invariant=True)``: no query lane affects another), also
+  for a one-token chunk and for the last prompt token recomputed after a full prefix-cache hit;
+* generated positions (decodes, and tokens recomputed after a preemption or verified as
+  drafts): the paged decode kernel, each row as a request of its own whose context ends at its
+  position (splits at fixed multiples of ``SPLIT_LEN`` positions, merged in order).
+
+Where the flash kernel does not run (no AMX / AVX512-BF16, a float32 cache or engine) every row
+takes the decode kernel that way, prompt rows included (slower prefills, same guarantee).
+
 Available where the kernels load (``sloserve.kernels``); ``auto`` prefers it to ``torch-ref``.
 """
 from __future__ import annotations
@@ -47,6 +61,9 @@ class CpuPagedMetadata:
             kernel's output is the step's output, no gather/scatter.
         multi_blocks: per entry of ``multi``, the request's block table over its whole context
             (int64, contiguous), for the AMX prefill kernel.
+        invariant: --batch-invariant's layout (``_invariant_metadata``): decode_rows /
+            block_table / seq_lens cover every row of the step (each its own context), multi
+            the prompt positions only, gen_rows the generated ones (None if none).
     """
 
     slot_mapping: torch.Tensor
@@ -57,6 +74,8 @@ class CpuPagedMetadata:
     multi: list[MultiQuery]
     all_decode: bool = False
     multi_blocks: list[torch.Tensor] | None = None
+    invariant: bool = False
+    gen_rows: torch.Tensor | None = None
 
 
 @register_backend
@@ -65,6 +84,7 @@ class CpuPagedBackend(AttentionBackend):
 
     name = "cpu-paged"
     priority = 10
+    supports_batch_invariant = True
     # the kernels read bf16, float32 or int8 entries (a float16 cache read as float32 ran off
     # its end)
     kv_cache_dtypes = (torch.float32, torch.bfloat16, torch.int8)
@@ -99,6 +119,8 @@ class CpuPagedBackend(AttentionBackend):
     kv_cache_shape = staticmethod(TorchReferenceBackend.kv_cache_shape)
 
     def build_metadata(self, inputs: StepInputs) -> CpuPagedMetadata:
+        if self.batch_invariant:
+            return self._invariant_metadata(inputs)
         ref = TorchReferenceBackend.build_metadata(self, inputs)
         bs = inputs.block_size
         mb = [inputs.block_table[b, :-(-seq // bs)].contiguous()
@@ -115,12 +137,61 @@ class CpuPagedBackend(AttentionBackend):
                                 max(inputs.seq_lens_list[b] for b in dec), ref.multi,
                                 all_decode=len(dec) == len(inputs.query_lens), multi_blocks=mb)
 
+    def _invariant_metadata(self, inputs: StepInputs) -> CpuPagedMetadata:
+        """--batch-invariant (see the module docstring): every row as a decode of its own (its
+        request's block table, its context ending at its position), and each request's prompt
+        positions of the step as one flash-kernel entry."""
+        T, bs = inputs.num_tokens, inputs.block_size
+        req = torch.repeat_interleave(torch.arange(inputs.num_reqs),
+                                      torch.tensor(inputs.query_lens, dtype=torch.long))
+        qsl = inputs.query_start_loc.tolist()
+        multi, blocks, gen = [], [], []
+        prompt_lens = inputs.prompt_lens or [0] * inputs.num_reqs
+        for b, (start, plen) in enumerate(zip(inputs.num_computed_list, prompt_lens)):
+            n_prompt = max(0, min(inputs.query_lens[b], plen - start))
+            if n_prompt:
+                multi.append(MultiQuery(qsl[b], qsl[b] + n_prompt, start, None))
+                blocks.append(inputs.block_table[b, :-(-(start + n_prompt) // bs)].contiguous())
+            gen += range(qsl[b] + n_prompt, qsl[b + 1])
+        return CpuPagedMetadata(inputs.slot_mapping, torch.arange(T),
+                                inputs.block_table.index_select(0, req).contiguous(),
+                                inputs.positions + 1, max(inputs.seq_lens_list), multi,
+                                all_decode=True, multi_blocks=blocks, invariant=True,
+                                gen_rows=torch.tensor(gen, dtype=torch.long) if gen else None)
+
+    def _forward_invariant(self, q, kv_cache, meta: CpuPagedMetadata, scale):
+        """--batch-invariant's attention (the step's K/V already written)."""
+        cd = self._context_dtype(kv_cache.dtype, q.dtype)
+        qf = q if q.dtype == torch.float32 else q.float()
+        if qf.stride(-1) != 1 or qf.stride(1) != qf.shape[2]:
+            qf = qf.contiguous()
+        if not (meta.multi and self.k.prefill_attn_isa and cd == torch.bfloat16
+                and q.shape[2] % 32 == 0):  # every row on the decode kernel
+            return self.k.paged_attn_decode(qf, kv_cache, meta.block_table, meta.seq_lens,
+                                            meta.max_seq_len, scale, SPLIT_LEN).to(q.dtype)
+        out = torch.empty(q.shape, dtype=torch.float32)
+        if meta.gen_rows is not None:
+            g = meta.gen_rows
+            out.index_copy_(0, g, self.k.paged_attn_decode(
+                qf.index_select(0, g), kv_cache, meta.block_table.index_select(0, g),
+                meta.seq_lens.index_select(0, g), meta.max_seq_len, scale, SPLIT_LEN))
+        for c, blocks in zip(meta.multi, meta.multi_blocks):
+            cache = kv_cache
+            if kv_cache.dtype == torch.int8:  # a bf16 copy of the request's context
+                cache = kv_int8.dequantize(kv_cache.index_select(1, blocks), cd)
+                blocks = torch.arange(blocks.shape[0])
+            out[c.q_start:c.q_end] = self.k.prefill_attn(qf[c.q_start:c.q_end], cache, blocks,
+                                                         c.num_computed, scale, invariant=True)
+        return out.to(q.dtype)
+
     def forward(self, q, k, v, kv_cache, meta: CpuPagedMetadata, scale):
         kf = k if k.dtype == torch.float32 else k.float()
         vf = v if v.dtype == torch.float32 else v.float()
         if kf.stride(-1) != 1 or kf.stride(1) != kf.shape[2]:
             kf, vf = kf.contiguous(), vf.contiguous()
         self.k.cache_write(kf, vf, kv_cache, meta.slot_mapping)
+        if meta.invariant:
+            return self._forward_invariant(q, kv_cache, meta, scale)
         if meta.all_decode and q.dtype == torch.float32 and q.stride(-1) == 1 \
                 and q.stride(1) == q.shape[2]:
             return self.k.paged_attn_decode(q, kv_cache, meta.block_table, meta.seq_lens,

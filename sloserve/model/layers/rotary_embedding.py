@@ -59,6 +59,9 @@ class RotaryEmbedding(CustomOp):
         super().__init__()
         # a plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies
         self.inv_freq = rope_inv_freq(config).float().contiguous()
+        #: kernels, --batch-invariant: the tables of each position computed once and looked up
+        #: (``sloserve.model.invariant.RopeTableCache``); None: computed per step
+        self.table_cache = None
 
     def forward_native(self, positions: torch.Tensor, dtype: torch.dtype):
         freqs = positions.to(torch.float32).unsqueeze(1) * self.inv_freq.unsqueeze(0)
@@ -66,6 +69,8 @@ class RotaryEmbedding(CustomOp):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward_kernel(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32):
+        if self.table_cache is not None:
+            return self.table_cache(positions)
         return self.kernels.rope_tables(positions, self.inv_freq)
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, tables):
