@@ -20,7 +20,8 @@ the others, under the same background load. Before each measurement a process ru
 ``--settle`` seconds of untimed decode steps under the same load (the engine adapts its thread
 count to it). Prints each measurement (median / mean / max step ms, the thread count after)
 and, at the end, per configuration and kind the mean step time quiet and beside the neighbour
-over all rounds, their ratio, and both relative to the first configuration.
+over all rounds, their ratio, and both relative to the first configuration. ``--quiet-only``
+leaves the neighbour out (a before/after of the quiet speed).
 
 ``--serve``: per round and configuration, ``sloserve serve`` (crossovers pinned the same way,
 through ``benchmarks/pin_crossovers``) and ``sloserve bench`` at concurrency 1 and 16
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shlex
 import signal
@@ -168,7 +170,7 @@ def steps_main(a, configs) -> dict:
         for r in range(a.rounds):
             order = children[r % len(children):] + children[:r % len(children)]
             for kind in kinds:
-                for busy in (False, True):
+                for busy in (False, True)[:1 if a.quiet_only else 2]:
                     with neighbour(a.cpu if busy else None):
                         for c in order:
                             s = c.measure(kind)
@@ -182,8 +184,9 @@ def steps_main(a, configs) -> dict:
             c.close()
 
     def mean(name, kind, busy):
-        return statistics.fmean(x["mean_ms"] for x in rows
-                                if (x["name"], x["kind"], x["neighbour"]) == (name, kind, busy))
+        return statistics.fmean([x["mean_ms"] for x in rows if (x["name"], x["kind"],
+                                                                x["neighbour"]) == (name, kind, busy)]
+                                or [math.nan])
     ref = configs[0][0]
     print(f"\nmean step ms over {a.rounds} rounds: quiet / neighbour (ratio); vs {ref}: quiet, "
           f"neighbour")
@@ -266,6 +269,8 @@ def main() -> None:
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--settle", type=float, default=2.0,
                     help="seconds of untimed decode steps before each measurement")
+    ap.add_argument("--quiet-only", action="store_true",
+                    help="engine steps without the neighbour (a quiet-speed comparison)")
     ap.add_argument("--serve", action="store_true", help="measure through the server")
     ap.add_argument("--serve-prompts-c1", type=int, default=6)
     ap.add_argument("--serve-prompts-c16", type=int, default=32)

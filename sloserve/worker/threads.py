@@ -86,6 +86,10 @@ def read_idle(cpus, stat: str = "/proc/stat") -> float | None:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def _threads(n: int) -> str:
+    return f"{n} thread" + ("s" if n != 1 else "")
+
+
 def earns_its_place(n: int, cpu_n: float, cpu_fewer: float) -> bool:
     """Whether a team of ``n`` threads that got ``cpu_n`` CPUs (CPU seconds per second) beats
     one of ``n - 1`` that got ``cpu_fewer``: its CPU time exceeds the smaller team's by at
@@ -161,7 +165,7 @@ class ThreadGovernor:
         n = self.threads
         if self._trial is not None:  # the window after a trial's change: keep the better team
             kind, before, cpu_before = self._trial
-            why = f"{cpu_before:.2f} CPUs with {before} threads, {cpu:.2f} with {n}"
+            why = f"{cpu_before:.2f} CPUs with {_threads(before)}, {cpu:.2f} with {n}"
             more, cpu_more, cpu_fewer = ((before, cpu_before, cpu) if kind == "down"
                                          else (n, cpu, cpu_before))
             if earns_its_place(more, cpu_more, cpu_fewer) == (kind == "up"):
