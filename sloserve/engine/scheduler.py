@@ -434,13 +434,7 @@ class Scheduler:
                     break
                 budget += refund
                 continue
-            # the longest run of cached full blocks it can start from (none with caching off)
-            # (a request whose KV arrived from elsewhere, num_computed_tokens > 0, looks up none)
-            # (prompt logprobs need every prompt position's logits: it computes its whole prompt)
-            hit_blocks, n_hit = (self.kv.get_computed_blocks(req)
-                                 if req.num_computed_tokens == 0
-                                 and req.sampling_params.prompt_logprobs is None else ([], 0))
-            start = n_hit or req.num_computed_tokens
+            hit_blocks, n_hit, start = self._start_point(req)
             n = req.num_tokens - start
             if n > budget:
                 if not chunked:
@@ -486,10 +480,7 @@ class Scheduler:
             req = self.waiting.peek_request()
             if req.num_prompt_tokens > long_prompt or self._must_wait(req):
                 break
-            hit_blocks, n_hit = (self.kv.get_computed_blocks(req)
-                                 if req.num_computed_tokens == 0
-                                 and req.sampling_params.prompt_logprobs is None else ([], 0))
-            start = n_hit or req.num_computed_tokens
+            hit_blocks, n_hit, start = self._start_point(req)
             n = req.num_tokens - start
             if n > budget or not self.kv.allocate_slots(req.request_id, start + n, hit_blocks):
                 break
@@ -497,6 +488,16 @@ class Scheduler:
             scheduled[req.request_id] = n
             budget -= n
         return budget
+
+    def _start_point(self, req: Request) -> tuple[list, int, int]:
+        """Where waiting ``req`` starts: (prefix-cache hit blocks, tokens they hold, first
+        position to compute). The hit is the longest run of cached full blocks (none with
+        caching off); a request whose KV arrived from elsewhere (num_computed_tokens > 0) looks
+        up none, nor does one with prompt logprobs (they need every prompt position's logits)."""
+        hit_blocks, n_hit = (self.kv.get_computed_blocks(req)
+                             if req.num_computed_tokens == 0
+                             and req.sampling_params.prompt_logprobs is None else ([], 0))
+        return hit_blocks, n_hit, n_hit or req.num_computed_tokens
 
     def _start(self, req: Request, start: int, n_hit: int, now: float) -> None:
         """Move the waiting queue's front request, whose slots are allocated from ``start``
