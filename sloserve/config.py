@@ -323,7 +323,9 @@ def add_scheduler_args(p: argparse.ArgumentParser) -> None:
                         "beside them are not stalled by their prefill; their own first token "
                         "comes later. The engine prices the chunk from its measured steps, the "
                         "simulator from its cost model (a cost model whose prefill hides under "
-                        "the decode, like --preset lecture's, is never paced). Default on; off "
+                        "the decode, like --preset lecture's, is never paced). With nothing "
+                        "decoding, short prompts at the queue's front that fit whole start "
+                        "before a long prompt's next chunk, which is then paced. Default on; off "
                         "with --ttft-slo-ms")
     p.add_argument("--static-batching", action="store_true",
                    help="admit a batch only when nothing runs (static batching, for comparison)")
