@@ -21,7 +21,8 @@ the others, under the same background load. Before each measurement a process ru
 count to it). Prints each measurement (median / mean / max step ms, the thread count after)
 and, at the end, per configuration and kind the mean step time quiet and beside the neighbour
 over all rounds, their ratio, and both relative to the first configuration. ``--quiet-only``
-leaves the neighbour out (a before/after of the quiet speed).
+leaves the neighbour out (a before/after of the quiet speed); ``--wait-idle 0.85`` waits for a
+pause in other jobs before each step kind.
 
 ``--serve``: per round and configuration, ``sloserve serve`` (crossovers pinned the same way,
 through ``benchmarks/pin_crossovers``) and ``sloserve bench`` at concurrency 1 and 16
@@ -84,6 +85,28 @@ def config_env(tree: str, env_text: str, pin: bool = False) -> dict:
         k, _, v = kv.partition("=")
         env[k] = v
     return env
+
+
+def idle_share(seconds: float) -> float:
+    """The share of the machine's CPU time that was idle over the next ``seconds``."""
+    def read():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+        return v[3] + v[4], sum(v)
+    i0, t0 = read()
+    time.sleep(seconds)
+    i1, t1 = read()
+    return (i1 - i0) / max(1, t1 - t0)
+
+
+def wait_quiet(min_idle: float, timeout_s: float = 900.0) -> float:
+    """Wait (up to ``timeout_s``) until the CPUs were at least ``min_idle`` idle over 2 s; the
+    idle share seen last."""
+    end = time.monotonic() + timeout_s
+    while True:
+        share = idle_share(2.0)
+        if share >= min_idle or time.monotonic() > end:
+            return share
 
 
 # ----------------------------------------------------------------------------- engine steps
@@ -170,6 +193,10 @@ def steps_main(a, configs) -> dict:
         for r in range(a.rounds):
             order = children[r % len(children):] + children[:r % len(children)]
             for kind in kinds:
+                if a.wait_idle:
+                    share = wait_quiet(a.wait_idle)
+                    print(f"round {r} {kind:>11}: the machine {100 * share:.0f} % idle before",
+                          flush=True)
                 for busy in (False, True)[:1 if a.quiet_only else 2]:
                     with neighbour(a.cpu if busy else None):
                         for c in order:
@@ -269,6 +296,9 @@ def main() -> None:
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--settle", type=float, default=2.0,
                     help="seconds of untimed decode steps before each measurement")
+    ap.add_argument("--wait-idle", type=float, default=0.0, metavar="SHARE",
+                    help="before each step kind, wait (up to 15 min) until the machine was this "
+                         "share idle over 2 s (e.g. 0.85: other jobs paused)")
     ap.add_argument("--quiet-only", action="store_true",
                     help="engine steps without the neighbour (a quiet-speed comparison)")
     ap.add_argument("--serve", action="store_true", help="measure through the server")

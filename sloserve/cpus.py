@@ -61,7 +61,8 @@ def _and_parents(top: str, path: str) -> list[str]:
     return [os.path.join(top, *parts[:i]) for i in range(len(parts), -1, -1)]
 
 
-def cgroup_cpu_quota(root: str = CGROUP_ROOT, self_cgroup: str = "/proc/self/cgroup") -> float | None:
+def cgroup_cpu_quota(root: str = CGROUP_ROOT,
+                     self_cgroup: str = "/proc/self/cgroup") -> float | None:
     """CPUs this process's cgroup quota allows, the tightest of its cgroup and their parents
     (v2 ``cpu.max`` under ``root``; v1 ``cpu.cfs_*`` under ``root/cpu`` or ``root/cpu,cpuacct``);
     None when no quota is set or none can be read. ``self_cgroup`` (``/proc/self/cgroup``) names
@@ -103,8 +104,9 @@ class CpuBudget:
     Attributes:
         threads: the count.
         source: ``"--num-threads"``, ``"OMP_NUM_THREADS"`` (set by the user), ``"detected"``
-            (:func:`threads_for` of the two below), or ``"torch"`` (the process already ran
-            fewer torch threads; the worker keeps them).
+            (:func:`threads_for` of the two below), or ``"torch"`` (torch already ran fewer:
+            its default of one thread per physical core, or ``torch.set_num_threads`` before
+            an in-process engine; the worker keeps that count).
         affinity: CPUs in this process's affinity mask.
         quota: CPUs its cgroup quota allows (None: no quota).
     """

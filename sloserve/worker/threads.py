@@ -22,8 +22,9 @@ but waiting for one) and the idle time of the CPUs it may use (``/proc/stat``):
 * a trial that did not change the team doubles the wait before the next one of its kind, up to
   :data:`MAX_PROBE_S`.
 
-It runs only when the count was detected (``sloserve.cpus.cpu_budget``), never against
-``--num-threads`` or ``OMP_NUM_THREADS``, and only where the kernel reports the accounting.
+It never adds threads beyond the count the worker started with and never runs against
+``--num-threads`` or ``OMP_NUM_THREADS`` (``sloserve.cpus.cpu_budget``); it needs the kernel's
+accounting (off without it).
 A window that spans an idle gap between steps is dropped.
 """
 from __future__ import annotations

@@ -70,7 +70,7 @@ class Worker:
             # engine, or torch's default of one thread per physical core): kept
             budget = dataclasses.replace(budget, threads=torch.get_num_threads(), source="torch")
         torch.set_num_threads(budget.threads)
-        if budget.source == "detected":  # never against a count the user chose
+        if budget.source in ("detected", "torch"):  # never against --num-threads / OMP_NUM_THREADS
             from sloserve.worker.threads import ThreadGovernor
             self.thread_governor = ThreadGovernor(budget.threads, torch.set_num_threads)
         self.dtype_choice = choose_dtype(cfg.dtype, cfg.kv_cache_dtype, budget)
