@@ -257,6 +257,8 @@ def serve_main(a, configs) -> dict:
                     wait_healthy(base, proc, 300)
                     bench(base, 1, 2, tmp)  # warm-up
                     for conc, n in ((1, a.serve_prompts_c1), (16, a.serve_prompts_c16)):
+                        if a.wait_idle:
+                            wait_quiet(a.wait_idle)
                         for busy in (False, True):
                             with neighbour(a.cpu if busy else None):
                                 res = bench(base, conc, n, tmp)
@@ -297,8 +299,9 @@ def main() -> None:
     ap.add_argument("--settle", type=float, default=2.0,
                     help="seconds of untimed decode steps before each measurement")
     ap.add_argument("--wait-idle", type=float, default=0.0, metavar="SHARE",
-                    help="before each step kind, wait (up to 15 min) until the machine was this "
-                         "share idle over 2 s (e.g. 0.85: other jobs paused)")
+                    help="before each step kind (--serve: each concurrency), wait (up to 15 min) "
+                         "until the machine was this share idle over 2 s (e.g. 0.85: other jobs "
+                         "paused)")
     ap.add_argument("--quiet-only", action="store_true",
                     help="engine steps without the neighbour (a quiet-speed comparison)")
     ap.add_argument("--serve", action="store_true", help="measure through the server")

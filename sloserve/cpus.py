@@ -152,11 +152,13 @@ def cpu_budget(num_threads: int | None = None, environ=None, affinity: int | Non
     return CpuBudget(threads_for(affinity, quota), "detected", affinity, quota)
 
 
-#: libgomp's busy-wait before a waiting thread sleeps, in ``pause`` iterations (tens of
-#: microseconds), for the engine-core process: libgomp's default (300,000: milliseconds) keeps
-#: a thread spinning at every barrier for a partner the OS has descheduled, and after every
-#: parallel region on a core other processes (the API server among them) are waiting for
-ENGINE_GOMP_SPINCOUNT = "1000"
+#: libgomp's busy-wait before a waiting thread sleeps, in ``pause`` iterations (tens to
+#: hundreds of microseconds), for the engine-core process: libgomp's default (300,000:
+#: milliseconds) keeps a thread spinning at every barrier for a partner the OS has descheduled,
+#: and after every parallel region on a core other processes (the API server among them) are
+#: waiting for; much shorter (1,000) puts the team to sleep in the Python between a decode
+#: step's kernels, and each wake-up costs
+ENGINE_GOMP_SPINCOUNT = "10000"
 
 
 def engine_core_env(environ=None) -> dict[str, str]:
