@@ -147,7 +147,8 @@ def test_the_package_cycle_finder_finds_cycles(tmp_path, monkeypatch):
 
 def test_the_api_process_serves_without_importing_torch():
     """The API process (the app, the front end, the embedded GGUF's tokenizer) answers a
-    completion and a chat completion, the engine core running in its own process, and torch is
+    completion, a chat completion and structured-output requests (a good spec and a bad one),
+    the engine core running in its own process, and torch (nor xgrammar, which loads it) is
     never imported in it."""
     code = textwrap.dedent("""
         import asyncio, sys
@@ -166,11 +167,20 @@ def test_the_api_process_serves_without_importing_torch():
                 r = await c.post("/v1/chat/completions", json={
                     "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
                 assert r.status_code == 200, r.text
+                # structured outputs: the spec is checked (xgrammar, which loads torch) in a
+                # child process, so a bad one is still a 400 from this process
+                r = await c.post("/v1/completions", json={
+                    "prompt": "Hi", "max_tokens": 2, "structured_outputs": {"regex": "[0-9]+"}})
+                assert r.status_code == 200, r.text
+                r = await c.post("/v1/completions", json={
+                    "prompt": "Hi", "max_tokens": 2, "structured_outputs": {"regex": "(("}})
+                assert r.status_code == 400 and "structured_outputs" in r.text, r.text
         try:
             asyncio.run(ask())
         finally:
             engine.shutdown()
-        print("torch modules:", sorted(m for m in sys.modules if m.split(".")[0] == "torch"))
+        print("torch modules:", sorted(m for m in sys.modules
+                                       if m.split(".")[0] in ("torch", "xgrammar")))
     """)
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        timeout=300)

@@ -77,6 +77,7 @@ def build_app(engine: AsyncLLM, metrics: PrometheusStatLogger, *,
         try:
             yield
         finally:
+            app.state.spec_checker.close()
             if manage_engine:
                 logger.info("shutting down the engine")
                 engine.shutdown()

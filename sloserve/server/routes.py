@@ -19,7 +19,6 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from sloserve.engine import structured_output
 from sloserve.engine.admission import Rejection
 from sloserve.engine.async_llm import AsyncLLM, Reservation
 from sloserve.sampling_params import ParamError, child_seed
@@ -28,6 +27,7 @@ from sloserve.server.logprobs_format import LogprobsFormatter
 from sloserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from sloserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                       ModelList, now_s, random_id)
+from sloserve.server.spec_check import SpecChecker
 from sloserve.server.serving import (ChatBuilder, Choice, CompletionBuilder, stream_response,
                                      whole_response)
 from sloserve.server.tokenization import build_tokenization_router
@@ -42,6 +42,7 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
     and /health into 503."""
     r = APIRouter()
     model_name = engine.model_name
+    spec_checker = state.spec_checker = SpecChecker()  # closed by the app's lifespan
     fmt = LogprobsFormatter(engine.tokenizer)
 
     def check_model(requested: str | None) -> None:
@@ -80,7 +81,7 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
             sp = body.to_sampling_params()
             if sp.structured_outputs is not None:
                 try:
-                    structured_output.validate(sp.structured_outputs)
+                    spec_checker.check(sp.structured_outputs)  # off this process's GIL
                 except ValueError as e:
                     raise ParamError(str(e), "response_format" if body.response_format
                                      else "structured_outputs") from None
