@@ -19,8 +19,10 @@ Compilation is kept away from the step loop (a wide JSON schema compiles for ten
 * **Where**: in the compile worker (:mod:`sloserve.engine.grammar_worker`), a process started
   at the first compile and kept, at nice 19, so the kernel gives it only the CPU time the step
   loop leaves; it forks a process per compile (milliseconds: xgrammar and the tokenizer are
-  loaded once), at most :data:`COMPILE_WORKERS` at once, and one core thread at nice 19 drives
-  each. The compiled grammar comes back serialized (``CompiledGrammar.serialize_json``) and that
+  loaded once), at most :data:`COMPILE_WORKERS` at once, and one core thread drives each. That
+  thread keeps the normal priority: it mostly waits, and a thread at nice 19 that holds the GIL
+  when the kernel takes it off the CPU (beside the nice-19 compile it competes with for a
+  core) keeps the step loop waiting for the GIL (gaps of 50-100 ms between tokens, measured). The compiled grammar comes back serialized (``CompiledGrammar.serialize_json``) and that
   thread deserializes it. xgrammar 0.2.9's JSON repeats the grammar's shared automaton once per
   rule, so it grows with the square of the rules (a 2,000-property schema: over 1 GB, longer
   to serialize and to load than to compile, and about its size in memory once loaded): a
@@ -370,7 +372,7 @@ class StructuredOutputManager:
 
     # ------------------------------------------------------------------ worker slots
     def _run_slot(self, slot: _Slot) -> None:
-        _import_xgrammar_then_lower_priority()
+        _import_xgrammar()  # at the normal priority, for good (module docstring, "Where")
         while True:
             with self._cv:
                 while not self._queue and not self._closed:
@@ -611,15 +613,20 @@ def _spec_dict(spec: StructuredOutputsParams) -> dict:
                               ("grammar", spec.grammar)) if v is not None and v is not False}
 
 
-def _import_xgrammar_then_lower_priority() -> None:
-    """Import xgrammar (the core needs it to load and match grammars) at the thread's normal
-    priority, then give the thread nice 19. Importing is Python work that holds the GIL for
-    a second or so: at nice 19 on a busy host the thread could hold it while the kernel keeps
-    it off the CPU, and the step loop would wait for it."""
+def _import_xgrammar() -> None:
+    """Import xgrammar (the core needs it to load and match grammars) if it is there."""
     try:
         _xgr()
     except ValueError:  # no xgrammar: the compile worker says so, and every job fails
         pass
+
+
+def _import_xgrammar_then_lower_priority() -> None:
+    """Import xgrammar at the thread's normal priority, then give the thread nice 19.
+    Importing is Python work that holds the GIL for a second or so: at nice 19 on a busy host
+    the thread could hold it while the kernel keeps it off the CPU, and the step loop would
+    wait for it."""
+    _import_xgrammar()
     _lower_thread_priority()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 
 import pytest
@@ -77,6 +78,12 @@ def test_grammars_compile_in_a_low_priority_worker_process_and_are_shared(manage
     assert g.compiled_in not in (None, os.getpid())
     [worker] = manager.worker_pids()  # the compile worker; the compile's own process is gone
     assert worker != os.getpid() and os.getpriority(os.PRIO_PROCESS, worker) == 19
+    # the core's threads that drive compiles keep this process's priority: a nice-19 thread
+    # holding the GIL off the CPU would stall the step loop
+    drivers = [t for t in threading.enumerate() if t.name.startswith("sloserve-grammar-")
+               and t.name != "sloserve-grammar-core"]
+    assert drivers and all(os.getpriority(os.PRIO_PROCESS, t.native_id)
+                           == os.getpriority(os.PRIO_PROCESS, 0) for t in drivers)
     assert core_compiles == []  # shipped back serialized, never compiled here
     mask = g.fill_bitmask()
     assert mask.strip(b"\0") and mask.strip(b"\xff")  # some tokens allowed, not all
