@@ -9,9 +9,12 @@ shares its memory until it writes). The engine core kills a job's process to sto
 (no request waits for the grammar any more, or it ran over
 ``--structured-outputs-compile-timeout``); the worker and the other jobs go on.
 
-The worker runs at nice 19 (``os.setpriority`` before anything else, and every process and
-thread it starts inherits it): the kernel gives it only the CPU time the engine core's step
-loop leaves. Its ``oom_score_adj`` is raised so that a grammar that needs too much memory gets a
+The worker compiles at nice 19 (every process and thread it starts inherits it): the kernel
+gives the compiles only the CPU time the engine core's step loop leaves. It loads xgrammar and
+the tokenizer first, at the priority it was started with, and lowers itself only then: that
+start-up is seconds of CPU once per engine, and at nice 19 on a host whose cores another job
+keeps busy (~1.5 % of a core) it took minutes, so that the first structured-output requests
+timed out (a loaded CI run). Its ``oom_score_adj`` is raised so that a grammar that needs too much memory gets a
 compile process killed, not the engine core. The worker exits when the engine core goes away
 or closes its socket; a job's process exits when the worker goes away.
 
@@ -143,6 +146,9 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, 0, NICE)
     except (OSError, AttributeError):  # not POSIX, or not allowed: run at the inherited priority
         pass
+
+
+def _first_to_be_killed() -> None:
     try:  # the OOM killer takes these processes first (raising one's own score is allowed)
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("1000")
@@ -202,6 +208,7 @@ def serve(sock: socket.socket) -> None:
     except Exception as e:  # noqa: BLE001 - no xgrammar, no tokenizer: every job would fail
         write_frame(sock.fileno(), {"op": "ready", "error": f"{type(e).__name__}: {e}"})
         return
+    _lower_priority()  # loaded: from here on only compiles (module docstring)
     write_frame(sock.fileno(), {"op": "ready", "tokenizer_info": info_json})
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the jobs' processes
     me = os.getpid()
@@ -232,7 +239,7 @@ def serve(sock: socket.socket) -> None:
 
 
 def main() -> None:
-    _lower_priority()
+    _first_to_be_killed()
     _watch_parent(os.getppid())
     sock = socket.socket(fileno=int(sys.argv[1]))
     os.dup2(2, 1)  # print() and C++ logging to stdout land on stderr

@@ -7,8 +7,10 @@ which holds the GIL while its C++ parses (a 2,000-property JSON schema: 15-75 ms
 torch when it is imported: in the API process, even on a worker thread, every stream the
 process serves stopped for that long (issue 33's grammar-interference benchmark: gaps of
 ~100 ms), and the process that must not import torch did. :class:`SpecChecker` runs the check
-in one child process (spawned at the first structured request, at nice :data:`NICE`, spawned
-again if it dies); the calling thread waits for its verdict without the GIL.
+in one child process (spawned at the first structured request, spawned again if it dies); the
+calling thread waits for its verdict without the GIL. The child loads xgrammar at the priority
+it was started with, then checks at nice :data:`NICE` (as the compile worker does: loading at a
+low priority on a busy host takes minutes).
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from sloserve.sampling_params import StructuredOutputsParams
 NICE = 10
 
 
-def _lower_priority(nice: int) -> None:
+def _load_then_lower_priority(nice: int) -> None:
+    structured_output.validate(StructuredOutputsParams(regex="a"))  # imports xgrammar
     os.nice(nice)
 
 
@@ -45,7 +48,7 @@ class SpecChecker:
             if self._pool is None:
                 self._pool = ProcessPoolExecutor(
                     max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                    initializer=_lower_priority, initargs=(self._nice,))
+                    initializer=_load_then_lower_priority, initargs=(self._nice,))
             return self._pool
 
     def _drop(self, pool: ProcessPoolExecutor) -> None:
