@@ -14,8 +14,8 @@ gives the compiles only the CPU time the engine core's step loop leaves. It load
 the tokenizer first, at the priority it was started with, and lowers itself only then: that
 start-up is seconds of CPU once per engine, and at nice 19 on a host whose cores another job
 keeps busy (~1.5 % of a core) it took minutes, so that the first structured-output requests
-timed out (a loaded CI run). Its ``oom_score_adj`` is raised so that a grammar that needs too much memory gets a
-compile process killed, not the engine core. The worker exits when the engine core goes away
+timed out (a loaded CI run). Its ``oom_score_adj`` is raised so that a grammar that needs too
+much memory gets a compile process killed, not the engine core. The worker exits when the engine core goes away
 or closes its socket; a job's process exits when the worker goes away.
 
 :func:`build_grammar` (a spec's xgrammar ``Grammar``) lives here, the one place a spec becomes
@@ -141,9 +141,10 @@ def _read_exact(fd: int, n: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def _lower_priority() -> None:
+def lower_priority(nice: int = NICE) -> None:
+    """Set this process's nice value to ``nice`` (where allowed; else keep the inherited one)."""
     try:
-        os.setpriority(os.PRIO_PROCESS, 0, NICE)
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
     except (OSError, AttributeError):  # not POSIX, or not allowed: run at the inherited priority
         pass
 
@@ -208,7 +209,7 @@ def serve(sock: socket.socket) -> None:
     except Exception as e:  # noqa: BLE001 - no xgrammar, no tokenizer: every job would fail
         write_frame(sock.fileno(), {"op": "ready", "error": f"{type(e).__name__}: {e}"})
         return
-    _lower_priority()  # loaded: from here on only compiles (module docstring)
+    lower_priority()  # loaded: from here on only compiles (module docstring)
     write_frame(sock.fileno(), {"op": "ready", "tokenizer_info": info_json})
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the jobs' processes
     me = os.getpid()

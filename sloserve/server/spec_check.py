@@ -15,12 +15,12 @@ low priority on a busy host takes minutes).
 from __future__ import annotations
 
 import multiprocessing
-import os
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from sloserve.engine import structured_output
+from sloserve.engine.grammar_worker import lower_priority
 from sloserve.sampling_params import StructuredOutputsParams
 
 #: the checking process's niceness: below the engine core's step loop, above the compiles (19)
@@ -29,7 +29,7 @@ NICE = 10
 
 def _load_then_lower_priority(nice: int) -> None:
     structured_output.validate(StructuredOutputsParams(regex="a"))  # imports xgrammar
-    os.nice(nice)
+    lower_priority(nice)
 
 
 class SpecChecker:
@@ -64,7 +64,7 @@ class SpecChecker:
             ValueError: the spec cannot compile (``validate``'s message), or its parse killed
                 the checking process twice (it is started again for the next request).
         """
-        for attempt in range(2):  # a crash may be another request's: one retry on a new child
+        for _ in range(2):  # a crash may be another request's: one retry on a new child
             pool = self._executor()
             try:
                 return pool.submit(structured_output.validate, spec).result()
@@ -73,7 +73,8 @@ class SpecChecker:
         raise ValueError("the structured-output spec crashed the grammar parser")
 
     def close(self) -> None:
-        """Stop the child (requests still checking get BrokenProcessPool's ValueError)."""
+        """Stop the child; checks still waiting for it fail (their futures are cancelled, and
+        a retry finds the checker closed)."""
         with self._lock:
             self._closed = True
             pool, self._pool = self._pool, None
