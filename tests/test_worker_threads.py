@@ -140,6 +140,48 @@ def test_a_long_step_is_a_window_not_a_gap():
     assert g.threads == 1
 
 
+def test_cpus_reserved_for_compiles_cap_the_team_at_once_and_come_back_after():
+    """A reservation (the engine's grammar compiles) drops the team before any window is
+    measured; idle CPUs and trials do not raise it above the cap; the count before comes back
+    when the reservation ends."""
+    w = World(quiet)
+    g = w.governor()
+    w.run(g, 5)
+    g.reserve(1)
+    assert w.applied == [1] and g.threads == 1
+    assert set(w.run(g, 60)) == {1}  # a CPU and more sat idle every window: still one
+    g.reserve(1)
+    assert w.applied == [1]
+    g.reserve(0)
+    assert w.applied == [1, 2] and set(w.run(g, 10)) == {2}
+
+
+def test_a_reservation_keeps_a_thread_and_restores_what_the_measurement_chose():
+    w = World(lambda n: (1.0, 0.9, 0.0) if n > 1 else (1.0, 0.0, 0.0))  # one free core
+    g = w.governor(max_threads=4)
+    g.reserve(9)
+    assert g.threads == 1 and g.cap == 1
+    g.reserve(0)
+    assert g.threads == 4
+    w.run(g, 60)
+    settled = g.threads
+    assert settled < 4
+    g.reserve(1)
+    g.reserve(0)
+    assert g.threads == settled
+
+
+def test_a_reservation_undoes_a_trial_under_way():
+    w = World(lambda n: (1.0, 0.9, 0.0) if n == 2 else (1.0, 0.0, 0.0))
+    g = w.governor()
+    w.run(g, 2 * T.WINDOW_S)
+    assert g.threads == 1 and g._trial is not None  # a trial with one thread
+    g.reserve(1)
+    assert g._trial is None and g.threads == 1
+    g.reserve(0)
+    assert g.threads == 2  # the count the trial started from
+
+
 def test_off_with_one_thread_or_without_the_accounting():
     w = World(quiet)
     assert not w.governor(max_threads=1).enabled
@@ -147,6 +189,8 @@ def test_off_with_one_thread_or_without_the_accounting():
     assert not g.enabled
     g.after_step(0.0)
     assert w.applied == []
+    g.reserve(1)  # a reservation needs no measurement
+    assert w.applied == [1]
 
 
 def test_the_readings(tmp_path):

@@ -114,6 +114,8 @@ class EngineCore:
         self.rates = StepRates()
         #: fault injection for tests of the failure paths: the first N model steps raise
         self._inject_failures = int(os.environ.get(INJECT_FAILURES_ENV, "0") or 0)
+        #: CPUs the compute threads leave to grammar compiles (Executor.reserve_cpus)
+        self._cpus_reserved = 0
         #: the last step's runner output (its timings), for benchmarks
         self.last_runner_output: ModelRunnerOutput | None = None
         logger.info("engine core: %s, %d layers, dtype %s, KV %s, %d KV blocks x %d tokens "
@@ -236,6 +238,10 @@ class EngineCore:
         if out.is_empty:
             return EngineCoreOutputs(failed, self.stats(), timestamp=t0) if failed else None
         kv_usage = self.kv.usage
+        busy = self.structured_output_manager.cpus_busy
+        if busy != self._cpus_reserved:  # the compute threads leave the compiles their CPUs
+            self._cpus_reserved = busy
+            self.model_executor.reserve_cpus(busy)
         try:
             if self._inject_failures > 0:
                 self._inject_failures -= 1

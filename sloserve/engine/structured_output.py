@@ -306,6 +306,12 @@ class StructuredOutputManager:
         """Grammars compiling or waiting to (0 when no compile work remains)."""
         return self._active
 
+    @property
+    def cpus_busy(self) -> int:
+        """CPUs the compiles hold now: one per compile running (at most :attr:`workers` at
+        once, plus the core's own second compile); the engine's compute team leaves them."""
+        return min(self._active, self.workers + 1)
+
     def worker_pids(self) -> list[int]:
         """The compile worker's process id and those of the compiles running (for tests and
         diagnostics)."""

@@ -72,6 +72,11 @@ class Executor(abc.ABC):
         """Run one step on every worker; the sampled tokens (the first worker's)."""
         return self.collective_rpc("execute_model", (scheduler_output,))[0]
 
+    def reserve_cpus(self, cpus: int) -> None:
+        """Leave ``cpus`` CPUs of each worker's host to the engine's own background work
+        (grammar compiles; 0: none): the workers' compute threads run on the rest."""
+        self.collective_rpc("reserve_cpus", (cpus,))
+
     def export_kv(self, block_ids: list[int], layer: int | None = None):
         """The KV of ``block_ids`` as one contiguous buffer (``ModelRunner.export_kv``): the
         worker side of a KV connector or an offload."""

@@ -153,6 +153,12 @@ class Worker:
             self.thread_governor.after_step(started)
         return out
 
+    def reserve_cpus(self, cpus: int) -> None:
+        """One compute thread fewer per CPU the engine's grammar compiles hold
+        (``ThreadGovernor.reserve``); none under ``--num-threads`` / ``OMP_NUM_THREADS``."""
+        if self.thread_governor is not None:
+            self.thread_governor.reserve(cpus)
+
     def export_kv(self, block_ids: list[int], layer: int | None = None) -> torch.Tensor:
         """See ``ModelRunner.export_kv``."""
         return self.model_runner.export_kv(block_ids, layer)

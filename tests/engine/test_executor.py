@@ -82,3 +82,31 @@ def test_the_core_runs_on_any_executor_and_sizes_the_cache_from_its_workers():
     assert res.stdout.split("\n")[0] == (
         f"10 160 {10 * page} [120, 121, 122] [('initialize_cache', 10), ('execute_model', 20), "
         f"('execute_model', 1), ('execute_model', 1), ('shutdown',)] False")
+
+
+def test_the_core_tells_the_executor_the_cpus_its_grammar_compiles_hold(monkeypatch):
+    """Each step, when the count changed: the compute threads leave those CPUs to the compiles
+    (a decode team sharing a core with a compile stepped at a P99 of ~100 ms, measured)."""
+    from sloserve.config import EngineConfig
+    from sloserve.engine.core import EngineCore
+    from sloserve.engine.messages import EngineCoreRequest
+    from sloserve.engine.structured_output import StructuredOutputManager
+    from sloserve.sampling_params import SamplingParams
+
+    ns: dict = {}
+    exec(FAKE[:FAKE.index("ex = FakeExecutor(")], ns)
+    ex = ns["FakeExecutor"](EngineConfig(max_num_batched_tokens=64))
+    ex.worker.reserve_cpus = lambda n: ex.worker.calls.append(("reserve_cpus", n))
+    busy = [0]
+    monkeypatch.setattr(StructuredOutputManager, "cpus_busy", property(lambda self: busy[0]))
+    core = EngineCore(ex.config, executor=ex)
+    core.add_request(EngineCoreRequest("a", list(range(10, 30)), SamplingParams(
+        max_tokens=6, ignore_eos=True), arrival_time=0.0, eos_token_ids=[2]))
+    for b in (0, 1, 1, 2, 0, 0):
+        busy[0] = b
+        core.step()
+    core.close()
+    assert [c for c in ex.worker.calls if c[0] != "initialize_cache"] == [
+        ("execute_model", 20), ("reserve_cpus", 1), ("execute_model", 1), ("execute_model", 1),
+        ("reserve_cpus", 2), ("execute_model", 1), ("reserve_cpus", 0), ("execute_model", 1),
+        ("execute_model", 1), ("shutdown",)]
