@@ -9,7 +9,10 @@ A configuration ``NAME[@TREE]=ENV`` is a checkout (``TREE``, default this one, r
 ``PYTHONPATH=TREE``: an older commit's ``git archive`` unpacked gives a before/after pair) and
 environment variables (``ENV``: space-separated ``KEY=VALUE`` pairs, empty for none; libgomp
 reads them when it loads). The neighbour is ``taskset -c CPU sh -c 'while :; do :; done'`` in a
-session of its own (another program's process, not one of ours), at this process's priority.
+session of its own (another program's process, not one of ours), at this process's priority;
+``--neighbour-nice N --neighbour-session ours`` makes it one like the engine's own low-priority
+children (grammar compiles). ``OMP_NUM_THREADS=N`` in a configuration fixes the thread count
+(no governor).
 
 Engine steps (default): each configuration is one engine process (``LLMEngine``), loaded once
 with the crossovers pinned (quantized steps up to 16 tokens, AMX up to 2,048, so that a loaded
@@ -55,18 +58,22 @@ PIN = "16,2048"  # quantized steps up to 16 tokens, AMX up to 2,048
 
 def _stats(xs: list[float]) -> dict:
     ms = [x * 1e3 for x in xs]
-    return {"median_ms": statistics.median(ms), "mean_ms": statistics.fmean(ms), "max_ms": max(ms),
+    return {"median_ms": statistics.median(ms), "mean_ms": statistics.fmean(ms),
+            "p99_ms": sorted(ms)[min(len(ms) - 1, int(0.99 * len(ms)))], "max_ms": max(ms),
             "n": len(ms)}
 
 
 @contextlib.contextmanager
-def neighbour(cpu: int | None):
-    """A busy loop pinned to ``cpu`` in a session of its own (None: none)."""
+def neighbour(cpu: int | None, nice: int = 0, own_session: bool = True):
+    """A busy loop pinned to ``cpu`` (None: none) at ``nice`` more than this process, in a
+    session of its own or in this one (with session autogroups on, a nice value counts only
+    within a session)."""
     if cpu is None:
         yield
         return
-    nb = subprocess.Popen(["taskset", "-c", str(cpu), "sh", "-c", NEIGHBOUR],
-                          start_new_session=True)
+    nb = subprocess.Popen(["taskset", "-c", str(cpu), "nice", "-n", str(nice), "sh", "-c",
+                           NEIGHBOUR], start_new_session=own_session,
+                          process_group=None if own_session else 0)
     time.sleep(0.2)
     try:
         yield
@@ -198,13 +205,14 @@ def steps_main(a, configs) -> dict:
                     print(f"round {r} {kind:>11}: the machine {100 * share:.0f} % idle before",
                           flush=True)
                 for busy in (False, True)[:1 if a.quiet_only else 2]:
-                    with neighbour(a.cpu if busy else None):
+                    with neighbour(a.cpu if busy else None, a.neighbour_nice,
+                                   a.neighbour_session == "own"):
                         for c in order:
                             s = c.measure(kind)
                             rows.append(dict(s, name=c.name, kind=kind, neighbour=busy, round=r))
                             print(f"round {r} {kind:>11} {'neighbour' if busy else 'quiet':>9} "
                                   f"{c.name:>12}: median {s['median_ms']:7.1f} mean "
-                                  f"{s['mean_ms']:7.1f} max {s['max_ms']:7.1f} ms, "
+                                  f"{s['mean_ms']:7.1f} P99 {s['p99_ms']:7.1f} max {s['max_ms']:7.1f} ms, "
                                   f"{s['threads']} threads after", flush=True)
     finally:
         for c in children:
@@ -260,7 +268,8 @@ def serve_main(a, configs) -> dict:
                         if a.wait_idle:
                             wait_quiet(a.wait_idle)
                         for busy in (False, True):
-                            with neighbour(a.cpu if busy else None):
+                            with neighbour(a.cpu if busy else None, a.neighbour_nice,
+                                   a.neighbour_session == "own"):
                                 res = bench(base, conc, n, tmp)
                             row = {"round": r, "name": name, "concurrency": conc,
                                    "neighbour": busy, "mean_tpot_ms": res["mean_tpot_ms"],
@@ -308,6 +317,10 @@ def main() -> None:
     ap.add_argument("--serve-prompts-c1", type=int, default=6)
     ap.add_argument("--serve-prompts-c16", type=int, default=32)
     ap.add_argument("--cpu", type=int, default=1, help="the core the neighbour is pinned to")
+    ap.add_argument("--neighbour-nice", type=int, default=0, help="the neighbour's nice value")
+    ap.add_argument("--neighbour-session", choices=("own", "ours"), default="own",
+                    help="the neighbour in a session of its own (another program's, default) "
+                         "or in ours (as the engine's own child processes are)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
