@@ -137,6 +137,9 @@ class EngineConfig:
             the same row-invariant kernel, the sampler row by row (``sloserve.model.invariant``
             says what each op does). Runs on the CPU kernels only: quantized weights, or dense
             bf16 on the AMX GEMM.
+        speculative_config: speculative decoding, vLLM's JSON (text or dict; None: off); see
+            ``sloserve.spec_decode.config`` for the keys and ``sloserve.spec_decode.drafter``
+            for what the engine does with them.
     """
 
     model: str | None = None
@@ -171,6 +174,14 @@ class EngineConfig:
     structured_outputs_compile_timeout: float = DEFAULT_COMPILE_TIMEOUT_S
     max_pending_compiles_per_client: int = DEFAULT_MAX_PENDING_COMPILES_PER_CLIENT
     batch_invariant: bool = False
+    speculative_config: dict | str | None = None
+
+    @property
+    def speculative(self):
+        """``speculative_config`` parsed (:class:`sloserve.spec_decode.config.SpeculativeConfig`,
+        or None). Raises ValueError for a bad one."""
+        from sloserve.spec_decode.config import SpeculativeConfig
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def __post_init__(self) -> None:
         if self.scheduling_policy in POLICIES:  # the old spelling: one release of grace
@@ -239,6 +250,7 @@ class EngineConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got "
                                  f"{getattr(self, name)!r}")
+        self.speculative  # noqa: B018 (raises for a bad one)
         if self.batch_invariant:
             # the torch reference's matmuls and SDPA pick their kernels by shape: no
             # batch-invariant path there (sloserve.model.model_loader says the same for weights
@@ -410,6 +422,12 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
                         "n, chunking, prefix-cache hits or the thread count (default off: "
                         "prefills are slower with it, see README Numerics); needs the CPU "
                         "kernels and quantized weights or dense bf16 weights on AMX")
+
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s JSON: {"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4} (drafts from '
+                        'earlier occurrences of the latest n-gram, verified in the next step; '
+                        'greedy output unchanged)')
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:

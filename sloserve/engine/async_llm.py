@@ -29,7 +29,7 @@ from sloserve.engine.core_client import CoreClient
 from sloserve.engine.messages import (EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest,
                                       EngineCoreResetPrefixCache,
                                       SchedulerStats)
-from sloserve.engine.metrics import StatLogger, log_stats
+from sloserve.engine.metrics import SpecDecodingLogger, StatLogger, log_stats
 from sloserve.engine.output_processor import OutputProcessor
 from sloserve.engine.outputs import RequestOutput
 from sloserve.engine.processor import Processor
@@ -86,6 +86,9 @@ class AsyncLLM:
         self.processor = Processor(tokenizer, self.info)
         self.output_processor = OutputProcessor(tokenizer)
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
+        spec = config.speculative
+        if spec is not None:
+            self.stat_loggers.append(SpecDecodingLogger(logger, spec.num_speculative_tokens))
         #: the core's latest published snapshot
         self.stats = SchedulerStats(num_free_blocks=self.info.num_kv_blocks,
                                     num_blocks=self.info.num_kv_blocks)

@@ -114,6 +114,13 @@ class EngineCore:
         self.rates = StepRates()
         #: fault injection for tests of the failure paths: the first N model steps raise
         self._inject_failures = int(os.environ.get(INJECT_FAILURES_ENV, "0") or 0)
+        #: speculative decoding: drafts for the decoding requests before each step
+        spec = config.speculative
+        self.drafter = None
+        if spec is not None:
+            from sloserve.spec_decode.drafter import Drafter
+            self.drafter = Drafter(spec)
+            logger.info("%s", spec.describe())
         #: CPUs the compute threads leave to grammar compiles (Executor.reserve_cpus)
         self._cpus_reserved = 0
         #: the last step's runner output (its timings), for benchmarks
@@ -232,6 +239,8 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs | None:
         """Schedule, run the model once, update; None when there was nothing to run."""
         t0 = self.clock()
+        if self.drafter is not None:
+            self.drafter.propose(self.scheduler.running)
         out = self.scheduler.schedule(now=t0)
         # requests the scheduler finished without running them (a grammar that failed to compile)
         failed = self.scheduler.take_finished_outputs()
@@ -265,7 +274,10 @@ class EngineCore:
                          num_prefill_tokens=out.num_prefill_tokens,
                          num_decode_tokens=out.num_decode_tokens,
                          num_generation_tokens=sum(len(o.new_token_ids) for o in outputs),
-                         num_preemptions=len(out.preempted_request_ids), kv_cache_usage=kv_usage)
+                         num_preemptions=len(out.preempted_request_ids), kv_cache_usage=kv_usage,
+                         num_draft_tokens=sum(o.num_draft_tokens for o in outputs),
+                         num_accepted_draft_tokens=sum(o.num_accepted_draft_tokens
+                                                       for o in outputs))
         stats = self.stats()
         if self._trace is not None:
             self._record_trace(out, step, stats)

@@ -13,7 +13,7 @@ import time
 from sloserve.config import EngineConfig
 from sloserve.engine.core import EngineCore
 from sloserve.engine.messages import EngineCoreRequest
-from sloserve.engine.metrics import EngineSummary, StatLogger, log_stats
+from sloserve.engine.metrics import EngineSummary, SpecDecodingLogger, StatLogger, log_stats
 from sloserve.engine.output_processor import OutputProcessor
 from sloserve.engine.outputs import RequestOutput
 from sloserve.engine.processor import Processor
@@ -45,6 +45,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.summary = EngineSummary()
         self.stat_loggers: list[StatLogger] = [self.summary, *(stat_loggers or [])]
+        spec = config.speculative
+        if spec is not None:
+            self.stat_loggers.append(SpecDecodingLogger(logger, spec.num_speculative_tokens))
         #: stats of requests aborted since the last step, reported with the next one
 
     # the core's parts, for benchmarks and tests that look inside

@@ -94,7 +94,9 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
         stop_reason: the stop token id that finished it (it is not part of the text).
         num_output_tokens: output tokens so far, the new ones included (core's count).
         num_cached_tokens: prompt tokens served from the prefix cache at its first admission.
-        num_accepted_draft_tokens: draft tokens this step accepted.
+        num_draft_tokens: draft tokens this step verified for it (speculative decoding).
+        num_accepted_draft_tokens: of those, the ones the sampled tokens matched (counted
+            before a stop condition cut the new tokens).
         num_preemptions: times the request was preempted so far.
         first_scheduled_time: when it was first scheduled (s, monotonic; set on finish).
         new_logprobs: for each of new_token_ids, when the request asked for ``logprobs``.
@@ -113,6 +115,7 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     stop_reason: int | None = None
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
@@ -182,6 +185,8 @@ class StepStats(msgspec.Struct):
         num_generation_tokens: tokens sampled (accepted) this step.
         num_preemptions: requests preempted this step.
         kv_cache_usage: after scheduling, before finished requests freed blocks ([0, 1]).
+        num_draft_tokens, num_accepted_draft_tokens: draft tokens verified / accepted this
+            step (speculative decoding; in num_decode_tokens).
     """
 
     start_time: float
@@ -193,6 +198,8 @@ class StepStats(msgspec.Struct):
     num_generation_tokens: int
     num_preemptions: int
     kv_cache_usage: float
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, tag=True):

@@ -26,6 +26,7 @@ class IterationStats:
         itls: inter-token latencies of the decode tokens sampled this step.
         step_s: wall time of the step; forward_s: of the model forward alone.
         start_time: ``time.monotonic()`` when the step was scheduled (s).
+        spec_decoding: the step's draft counts (None: no request had drafts).
     """
 
     num_running: int = 0
@@ -40,6 +41,53 @@ class IterationStats:
     step_s: float = 0.0
     forward_s: float = 0.0
     start_time: float = 0.0
+    spec_decoding: "SpecDecodingStats | None" = None
+
+
+@dataclass
+class SpecDecodingStats:
+    """Speculative decoding's counts (vLLM's ``SpecDecodingStats``): drafts verified (one per
+    request and step that had draft tokens), their tokens, the tokens accepted, and per draft
+    position the drafts accepted up to it (so never rising with the position)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        if num_draft_tokens <= 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        grow = num_accepted_tokens - len(self.num_accepted_tokens_per_pos)
+        if grow > 0:
+            self.num_accepted_tokens_per_pos += [0] * grow
+        for i in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[i] += 1
+
+    def add(self, other: "SpecDecodingStats") -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        per = self.num_accepted_tokens_per_pos
+        per += [0] * (len(other.num_accepted_tokens_per_pos) - len(per))
+        for i, n in enumerate(other.num_accepted_tokens_per_pos):
+            per[i] += n
+
+    def summary(self, num_speculative_tokens: int | None = None) -> str:
+        """vLLM's log line: mean acceptance length (1 + accepted per draft), counts, the
+        acceptance rate per position and overall."""
+        k = num_speculative_tokens or len(self.num_accepted_tokens_per_pos)
+        per = (self.num_accepted_tokens_per_pos + [0] * k)[:k]
+        d = max(1, self.num_drafts)
+        rates = ", ".join(f"{n / d:.3f}" for n in per)
+        rate = self.num_accepted_tokens / max(1, self.num_draft_tokens)
+        return (f"SpecDecoding metrics: Mean acceptance length: "
+                f"{1 + self.num_accepted_tokens / d:.2f}, Accepted: {self.num_accepted_tokens} "
+                f"tokens, Drafted: {self.num_draft_tokens} tokens, Per-position acceptance "
+                f"rate: {rates}, Avg Draft acceptance rate: {100 * rate:.1f}%")
 
 
 @dataclass
@@ -95,10 +143,13 @@ class EngineSummary:
     peak_kv_cache_usage: float = 0.0
     step_s: float = 0.0
     forward_s: float = 0.0
+    spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)
 
     def record(self, it: IterationStats | None, finished: list[FinishedRequestStats]) -> None:
         if it is None:
             return
+        if it.spec_decoding is not None:
+            self.spec_decoding.add(it.spec_decoding)
         self.num_steps += 1
         self.num_batched_tokens += it.num_batched_tokens
         self.max_batched_tokens = max(self.max_batched_tokens, it.num_batched_tokens)
@@ -112,6 +163,27 @@ class EngineSummary:
     @property
     def mean_tokens_per_step(self) -> float:
         return self.num_batched_tokens / self.num_steps if self.num_steps else 0.0
+
+
+class SpecDecodingLogger:
+    """Logs vLLM's "SpecDecoding metrics" line (:meth:`SpecDecodingStats.summary`) every
+    ``interval_s`` seconds in which drafts were verified, for the drafts of that interval."""
+
+    def __init__(self, log, num_speculative_tokens: int, interval_s: float = 10.0,
+                 clock=None):
+        import time
+        self.log, self.k, self.interval_s = log, num_speculative_tokens, interval_s
+        self.clock = clock or time.monotonic
+        self.stats, self.since = SpecDecodingStats(), self.clock()
+
+    def record(self, it: IterationStats | None, finished: list[FinishedRequestStats]) -> None:
+        if it is None or it.spec_decoding is None:
+            return
+        self.stats.add(it.spec_decoding)
+        now = self.clock()
+        if now - self.since >= self.interval_s:
+            self.log.info("%s", self.stats.summary(self.k))
+            self.stats, self.since = SpecDecodingStats(), now
 
 
 class StepTraceLogger:

@@ -18,7 +18,7 @@ from typing import Any
 
 from sloserve.engine.detokenizer import IncrementalDetokenizer
 from sloserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
-from sloserve.engine.metrics import FinishedRequestStats, IterationStats
+from sloserve.engine.metrics import FinishedRequestStats, IterationStats, SpecDecodingStats
 from sloserve.engine.outputs import RequestOutput
 from sloserve.latency import tpot
 from sloserve.logprobs import Logprobs
@@ -169,6 +169,10 @@ class OutputProcessor:
                                 num_batched_tokens=s.num_batched_tokens,
                                 num_preemptions=s.num_preemptions, ttfts=ttfts, itls=itls,
                                 step_s=s.step_s, forward_s=s.forward_s, start_time=s.start_time)
+            if s.num_draft_tokens:
+                it.spec_decoding = SpecDecodingStats()
+                for o in outs.outputs:
+                    it.spec_decoding.observe(o.num_draft_tokens, o.num_accepted_draft_tokens)
         return ProcessedOutputs(results, to_abort, it, finished)
 
     def _advance(self, st: RequestState, o: EngineCoreOutput):

@@ -655,7 +655,8 @@ class Scheduler:
             req.last_token_time = now
             o = EngineCoreOutput(request_id=req.request_id, new_token_ids=new,
                                  num_output_tokens=req.num_output_tokens,
-                                 num_accepted_draft_tokens=len(new) - 1 if k else 0,
+                                 num_draft_tokens=k,
+                                 num_accepted_draft_tokens=len(toks) - 1 if k else 0,
                                  num_preemptions=req.num_preemptions,
                                  num_cached_tokens=req.num_cached_tokens,
                                  parent_request_id=req.parent_request_id,

@@ -13,6 +13,10 @@ Metric names, types and histogram buckets follow vLLM (v1) so existing Grafana d
   ``vllm:request_queue_time_seconds``, ``vllm:request_prefill_time_seconds``,
   ``vllm:request_decode_time_seconds``; (tokens) ``vllm:request_prompt_tokens``,
   ``vllm:request_generation_tokens``;
+* speculative decoding, vLLM's counters: ``vllm:spec_decode_num_drafts``,
+  ``vllm:spec_decode_num_draft_tokens``, ``vllm:spec_decode_num_accepted_tokens``,
+  ``vllm:spec_decode_num_accepted_tokens_per_pos`` (label ``position``, from 0: drafts whose
+  tokens were accepted up to that position);
 * sloserve's own: counters ``sloserve:engine_steps``, ``sloserve:requests_rejected`` (HTTP
   429s), histogram ``sloserve:batched_tokens_per_step`` (tokens), gauges
   ``sloserve:kv_cache_usage_peak_perc`` (fraction 0..1), ``sloserve:grammar_compiles``
@@ -161,6 +165,14 @@ class PrometheusStatLogger:
                                      build_1_2_5_buckets(max(self.max_num_batched_tokens, 1)))
         self.g_kv_peak = gauge("sloserve:kv_cache_usage_peak_perc",
                                "Peak KV-cache usage since start. 1 means 100 percent usage.")
+        self.c_spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.c_spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens",
+                                           "Number of draft tokens.")
+        self.c_spec_accepted = counter("vllm:spec_decode_num_accepted_tokens",
+                                       "Number of accepted tokens.")
+        self._spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted tokens per draft position.",
+                                     ["model_name", "position"], registry=r)
         self.g_grammar_compiles = gauge(
             "sloserve:grammar_compiles",
             "Structured-output grammars compiling or waiting to compile.")
@@ -189,6 +201,13 @@ class PrometheusStatLogger:
             self.c_generation_tokens.inc(it.num_generation_tokens)
         self.c_steps.inc()
         self.h_batched_tokens.observe(it.num_batched_tokens)
+        sd = it.spec_decoding
+        if sd is not None:
+            self.c_spec_drafts.inc(sd.num_drafts)
+            self.c_spec_draft_tokens.inc(sd.num_draft_tokens)
+            self.c_spec_accepted.inc(sd.num_accepted_tokens)
+            for pos, n in enumerate(sd.num_accepted_tokens_per_pos):
+                self._spec_per_pos.labels(self.model_name, str(pos)).inc(n)
         for t in it.ttfts:
             self.h_ttft.observe(t)
         for t in it.itls:
