@@ -240,7 +240,8 @@ class EngineCore:
         """Schedule, run the model once, update; None when there was nothing to run."""
         t0 = self.clock()
         if self.drafter is not None:
-            self.drafter.propose(self.scheduler.running)
+            for req, most in self.scheduler.draft_candidates():
+                req.spec_token_ids = self.drafter.propose(req.all_token_ids, most)
         out = self.scheduler.schedule(now=t0)
         # requests the scheduler finished without running them (a grammar that failed to compile)
         failed = self.scheduler.take_finished_outputs()

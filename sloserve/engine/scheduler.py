@@ -286,6 +286,25 @@ class Scheduler:
         return bool(self.requests)
 
     # ----------------------------------------------------------------- scheduling
+    def draft_candidates(self) -> list[tuple[Request, int]]:
+        """The requests that may take draft tokens in the next step (speculative decoding:
+        ``sloserve.spec_decode.drafter``), each with the most drafts it can use: running,
+        decoding next (past its prompt), without a structured-output grammar (its mask is one
+        per step), and below ``max_tokens`` by more than one token (a request's last token is
+        never a draft's)."""
+        out = []
+        for req in self.running:
+            if req.status is not RequestStatus.RUNNING or req.num_tokens_to_compute != 1 \
+                    or req.grammar is not None:
+                continue
+            most = self.config.max_model_len - req.num_tokens
+            mt = req.sampling_params.max_tokens
+            if mt is not None:
+                most = min(most, mt - req.num_output_tokens - 1)
+            if most > 0:
+                out.append((req, most))
+        return out
+
     def _preempt(self, req: Request, out: SchedulerOutput, scheduled: dict[str, int]) -> int:
         """Free `req` and queue it at the front for recompute. Returns budget refunded."""
         self.running.remove(req)

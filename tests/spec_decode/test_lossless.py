@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from sloserve.sampling_params import SamplingParams  # noqa: E402
-from sloserve.spec_decode.config import SpeculativeConfig  # noqa: E402
+from sloserve.config import SpeculativeConfig  # noqa: E402
 from sloserve.spec_decode.drafter import Drafter  # noqa: E402
 
 TEXT = ("The quick brown fox jumps over the lazy dog. A stitch in time saves nine. "

@@ -3,10 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from sloserve.config import EngineConfig
-from sloserve.engine.request import Request, RequestStatus
-from sloserve.sampling_params import SamplingParams
-from sloserve.spec_decode.config import SpeculativeConfig
+from sloserve.config import EngineConfig, SpeculativeConfig
 from sloserve.spec_decode.drafter import Drafter
 from sloserve.spec_decode.ngram import NgramProposer
 
@@ -27,26 +24,27 @@ def test_the_longest_suffix_match_latest_occurrence_gives_what_followed():
     assert NgramProposer(2, 2).propose([1, 2, 9, 2], 2) == []  # only 1-grams match
 
 
-def _req(prompt, out, max_tokens=None, grammar=None, status=RequestStatus.RUNNING):
-    r = Request("r", list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0))
-    r.output_token_ids = list(out)
-    r.num_computed_tokens = r.num_tokens - 1
-    r.status, r.grammar = status, grammar
-    return r
-
-
-def test_drafts_go_to_decoding_requests_within_max_tokens():
+def test_drafts_go_to_decoding_requests_within_max_tokens_and_the_context():
+    """Scheduler.draft_candidates: running and past the prompt, no grammar; the count is what
+    max_tokens (less the last token) and max_model_len leave; the drafter takes at most k."""
+    from tests.engine.conftest import drive_step, make_request, make_scheduler
+    sched = make_scheduler(budget=64, max_model_len=40)
+    reqs = {"a": make_request("a", 8, max_tokens=10), "b": make_request("b", 8, max_tokens=3),
+            "c": make_request("c", 8, max_tokens=2), "g": make_request("g", 8, max_tokens=10),
+            "ctx": make_request("ctx", 36, max_tokens=None), "p": make_request("p", 30)}
+    for r in reqs.values():
+        sched.add_request(r)
+    reqs["g"].grammar = object()
+    sched.config.max_num_batched_tokens = 90  # all but p's prompt in the first step
+    drive_step(sched)
+    assert reqs["p"].is_prefilling
+    got = {r.request_id: most for r, most in sched.draft_candidates()}
+    assert got == {"a": 8, "b": 1, "ctx": 3}  # c: its last token; g: a grammar; p: prefilling
     d = Drafter(SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3,
                                          "prompt_lookup_max": 2}))
-    a = _req([4, 5, 6, 7, 8, 4], [5], max_tokens=10)
-    b = _req([4, 5, 6, 7, 8, 4], [5], max_tokens=3)     # 2 of 3 output tokens left: 1 draft
-    c = _req([4, 5, 6, 7, 8, 4], [5], max_tokens=2)     # its last token: none
-    g = _req([4, 5, 6, 7, 8, 4], [5], grammar=object())  # a grammar: none
-    w = _req([4, 5, 6, 7, 8, 4], [5], status=RequestStatus.WAITING)
-    pre = _req([4, 5, 6, 7, 8, 4], [5])
-    pre.num_computed_tokens = 2                          # still prefilling: none
-    d.propose([a, b, c, g, w, pre])
-    assert [r.spec_token_ids for r in (a, b, c, g, w, pre)] == [[6, 7, 8], [6], [], [], [], []]
+    assert d.propose([4, 5, 6, 7, 8, 9, 4, 5], 8) == [6, 7, 8]
+    assert d.propose([4, 5, 6, 7, 8, 9, 4, 5], 1) == [6]
+    assert d.propose([4, 5, 6, 7, 8, 9, 4, 5], 0) == []
 
 
 @pytest.mark.parametrize("value, message", [
