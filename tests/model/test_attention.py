@@ -43,9 +43,11 @@ def _random_step(rng: random.Random, n_reqs: int, num_blocks: int):
         nb = -(-(done + n) // BS)
         table = [free.pop() for _ in range(nb)]
         spec = [7] * (n - 1) if kind == "verify" else []
+        generated = kind in ("decode", "verify")  # past the prompt
         reqs.append(ScheduledRequest(f"r{i}", done, n, [1] * n, table, SamplingParams(),
                                      samples=kind != "later_chunk" or rng.random() < 0.5,
-                                     is_decode=kind in ("decode", "verify"), spec_token_ids=spec))
+                                     is_decode=generated, spec_token_ids=spec,
+                                     num_prompt_tokens=done if generated else done + n))
     order = sorted(range(n_reqs), key=lambda i: not reqs[i].is_decode)  # decodes first
     return [reqs[i] for i in order]
 
@@ -126,8 +128,9 @@ def test_bf16_cache_and_activations(seed):
 @pytest.mark.parametrize("seed", range(6))
 def test_cpu_paged_fused_prefill_in_random_mixes(seed, cache_dtype, monkeypatch):
     """Where the CPU has AMX or AVX512-BF16, cpu-paged in a bf16 engine runs every multi-token
-    query with head_dim 64 on the kernels' flash attention (over the bf16 cache in place, or over a bf16
-    copy of an int8 cache's context) and the decodes on its decode kernel: within bf16 rounding
+    prompt chunk with head_dim 64 on the kernels' flash attention (over the bf16 cache in
+    place, or over a bf16 copy of an int8 cache's context) and the decodes on its decode
+    kernel: within bf16 rounding
     (q and P in bf16) of float64 attention over the values the cache holds."""
     from sloserve import kernels
     k = kernels.load()
@@ -139,7 +142,8 @@ def test_cpu_paged_fused_prefill_in_random_mixes(seed, cache_dtype, monkeypatch)
     _check("cpu-paged", seed, 8, 2, cache_dtype, torch.float32, 3e-2, d=64,
            compute_dtype=torch.bfloat16)
     rng = random.Random(seed)
-    kinds = [r for r in _random_step(rng, rng.randint(1, 6), 128) if r.num_new_tokens > 1]
+    kinds = [r for r in _random_step(rng, rng.randint(1, 6), 128)
+             if r.num_new_tokens > 1 and not r.spec_token_ids]  # verify rows: decode kernel
     assert len(calls) == len(kinds)
 
 

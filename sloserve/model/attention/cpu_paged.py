@@ -47,16 +47,24 @@ from sloserve.model.attention.torch_ref import MultiQuery, TorchReferenceBackend
 
 #: context tokens per split of the decode kernel
 SPLIT_LEN = 256
+#: a request past its prompt with at most this many query tokens in a step (a decode verifying
+#: draft tokens) runs on the decode kernel, one row per query token, each row's context ending
+#: at its own position: a step of decodes and verifies stays one kernel call per layer (prompt
+#: chunks, however short, keep the prefill kernels: served tokens do not change)
+DECODE_KERNEL_MAX_QUERY = 16
 
 
 @dataclass
 class CpuPagedMetadata:
     """Attributes:
         slot_mapping: [T] int64.
-        decode_rows: [B_d] int64 rows of T of the single-query requests (None if none).
-        block_table: [B_d, N_max] int64 their block tables; seq_lens: [B_d] int64.
+        decode_rows: [B_d] int64 rows of T computed on the decode kernel (None if none): every
+            query row of the requests past their prompt with at most
+            :data:`DECODE_KERNEL_MAX_QUERY` of them (a decode and its draft tokens).
+        block_table: [B_d, N_max] int64 each row's request's block table; seq_lens: [B_d]
+            int64 each row's context (up to and including its own position).
         max_seq_len: longest decode context.
-        multi: the requests with several query tokens.
+        multi: the requests with more query tokens (the prefill kernels).
         all_decode: every row of the step is a decode, in order (decode_rows is 0..T-1): the
             kernel's output is the step's output, no gather/scatter.
         multi_blocks: per entry of ``multi``, the request's block table over its whole context
@@ -121,21 +129,32 @@ class CpuPagedBackend(AttentionBackend):
     def build_metadata(self, inputs: StepInputs) -> CpuPagedMetadata:
         if self.batch_invariant:
             return self._invariant_metadata(inputs)
-        ref = TorchReferenceBackend.build_metadata(self, inputs)
-        bs = inputs.block_size
+        bs, qlens = inputs.block_size, inputs.query_lens
+        if all(n == 1 for n in qlens):  # the common step: every request one decode
+            return CpuPagedMetadata(inputs.slot_mapping, torch.arange(len(qlens)),
+                                    inputs.block_table, inputs.seq_lens, max(inputs.seq_lens_list),
+                                    [], all_decode=True, multi_blocks=[])
+        plens = inputs.prompt_lens or [0] * len(qlens)
+        small = [n == 1 or (n <= DECODE_KERNEL_MAX_QUERY and done >= plen)  # a decode, verify
+                 for n, done, plen in zip(qlens, inputs.num_computed_list, plens)]
+        qsl = inputs.query_start_loc.tolist()
+        multi = [c for c in TorchReferenceBackend.build_metadata(self, inputs).multi
+                 if not small[qsl.index(c.q_start)]]
         mb = [inputs.block_table[b, :-(-seq // bs)].contiguous()
-              for b, (n, seq) in enumerate(zip(inputs.query_lens, inputs.seq_lens_list))
-              if n != 1] if self.k.prefill_attn_isa else None
-        if ref.decode_rows is None:
-            return CpuPagedMetadata(inputs.slot_mapping, None, None, None, 0, ref.multi,
+              for b, seq in enumerate(inputs.seq_lens_list)
+              if not small[b]] if self.k.prefill_attn_isa else None
+        if not any(small):
+            return CpuPagedMetadata(inputs.slot_mapping, None, None, None, 0, multi,
                                     multi_blocks=mb)
-        dec = [b for b, n in enumerate(inputs.query_lens) if n == 1]
-        idx = torch.tensor(dec, dtype=torch.long)
-        lens = inputs.seq_lens.index_select(0, idx).contiguous()
-        return CpuPagedMetadata(inputs.slot_mapping, ref.decode_rows,
-                                inputs.block_table.index_select(0, idx).contiguous(), lens,
-                                max(inputs.seq_lens_list[b] for b in dec), ref.multi,
-                                all_decode=len(dec) == len(inputs.query_lens), multi_blocks=mb)
+        rows = [r for b, s in enumerate(small) if s for r in range(qsl[b], qsl[b + 1])]
+        owner = [b for b, s in enumerate(small) if s for _ in range(qlens[b])]
+        idx = torch.tensor(rows, dtype=torch.long)
+        lens = inputs.positions.index_select(0, idx) + 1  # each row's context ends at itself
+        return CpuPagedMetadata(inputs.slot_mapping, idx,
+                                inputs.block_table.index_select(
+                                    0, torch.tensor(owner, dtype=torch.long)).contiguous(),
+                                lens, int(lens.max()), multi, all_decode=all(small),
+                                multi_blocks=mb)
 
     def _invariant_metadata(self, inputs: StepInputs) -> CpuPagedMetadata:
         """--batch-invariant (see the module docstring): every row as a decode of its own (its
