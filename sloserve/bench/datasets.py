@@ -11,6 +11,9 @@
   length), filtered as vLLM does: prompt or output < 4 tokens, prompt > 1024 or
   prompt + output > 2048 tokens dropped.
 * ``trace``: JSONL lines of arrival time, input length and output length, replayed.
+* ``copy``: prompts that ask to repeat a passage or lightly edit it (the passages ship in
+  ``sloserve/bench/copy_passages.py``), ``max_tokens`` the passage's length plus
+  ``--copy-output-extra``: the copy-heavy work where n-gram drafts pay.
 
 Prompts of an exact token length are built from the tokenizer the server uses: random
 space-prefixed word tokens, decoded to text and re-encoded until the count is exact.
@@ -27,7 +30,7 @@ import numpy as np
 from sloserve.jsonl import read_json, read_jsonl
 from sloserve.workload import PREFIX_GROUP_TAG, SampleRequest
 
-WORKLOADS = ("random", "mixed", "shared-prefix", "sharegpt", "trace")
+WORKLOADS = ("random", "mixed", "shared-prefix", "sharegpt", "trace", "copy")
 
 
 class TokenizerLike(Protocol):
@@ -184,6 +187,25 @@ def shared_prefix_workload(factory: PromptFactory, num_prompts: int, *, num_grou
         text = prefixes[i % num_groups] + factory.make(suffix_len)[0]
         reqs.append(SampleRequest(text, factory.count(text), output_len, tag=f"{PREFIX_GROUP_TAG}{i % num_groups}"))
     random.Random(seed).shuffle(reqs)
+    return reqs
+
+
+def copy_workload(factory: PromptFactory, num_prompts: int, *, output_extra: int = 16,
+                  seed: int = 0) -> list[SampleRequest]:
+    """``num_prompts`` requests, each a passage and an instruction (seeded choice, every
+    passage used before one repeats); ``max_tokens`` = the passage's tokens + ``output_extra``."""
+    from sloserve.bench.copy_passages import INSTRUCTIONS, PASSAGES
+    rng = random.Random(seed)
+    order: list[int] = []
+    reqs = []
+    for _ in range(num_prompts):
+        if not order:
+            order = list(range(len(PASSAGES)))
+            rng.shuffle(order)
+        passage = PASSAGES[order.pop()]
+        text = rng.choice(INSTRUCTIONS).format(passage=passage)
+        reqs.append(SampleRequest(text, factory.count(text),
+                                  factory.count(passage) + output_extra, tag="copy"))
     return reqs
 
 

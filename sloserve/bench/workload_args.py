@@ -9,7 +9,8 @@ from sloserve.argtypes import pos_float as _pos_float
 from sloserve.argtypes import nonneg_int as _nonneg_int, pos_int as _pos_int
 from sloserve.argtypes import rate as _rate
 from sloserve.bench.datasets import (WORKLOADS, PromptFactory, mixed_workload, random_workload,
-                                     shared_prefix_workload, sharegpt_workload, trace_workload)
+                                     shared_prefix_workload, sharegpt_workload, trace_workload,
+                                     copy_workload)
 from sloserve.workload import SampleRequest
 
 
@@ -37,6 +38,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-output-len", type=_pos_int, default=64)
     g.add_argument("--sharegpt-output-len", type=_pos_int, default=None)
     g.add_argument("--trace-time-scale", type=_pos_float, default=1.0)
+    g.add_argument("--copy-output-extra", type=_nonneg_int, default=16,
+                   help="copy: max_tokens is the passage's tokens plus this many")
     a = p.add_argument_group("arrivals")
     a.add_argument("--request-rate", type=_rate, default=float("inf"),
                    help="mean requests/s; inf sends all at once")
@@ -89,6 +92,8 @@ def build_workload(a: argparse.Namespace, factory: PromptFactory) -> list[Sample
         return shared_prefix_workload(factory, n, num_groups=a.prefix_num_groups,
                                       prefix_len=a.prefix_len, suffix_len=a.prefix_suffix_len,
                                       output_len=a.prefix_output_len, seed=seed)
+    if name == "copy":
+        return copy_workload(factory, n, output_extra=a.copy_output_extra, seed=seed)
     if not a.dataset_path:
         raise ValueError(f"--dataset-name {name} needs --dataset-path")
     if name == "sharegpt":

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from sloserve.bench.datasets import (PromptFactory, mixed_workload, random_workload,
+from sloserve.bench.datasets import (PromptFactory, copy_workload, mixed_workload, random_workload,
                                      shared_prefix_workload, sharegpt_workload, trace_workload)
 
 
@@ -342,3 +342,15 @@ def test_workload_flags_build_the_named_workload(factory, tmp_path):
     reqs = build_workload(_parse("--dataset-name", "trace", "--dataset-path", str(trace),
                                  "--trace-time-scale", "0.5"), factory)
     assert [r.arrival_time for r in reqs] == [0.0, 0.5]
+
+
+def test_copy_workload_asks_to_repeat_or_edit_the_shipped_passages(factory):
+    from sloserve.bench.copy_passages import PASSAGES
+    reqs = copy_workload(factory, 12, output_extra=5, seed=3)
+    used = [next(i for i, p in enumerate(PASSAGES) if p in r.prompt) for r in reqs]
+    assert sorted(used[:10]) == list(range(10))  # every passage once before one repeats
+    for r, i in zip(reqs, used):
+        assert r.expected_output_len == factory.count(PASSAGES[i]) + 5
+        assert r.prompt_len == factory.count(r.prompt) and r.tag == "copy"
+    assert [r.prompt for r in copy_workload(factory, 12, output_extra=5, seed=3)] == \
+        [r.prompt for r in reqs]
