@@ -1,0 +1,48 @@
+#!/bin/bash
+# Speculative decoding on and off, the same client (sloserve bench, HTTP only) and seeds: per
+# server configuration, batch 1 on `copy` (greedy, EOS on), batch 1 on `random --ignore-eos`
+# and c=16 on `copy`; prints mean TPOT, output tok/s and, from /metrics, the drafts' acceptance
+# over each run. One server at a time.
+#
+#   bash benchmarks/spec_decode.sh        # OUT=/tmp/spec_decode N1=10 N16=32 ROUNDS=1
+#   CONFIGS="off ngram4" bash benchmarks/spec_decode.sh
+# A configuration is `off` or `ngramK` (ngram, k = K, prompt_lookup_max 4).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/spec_decode}; N1=${N1:-10}; N16=${N16:-32}; ROUNDS=${ROUNDS:-1}
+PORT=${PORT:-8293}; CONFIGS=${CONFIGS:-"off ngram4"}
+mkdir -p "$OUT"
+counter() { curl -s "localhost:$PORT/metrics" | awk -v n="$1" '$1 ~ "^"n"(\\{|$)" {s += $2} END {print s + 0}'; }
+bench() {  # name, then sloserve bench flags
+  local name=$1; shift
+  local d0 t0 a0; d0=$(counter vllm:spec_decode_num_drafts_total)
+  t0=$(counter vllm:spec_decode_num_draft_tokens_total); a0=$(counter vllm:spec_decode_num_accepted_tokens_total)
+  .venv/bin/sloserve bench --port "$PORT" --seed 5 --save-result --result-dir "$OUT" \
+    --result-filename "$name.json" --disable-tqdm "$@" >"$OUT/$name.txt" 2>&1
+  local d1 t1 a1; d1=$(counter vllm:spec_decode_num_drafts_total)
+  t1=$(counter vllm:spec_decode_num_draft_tokens_total); a1=$(counter vllm:spec_decode_num_accepted_tokens_total)
+  python3 -c "
+import json; d = json.load(open('$OUT/$name.json')); dr, t, a = $d1 - $d0, $t1 - $t0, $a1 - $a0
+acc = f'{a / t:.1%}, {1 + a / dr:.2f}' if t else '-'
+print(f'| $name | {d[\"mean_tpot_ms\"]:.2f} | {d[\"output_throughput\"]:.1f} | {d[\"completed\"]} | {acc} |')" | tee -a "$OUT/table.md"
+}
+echo "| run | mean TPOT (ms) | output tok/s | completed | draft acceptance, mean acceptance length |" | tee "$OUT/table.md"
+echo "|---|---:|---:|---:|---|" | tee -a "$OUT/table.md"
+for r in $(seq "$ROUNDS"); do
+  for c in $CONFIGS; do
+    spec=()
+    if [ "$c" != off ]; then
+      spec=(--speculative-config "{\"method\": \"ngram\", \"num_speculative_tokens\": ${c#ngram}, \"prompt_lookup_max\": 4}")
+    fi
+    .venv/bin/sloserve serve --port "$PORT" --log-level warning "${spec[@]}" >"$OUT/serve-$c-$r.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 600); do curl -sf "localhost:$PORT/health" >/dev/null && break; sleep 0.5; done
+    .venv/bin/sloserve bench --port "$PORT" --dataset-name random --random-input-len 64 \
+      --random-output-len 8 --num-prompts 2 --seed 999 --disable-tqdm >/dev/null 2>&1  # warm-up
+    bench "$c-copy-c1-r$r" --dataset-name copy --num-prompts "$N1" --max-concurrency 1
+    bench "$c-random-c1-r$r" --dataset-name random --random-input-len 128 --random-output-len 64 \
+      --ignore-eos --num-prompts "$N1" --max-concurrency 1
+    bench "$c-copy-c16-r$r" --dataset-name copy --num-prompts "$N16" --max-concurrency 16
+    kill -INT $pid; wait $pid
+  done
+done
