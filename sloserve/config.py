@@ -313,6 +313,9 @@ class EngineConfig:
 # * ``num_speculative_tokens`` (k, required): most draft tokens per request and step.
 # * ``prompt_lookup_min`` (default 1), ``prompt_lookup_max`` (required for ``ngram``): the
 #   n-gram lengths tried, longest first.
+# * ``num_speculative_tokens_per_batch_size``: ``[[first, last, k], ...]``: k drafts while first
+#   to last requests run (0: none; where drafts do not pay at that batch size); other batch
+#   sizes take ``num_speculative_tokens``.
 #
 # Other methods vLLM has are refused with a message that names the ones served here.
 
@@ -327,6 +330,15 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = 1
     prompt_lookup_max: int | None = None
+    #: ((first, last, k), ...): k drafts per request while first..last requests run (inclusive)
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
+
+    def k_for(self, batch_size: int) -> int:
+        """Draft tokens per request in a step with ``batch_size`` running requests."""
+        for first, last, k in self.num_speculative_tokens_per_batch_size or ():
+            if first <= batch_size <= last:
+                return k
+        return self.num_speculative_tokens
 
     @classmethod
     def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
@@ -341,7 +353,8 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                 "num_speculative_tokens_per_batch_size"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)} (known: "
@@ -364,13 +377,29 @@ class SpeculativeConfig:
         if lo > hi:
             raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) is over "
                              f"prompt_lookup_max ({hi})")
-        return cls(method, k, lo, hi)
+        per = value.get("num_speculative_tokens_per_batch_size")
+        if per is not None:
+            ok = isinstance(per, list) and all(
+                isinstance(r, list) and len(r) == 3 and all(map(_is_int, r))
+                and 1 <= r[0] <= r[1] and 0 <= r[2] <= k for r in per)
+            if not ok:
+                raise ValueError(f"speculative_config: num_speculative_tokens_per_batch_size "
+                                 f"must be a list of [first, last, k] (1 <= first <= last, "
+                                 f"0 <= k <= num_speculative_tokens = {k}), got {per!r}")
+            per = tuple(tuple(r) for r in per)
+        return cls(method, k, lo, hi, per)
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        d = {k: v for k, v in asdict(self).items() if v is not None}
+        if self.num_speculative_tokens_per_batch_size is not None:
+            d["num_speculative_tokens_per_batch_size"] = [
+                list(r) for r in self.num_speculative_tokens_per_batch_size]
+        return d
 
     def describe(self) -> str:
-        return (f"speculative decoding: {self.method}, k={self.num_speculative_tokens}, "
+        per = "".join(f", k={k} at {a}-{b} requests"
+                      for a, b, k in self.num_speculative_tokens_per_batch_size or ())
+        return (f"speculative decoding: {self.method}, k={self.num_speculative_tokens}{per}, "
                 f"n-grams {self.prompt_lookup_min}..{self.prompt_lookup_max}")
 
 

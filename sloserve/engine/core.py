@@ -240,8 +240,9 @@ class EngineCore:
         """Schedule, run the model once, update; None when there was nothing to run."""
         t0 = self.clock()
         if self.drafter is not None:
+            batch = len(self.scheduler.running)
             for req, most in self.scheduler.draft_candidates():
-                req.spec_token_ids = self.drafter.propose(req.all_token_ids, most)
+                req.spec_token_ids = self.drafter.propose(req.all_token_ids, most, batch)
         out = self.scheduler.schedule(now=t0)
         # requests the scheduler finished without running them (a grammar that failed to compile)
         failed = self.scheduler.take_finished_outputs()

@@ -21,8 +21,9 @@ class Drafter:
         self.config = config
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
 
-    def propose(self, token_ids, max_drafts: int) -> list[int]:
+    def propose(self, token_ids, max_drafts: int, batch_size: int = 1) -> list[int]:
         """Draft tokens to follow ``token_ids`` (a request's prompt and output): at most
-        ``num_speculative_tokens`` and ``max_drafts``."""
-        k = min(self.config.num_speculative_tokens, max_drafts)
+        ``max_drafts`` and the k for ``batch_size`` running requests
+        (``SpeculativeConfig.k_for``)."""
+        k = min(self.config.k_for(batch_size), max_drafts)
         return self.proposer.propose(token_ids, k) if k > 0 else []

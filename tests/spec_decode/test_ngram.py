@@ -73,3 +73,19 @@ def test_the_json_text_and_the_dict_are_the_same_config():
                             "prompt_lookup_max": 5})
     assert a.speculative == b.speculative == SpeculativeConfig("ngram", 4, 1, 5)
     assert EngineConfig().speculative is None
+
+
+def test_k_per_batch_size():
+    c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4,
+                                 "prompt_lookup_max": 3,
+                                 "num_speculative_tokens_per_batch_size": [[2, 8, 2], [9, 64, 0]]})
+    assert [c.k_for(b) for b in (1, 2, 8, 9, 64, 65)] == [4, 2, 2, 0, 0, 4]
+    d = Drafter(c)
+    toks = [4, 5, 6, 7, 8, 9, 4, 5]
+    assert [d.propose(toks, 8, b) for b in (1, 5, 20)] == [[6, 7, 8, 9], [6, 7], []]
+    assert SpeculativeConfig.parse(c.to_dict()) == c
+    for bad in ([[2, 1, 1]], [[1, 4, 5]], [[0, 4, 1]], [[1, 4]], "1-4:2"):
+        with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size"):
+            SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4,
+                                     "prompt_lookup_max": 3,
+                                     "num_speculative_tokens_per_batch_size": bad})
