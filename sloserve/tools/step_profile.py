@@ -60,11 +60,14 @@ def start_decodes(eng: LLMEngine, batch: int, prompt_len: int, max_tokens: int) 
 
 
 def time_decode_steps(eng: LLMEngine, batch: int, context_len: int, warmup: int,
-                      repeats: int) -> list[StepSample]:
+                      repeats: int, spec_tokens: int = 0) -> list[StepSample]:
     """`repeats` timed pure-decode steps of exactly `batch` sequences, centred on `context_len`.
 
     The prompts are prefilled first (untimed); for all sequences to start decoding together the
     engine's token budget must hold batch x context_len tokens. The requests are aborted after.
+    `spec_tokens` > 0: verify steps, each sequence with that many draft tokens (the vocabulary's
+    last id, which the greedy model does not pick: all rejected, so the context still grows by
+    one per step; the engine's own drafter is off meanwhile).
 
     Raises:
         ValueError: context_len too short for warmup + repeats.
@@ -75,8 +78,11 @@ def time_decode_steps(eng: LLMEngine, batch: int, context_len: int, warmup: int,
         raise ValueError(f"context length {context_len} too short for warmup {warmup} + {repeats} repeats")
     ids = start_decodes(eng, batch, prompt, warmup + repeats + 4)
     out = []
+    drafter, eng.core.drafter = eng.core.drafter, None
     for k in range(warmup + repeats):
         running = eng.scheduler.running
+        for r in running:
+            r.spec_token_ids = [eng.model_config.vocab_size - 1] * spec_tokens
         if len(running) != batch or any(r.is_prefilling for r in running):
             raise RuntimeError(f"decode batch {batch}: step {k} is not a pure decode of {batch} sequences")
         ctx = {r.num_tokens for r in running}
@@ -85,6 +91,7 @@ def time_decode_steps(eng: LLMEngine, batch: int, context_len: int, warmup: int,
         s = _timed_step(eng, ctx.pop())
         if k >= warmup:
             out.append(s)
+    eng.core.drafter = drafter
     for rid in ids:
         eng.abort_request(rid)
     return out
