@@ -6,11 +6,14 @@
 #
 #   bash benchmarks/spec_decode.sh        # OUT=/tmp/spec_decode N1=10 N16=32 ROUNDS=1
 #   CONFIGS="off ngram4" bash benchmarks/spec_decode.sh
-# A configuration is `off` or `ngramK` (ngram, k = K, prompt_lookup_max 4).
+# A configuration is `off`, `ngramK` (ngram, k = K, prompt_lookup_max 4) or `llama-TYPE`:
+# llama.cpp's server (PEERS=/tmp/peers, ../shared/peers.md) with `--spec-type TYPE` (`none`: off)
+# on LLAMA_GGUF (default: the embedded model's Q4_1 GGUF, the file sloserve serves).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/spec_decode}; N1=${N1:-10}; N16=${N16:-32}; ROUNDS=${ROUNDS:-1}
-PORT=${PORT:-8293}; CONFIGS=${CONFIGS:-"off ngram4"}
+PORT=${PORT:-8293}; CONFIGS=${CONFIGS:-"off ngram4"}; PEERS=${PEERS:-/tmp/peers}
+LLAMA_GGUF=${LLAMA_GGUF:-$(.venv/bin/python -c 'from sloserve.embedded import default_model_path; print(default_model_path())')}
 mkdir -p "$OUT"
 counter() { curl -s "localhost:$PORT/metrics" | awk -v n="$1" '$1 ~ "^"n"(\\{|$)" {s += $2} END {print s + 0}'; }
 bench() {  # name, then sloserve bench flags
@@ -30,11 +33,20 @@ echo "| run | mean TPOT (ms) | output tok/s | completed | draft acceptance, mean
 echo "|---|---:|---:|---:|---|" | tee -a "$OUT/table.md"
 for r in $(seq "$ROUNDS"); do
   for c in $CONFIGS; do
-    spec=()
-    if [ "$c" != off ]; then
-      spec=(--speculative-config "{\"method\": \"ngram\", \"num_speculative_tokens\": ${c#ngram}, \"prompt_lookup_max\": 4}")
-    fi
-    .venv/bin/sloserve serve --port "$PORT" --log-level warning "${spec[@]}" >"$OUT/serve-$c-$r.log" 2>&1 &
+    case $c in
+      llama-*)  # llama.cpp's server on the same weights' GGUF, its own n-gram speculation
+        spec=(); [ "${c#llama-}" != none ] && spec=(--spec-type "${c#llama-}")
+        "$PEERS/llama.cpp-src/build/bin/llama-server" -m "$LLAMA_GGUF" --host 127.0.0.1 \
+          --port "$PORT" -t 2 -np 16 -c 16384 --metrics "${spec[@]}" >"$OUT/serve-$c-$r.log" 2>&1 &
+        ;;
+      *)
+        spec=()
+        if [ "$c" != off ]; then
+          spec=(--speculative-config "{\"method\": \"ngram\", \"num_speculative_tokens\": ${c#ngram}, \"prompt_lookup_max\": 4}")
+        fi
+        .venv/bin/sloserve serve --port "$PORT" --log-level warning "${spec[@]}" >"$OUT/serve-$c-$r.log" 2>&1 &
+        ;;
+    esac
     pid=$!
     for _ in $(seq 600); do curl -sf "localhost:$PORT/health" >/dev/null && break; sleep 0.5; done
     .venv/bin/sloserve bench --port "$PORT" --dataset-name random --random-input-len 64 \

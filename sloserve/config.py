@@ -315,7 +315,8 @@ class EngineConfig:
 #   n-gram lengths tried, longest first.
 # * ``num_speculative_tokens_per_batch_size``: ``[[first, last, k], ...]``: k drafts while first
 #   to last requests run (0: none; where drafts do not pay at that batch size); other batch
-#   sizes take ``num_speculative_tokens``.
+#   sizes take ``num_speculative_tokens``. Without it, k drops with the batch so that a step
+#   stays on the quantized kernels (``sloserve.spec_decode.drafter.Drafter``).
 #
 # Other methods vLLM has are refused with a message that names the ones served here.
 

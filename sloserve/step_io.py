@@ -179,6 +179,9 @@ class WorkerInfo:
         dtype, kv_cache_dtype: what the worker computes in and caches KV in ("bfloat16", ...).
         dtype_reason: the worker's choice of dtypes and kernels, in words (its log lines).
         description: the attention backend and threads, for the core's start-up line.
+        quantized_step_max_tokens: the most tokens a step may have and still run on the
+            quantized weights (the memory-bound kernels; larger steps go to a dense GEMM at
+            about twice a step's time or more); 0: no quantized weights.
     """
 
     model_name: str
@@ -188,3 +191,4 @@ class WorkerInfo:
     kv_cache_dtype: str
     dtype_reason: str = ""
     description: str = ""
+    quantized_step_max_tokens: int = 0

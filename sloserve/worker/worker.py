@@ -111,7 +111,9 @@ class Worker:
             kv_cache_dtype=self.dtype_choice.kv_cache_dtype,
             dtype_reason=f"{self.dtype_choice.describe()}; {self.weights_line}",
             description=(f"attention {self.attn_backend.describe(self.kv_cache_dtype)}, "
-                         f"{torch.get_num_threads()} torch threads"))
+                         f"{torch.get_num_threads()} torch threads"),
+            quantized_step_max_tokens=getattr(getattr(self.model, "policy", None),
+                                              "quant_max_tokens", 0))
 
     # ------------------------------------------------------------------ the KV cache
     def get_kv_cache_spec(self) -> KVCacheSpec:

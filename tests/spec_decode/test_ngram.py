@@ -89,3 +89,14 @@ def test_k_per_batch_size():
             SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4,
                                      "prompt_lookup_max": 3,
                                      "num_speculative_tokens_per_batch_size": bad})
+
+
+def test_without_a_table_k_keeps_a_step_on_the_quantized_kernels():
+    c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4,
+                                 "prompt_lookup_max": 3})
+    d = Drafter(c, step_max_tokens=16)
+    assert [d.k_for(b) for b in (1, 3, 4, 5, 8, 9, 16, 64)] == [4, 4, 3, 2, 1, 0, 0, 0]
+    assert [Drafter(c).k_for(b) for b in (1, 64)] == [4, 4]  # no limit known
+    table = SpeculativeConfig.parse(dict(c.to_dict(), num_speculative_tokens_per_batch_size=[
+        [1, 64, 4]]))
+    assert Drafter(table, step_max_tokens=16).k_for(16) == 4  # the user's table wins
