@@ -5,14 +5,16 @@
 # over each run. One server at a time.
 #
 #   bash benchmarks/spec_decode.sh        # OUT=/tmp/spec_decode N1=10 N16=32 ROUNDS=1
-#   CONFIGS="off ngram4" bash benchmarks/spec_decode.sh
+#   CONFIGS="off ngram4" RUNS="copy-c16" bash benchmarks/spec_decode.sh   # some of the runs
 # A configuration is `off`, `ngramK` (ngram, k = K, prompt_lookup_max 4) or `llama-TYPE`:
 # llama.cpp's server (PEERS=/tmp/peers, ../shared/peers.md) with `--spec-type TYPE` (`none`: off)
-# on LLAMA_GGUF (default: the embedded model's Q4_1 GGUF, the file sloserve serves).
+# on LLAMA_GGUF (default: the embedded model's Q4_1 GGUF, the file sloserve serves); on an AMX host
+# run with LLAMA_ARG_REPACK=0 (its AMX repack dies of SIGILL there, see "Against vLLM and llama.cpp").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/spec_decode}; N1=${N1:-10}; N16=${N16:-32}; ROUNDS=${ROUNDS:-1}
 PORT=${PORT:-8293}; CONFIGS=${CONFIGS:-"off ngram4"}; PEERS=${PEERS:-/tmp/peers}
+RUNS=${RUNS:-"copy-c1 random-c1 copy-c16"}
 LLAMA_GGUF=${LLAMA_GGUF:-$(.venv/bin/python -c 'from sloserve.embedded import default_model_path; print(default_model_path())')}
 mkdir -p "$OUT"
 counter() { curl -s "localhost:$PORT/metrics" | awk -v n="$1" '$1 ~ "^"n"(\\{|$)" {s += $2} END {print s + 0}'; }
@@ -44,17 +46,21 @@ for r in $(seq "$ROUNDS"); do
         if [ "$c" != off ]; then
           spec=(--speculative-config "{\"method\": \"ngram\", \"num_speculative_tokens\": ${c#ngram}, \"prompt_lookup_max\": 4}")
         fi
-        .venv/bin/sloserve serve --port "$PORT" --log-level warning "${spec[@]}" >"$OUT/serve-$c-$r.log" 2>&1 &
+        .venv/bin/sloserve serve --port "$PORT" --log-level info "${spec[@]}" >"$OUT/serve-$c-$r.log" 2>&1 &
         ;;
     esac
     pid=$!
-    for _ in $(seq 600); do curl -sf "localhost:$PORT/health" >/dev/null && break; sleep 0.5; done
+    for _ in $(seq 600); do curl -sf "localhost:$PORT/health" >/dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 0.5; done
     .venv/bin/sloserve bench --port "$PORT" --dataset-name random --random-input-len 64 \
       --random-output-len 8 --num-prompts 2 --seed 999 --disable-tqdm >/dev/null 2>&1  # warm-up
-    bench "$c-copy-c1-r$r" --dataset-name copy --num-prompts "$N1" --max-concurrency 1
-    bench "$c-random-c1-r$r" --dataset-name random --random-input-len 128 --random-output-len 64 \
-      --ignore-eos --num-prompts "$N1" --max-concurrency 1
-    bench "$c-copy-c16-r$r" --dataset-name copy --num-prompts "$N16" --max-concurrency 16
+    for run in $RUNS; do
+      case $run in
+        copy-c1) bench "$c-copy-c1-r$r" --dataset-name copy --num-prompts "$N1" --max-concurrency 1 ;;
+        random-c1) bench "$c-random-c1-r$r" --dataset-name random --random-input-len 128 \
+          --random-output-len 64 --ignore-eos --num-prompts "$N1" --max-concurrency 1 ;;
+        copy-c16) bench "$c-copy-c16-r$r" --dataset-name copy --num-prompts "$N16" --max-concurrency 16 ;;
+      esac
+    done
     kill -INT $pid; wait $pid
   done
 done

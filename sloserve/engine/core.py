@@ -121,9 +121,8 @@ class EngineCore:
             from sloserve.spec_decode.drafter import Drafter
             self.drafter = Drafter(spec, winfo.quantized_step_max_tokens)
             logger.info("%s%s", spec.describe(), "" if spec.num_speculative_tokens_per_batch_size
-                        or not winfo.quantized_step_max_tokens else
-                        f"; fewer drafts per request where a step would pass "
-                        f"{winfo.quantized_step_max_tokens} tokens (the quantized kernels' limit)")
+                        else f"; fewer drafts per request where a step of decodes and drafts "
+                             f"would pass {self.drafter.step_max_tokens} tokens")
         #: CPUs the compute threads leave to grammar compiles (Executor.reserve_cpus)
         self._cpus_reserved = 0
         #: the last step's runner output (its timings), for benchmarks

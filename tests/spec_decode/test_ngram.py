@@ -91,12 +91,16 @@ def test_k_per_batch_size():
                                      "num_speculative_tokens_per_batch_size": bad})
 
 
-def test_without_a_table_k_keeps_a_step_on_the_quantized_kernels():
+def test_without_a_table_k_drops_with_the_batch():
+    """A step of decodes and drafts holds at most DEFAULT_STEP_TOKENS (8) tokens, fewer when
+    the quantized kernels' limit is lower; a user's table replaces the rule."""
     c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4,
                                  "prompt_lookup_max": 3})
-    d = Drafter(c, step_max_tokens=16)
-    assert [d.k_for(b) for b in (1, 3, 4, 5, 8, 9, 16, 64)] == [4, 4, 3, 2, 1, 0, 0, 0]
-    assert [Drafter(c).k_for(b) for b in (1, 64)] == [4, 4]  # no limit known
+    d = Drafter(c, quantized_step_max_tokens=16)
+    assert [d.k_for(b) for b in (1, 2, 3, 4, 5, 16)] == [4, 3, 1, 1, 0, 0]
+    assert [Drafter(c).k_for(b) for b in (1, 2, 5)] == [4, 3, 0]  # no quantized weights
+    assert [Drafter(c, quantized_step_max_tokens=6).k_for(b) for b in (1, 2, 3, 4)] == \
+        [4, 2, 1, 0]
     table = SpeculativeConfig.parse(dict(c.to_dict(), num_speculative_tokens_per_batch_size=[
         [1, 64, 4]]))
-    assert Drafter(table, step_max_tokens=16).k_for(16) == 4  # the user's table wins
+    assert Drafter(table, quantized_step_max_tokens=16).k_for(16) == 4
