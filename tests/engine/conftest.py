@@ -8,6 +8,7 @@ ModelRunner + Sampler the way LLMEngine.step does.
 from __future__ import annotations
 
 import os
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -239,3 +240,29 @@ def smol_tokenizer():
     except (ImportError, FileNotFoundError) as e:  # pragma: no cover - environment dependent
         pytest.skip(f"embedded model not available: {e}")
     return Tokenizer.from_gguf(path)
+
+
+def require_embedded_model(kernels: bool = False) -> None:
+    """Skip the calling test (or fixture) where the embedded model, or with ``kernels`` the CPU
+    kernels, are not available."""
+    try:
+        from sloserve.embedded import default_model_path
+        default_model_path()
+    except (ImportError, FileNotFoundError) as e:  # pragma: no cover - environment dependent
+        pytest.skip(f"embedded model not available: {e}")
+    if kernels:
+        from sloserve import kernels as k
+        if k.load() is None:  # pragma: no cover - the kernels build wherever g++ runs
+            pytest.skip("the CPU kernels do not load here")
+
+
+@contextlib.contextmanager
+def scheduler_budget(llm, tokens: int):
+    """The engine's token budget per step lowered to ``tokens`` inside the block."""
+    cfg = llm.engine.scheduler.config
+    before = cfg.max_num_batched_tokens
+    cfg.max_num_batched_tokens = tokens
+    try:
+        yield
+    finally:
+        cfg.max_num_batched_tokens = before

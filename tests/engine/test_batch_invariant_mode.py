@@ -10,7 +10,6 @@ One engine per dtype for the whole module; a few tokens per request keep it shor
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import pytest
@@ -18,6 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from sloserve.sampling_params import SamplingParams, child_seed  # noqa: E402
+from tests.engine.conftest import require_embedded_model, scheduler_budget  # noqa: E402
 
 ROME = "The history of Rome"
 HI = "Hi"
@@ -45,14 +45,7 @@ def _mates(n: int = 15) -> list[tuple[list[int], SamplingParams]]:
 
 @pytest.fixture(scope="module", params=["bfloat16", "float32"])
 def llm(request):
-    try:
-        from sloserve.embedded import default_model_path
-        default_model_path()
-    except (ImportError, FileNotFoundError) as e:  # pragma: no cover - environment dependent
-        pytest.skip(f"embedded model not available: {e}")
-    from sloserve import kernels
-    if kernels.load() is None:  # pragma: no cover - the kernels build wherever g++ runs
-        pytest.skip("the CPU kernels do not load here")
+    require_embedded_model(kernels=True)
     import sloserve
     llm = sloserve.LLM(model=None, dtype=request.param, batch_invariant=True,
                        num_kv_blocks=NUM_KV_BLOCKS, max_num_batched_tokens=512)
@@ -82,18 +75,6 @@ def run(llm, items) -> list[tuple[list[int], list]]:
 def alone(llm):
     """Each reproducer alone in the engine."""
     return {ROME: run(llm, [(ROME, GREEDY)])[0], HI: run(llm, [(HI, SEEDED)])[0]}
-
-
-@contextlib.contextmanager
-def scheduler_budget(llm, tokens: int):
-    """The engine's token budget per step lowered to ``tokens`` inside the block."""
-    cfg = llm.engine.scheduler.config
-    before = cfg.max_num_batched_tokens
-    cfg.max_num_batched_tokens = tokens
-    try:
-        yield
-    finally:
-        cfg.max_num_batched_tokens = before
 
 
 def test_reproducers_are_not_trivial(alone):

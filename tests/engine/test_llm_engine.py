@@ -6,6 +6,7 @@ import pytest
 pytest.importorskip("torch")
 
 from sloserve.sampling_params import ParamError, SamplingParams  # noqa: E402
+from tests.engine.conftest import require_embedded_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -15,11 +16,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 @pytest.fixture(scope="module")
 def llm():
-    try:
-        from sloserve.embedded import default_model_path
-        default_model_path()
-    except (ImportError, FileNotFoundError) as e:  # pragma: no cover - environment dependent
-        pytest.skip(f"embedded model not available: {e}")
+    require_embedded_model()
     import sloserve
     return sloserve.LLM(model=None, dtype="float32", num_kv_blocks=NUM_KV_BLOCKS)
 

@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 from sloserve.sampling_params import SamplingParams  # noqa: E402
 from sloserve.config import SpeculativeConfig  # noqa: E402
 from sloserve.spec_decode.drafter import Drafter  # noqa: E402
+from tests.engine.conftest import require_embedded_model, scheduler_budget  # noqa: E402
 
 TEXT = ("The quick brown fox jumps over the lazy dog. A stitch in time saves nine. "
         "Every cloud has a silver lining. ")
@@ -36,14 +37,7 @@ def config(k: int) -> SpeculativeConfig:
 
 @pytest.fixture(scope="module")
 def llm():
-    try:
-        from sloserve.embedded import default_model_path
-        default_model_path()
-    except (ImportError, FileNotFoundError) as e:  # pragma: no cover - environment dependent
-        pytest.skip(f"embedded model not available: {e}")
-    from sloserve import kernels
-    if kernels.load() is None:  # pragma: no cover - the kernels build wherever g++ runs
-        pytest.skip("the CPU kernels do not load here")
+    require_embedded_model(kernels=True)
     import sloserve
     return sloserve.LLM(model=None, dtype="float32", batch_invariant=True,
                         num_kv_blocks=NUM_KV_BLOCKS, max_num_batched_tokens=512,
@@ -60,17 +54,6 @@ def drafts(llm, k: int | None):
         yield
     finally:
         core.drafter = before
-
-
-@contextlib.contextmanager
-def budget(llm, tokens: int):
-    cfg = llm.engine.scheduler.config
-    before = cfg.max_num_batched_tokens
-    cfg.max_num_batched_tokens = tokens
-    try:
-        yield
-    finally:
-        cfg.max_num_batched_tokens = before
 
 
 def run(llm, items):
@@ -98,7 +81,7 @@ def on_and_off(llm, items, k: int = 4, tokens: int | None = None):
     """The items' results without drafts and with k; the spec-decode counts of the run with."""
     with contextlib.ExitStack() as stack:
         if tokens:
-            stack.enter_context(budget(llm, tokens))
+            stack.enter_context(scheduler_budget(llm, tokens))
         with drafts(llm, None):
             off = run(llm, items)
         stats = llm.engine.summary.spec_decoding
