@@ -243,8 +243,9 @@ class EngineCore:
         t0 = self.clock()
         if self.drafter is not None:
             batch = len(self.scheduler.running)
-            for req, most in self.scheduler.draft_candidates():
-                req.spec_token_ids = self.drafter.propose(req.all_token_ids, most, batch)
+            if self.drafter.k_for(batch) > 0:  # no token lists built where drafts are off
+                for req, most in self.scheduler.draft_candidates():
+                    req.spec_token_ids = self.drafter.propose(req.all_token_ids, most, batch)
         out = self.scheduler.schedule(now=t0)
         # requests the scheduler finished without running them (a grammar that failed to compile)
         failed = self.scheduler.take_finished_outputs()
