@@ -309,20 +309,45 @@ class EngineConfig:
 # Keys, as vLLM spells them:
 #
 # * ``method``: ``ngram`` (prompt lookup: what followed an earlier occurrence of the longest
-#   matching suffix n-gram of prompt + output).
-# * ``num_speculative_tokens`` (k, required): most draft tokens per request and step.
+#   matching suffix n-gram of prompt + output), ``suffix`` (SuffixDecoding: suffix trees over the
+#   request's own tokens and over recent outputs of other requests), ``draft_model`` (a smaller
+#   model with the same vocabulary, ``model``), ``layer_skip`` (ours: the served model's first
+#   ``num_draft_layers`` layers and its LM head).
+# * ``num_speculative_tokens`` (k): most draft tokens per request and step; required except for
+#   ``suffix`` (default ``suffix_decoding_max_tree_depth``, as vLLM).
 # * ``prompt_lookup_min`` (default 1), ``prompt_lookup_max`` (required for ``ngram``): the
 #   n-gram lengths tried, longest first.
+# * ``suffix_decoding_max_tree_depth`` (24), ``suffix_decoding_max_cached_requests`` (10000; 0:
+#   no tree over other requests), ``suffix_decoding_max_spec_factor`` (1.0: at most this many
+#   draft tokens per matched token), ``suffix_decoding_min_token_prob`` (0.1: a draft stops
+#   where the tree's estimated probability of reaching the next token falls below it).
+# * ``model``: the draft model (``draft_model``: a GGUF / Hugging Face path the engine loads,
+#   as ``--model``); ``num_draft_layers`` (``layer_skip``).
+# * ``draft_sample_method``: ``greedy`` (default: the draft model's argmax) or
+#   ``probabilistic`` (drafts sampled from the draft model at the request's temperature,
+#   verified by rejection sampling); model methods only.
 # * ``num_speculative_tokens_per_batch_size``: ``[[first, last, k], ...]``: k drafts while first
 #   to last requests run (0: none; where drafts do not pay at that batch size); other batch
 #   sizes take ``num_speculative_tokens``. Without it, k drops with the batch so that a step
 #   stays on the quantized kernels (``sloserve.spec_decode.drafter.Drafter``).
-#
-# Other methods vLLM has are refused with a message that names the ones served here.
+#   ``disable_by_batch_size`` (vLLM V0) is taken as ``[[N, inf, 0]]``.
+# * ``min_acceptance_rate`` (ours; default :data:`DEFAULT_MIN_ACCEPTANCE_RATE`): a request
+#   whose last :data:`ACCEPTANCE_WINDOW` draft tokens were accepted at a lower rate gets no
+#   drafts for its next ``ACCEPTANCE_WINDOW`` output tokens, then tries again (0: never off).
 
-SPEC_METHODS = ("ngram",)
+SPEC_METHODS = ("ngram", "suffix", "draft_model", "layer_skip")
+#: the methods whose drafts come from a model run in the worker
+MODEL_SPEC_METHODS = ("draft_model", "layer_skip")
+DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 #: most draft tokens per request and step (vLLM's GPU kernels stop at 32 too)
 MAX_SPECULATIVE_TOKENS = 32
+#: the acceptance floor's window: draft tokens judged together, and output tokens without
+#: drafts after a window below the floor
+ACCEPTANCE_WINDOW = 32
+#: a verify step of 1 + 4 rows at batch 1 costs 1.18x a decode step on the 135M model (AMX
+#: host, ``benchmarks/verify_cost.py``): it pays from 0.18 accepted tokens a step, 4.5 % of
+#: 4 drafts; the floor sits at twice that
+DEFAULT_MIN_ACCEPTANCE_RATE = 0.1
 
 
 @dataclass(frozen=True)
@@ -333,6 +358,19 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     #: ((first, last, k), ...): k drafts per request while first..last requests run (inclusive)
     num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    model: str | None = None
+    num_draft_layers: int | None = None
+    draft_sample_method: str = "greedy"
+    min_acceptance_rate: float = DEFAULT_MIN_ACCEPTANCE_RATE
+
+    @property
+    def uses_model(self) -> bool:
+        """Drafts come from a model the worker runs (``draft_model``, ``layer_skip``)."""
+        return self.method in MODEL_SPEC_METHODS
 
     def k_for(self, batch_size: int) -> int:
         """Draft tokens per request in a step with ``batch_size`` running requests."""
@@ -354,8 +392,8 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                 "num_speculative_tokens_per_batch_size"}
+        value = dict(value)
+        known = {f.name for f in fields(cls)} | {"disable_by_batch_size"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)} (known: "
@@ -364,21 +402,62 @@ class SpeculativeConfig:
         if method not in SPEC_METHODS:
             raise ValueError(f"speculative_config: method must be one of "
                              f"{', '.join(SPEC_METHODS)}, got {method!r}")
-        k = value.get("num_speculative_tokens")
-        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer "
-                             f"in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
-        lo, hi = value.get("prompt_lookup_min", 1), value.get("prompt_lookup_max")
-        if hi is None:
-            raise ValueError("speculative_config: method ngram needs prompt_lookup_max (the "
-                             "longest n-gram to match, e.g. 4)")
-        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-            if not _is_int(v) or v < 1:
-                raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {v!r}")
-        if lo > hi:
-            raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) is over "
-                             f"prompt_lookup_max ({hi})")
+
+        def integer(name, lo, hi=None, default=None):
+            v = value.get(name, default)
+            if not _is_int(v) or v < lo or (hi is not None and v > hi):
+                span = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+                raise ValueError(f"speculative_config: {name} must be an integer {span}, "
+                                 f"got {v!r}")
+            return v
+
+        def number(name, lo, hi, default):
+            v = value.get(name, default)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not lo <= v <= hi:
+                raise ValueError(f"speculative_config: {name} must be a number in [{lo}, {hi}], "
+                                 f"got {v!r}")
+            return float(v)
+
+        def needs(name, what):
+            if value.get(name) is None:
+                raise ValueError(f"speculative_config: method {method} needs {name} ({what})")
+
+        depth = integer("suffix_decoding_max_tree_depth", 1, 1024, 24)
+        if method == "suffix":
+            value.setdefault("num_speculative_tokens", min(depth, MAX_SPECULATIVE_TOKENS))
+        k = integer("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
+        lo = integer("prompt_lookup_min", 1, default=1)
+        hi = value.get("prompt_lookup_max")
+        if method == "ngram":
+            needs("prompt_lookup_max", "the longest n-gram to match, e.g. 4")
+        if hi is not None:
+            hi = integer("prompt_lookup_max", 1)
+            if lo > hi:
+                raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) is over "
+                                 f"prompt_lookup_max ({hi})")
+        model = value.get("model")
+        if method == "draft_model":
+            needs("model", "the draft model's path")
+        if model is not None and not isinstance(model, str):
+            raise ValueError(f"speculative_config: model must be a path, got {model!r}")
+        layers = value.get("num_draft_layers")
+        if method == "layer_skip":
+            needs("num_draft_layers", "how many of the model's first layers draft, e.g. 8")
+        if layers is not None:
+            layers = integer("num_draft_layers", 1)
+        sample = value.get("draft_sample_method", "greedy")
+        if sample not in DRAFT_SAMPLE_METHODS:
+            raise ValueError(f"speculative_config: draft_sample_method must be one of "
+                             f"{', '.join(DRAFT_SAMPLE_METHODS)}, got {sample!r}")
         per = value.get("num_speculative_tokens_per_batch_size")
+        off_from = value.get("disable_by_batch_size")
+        if off_from is not None:
+            off_from = integer("disable_by_batch_size", 1)
+            if per is not None:
+                raise ValueError("speculative_config: give num_speculative_tokens_per_batch_size "
+                                 "or disable_by_batch_size, not both")
+            per = [[1, off_from - 1, k]] if off_from > 1 else []
+            per.append([off_from, 2**31 - 1, 0])
         if per is not None:
             ok = isinstance(per, list) and all(
                 isinstance(r, list) and len(r) == 3 and all(map(_is_int, r))
@@ -388,7 +467,17 @@ class SpeculativeConfig:
                                  f"must be a list of [first, last, k] (1 <= first <= last, "
                                  f"0 <= k <= num_speculative_tokens = {k}), got {per!r}")
             per = tuple(tuple(r) for r in per)
-        return cls(method, k, lo, hi, per)
+        return cls(method, k, lo, hi, per,
+                   suffix_decoding_max_tree_depth=depth,
+                   suffix_decoding_max_cached_requests=integer(
+                       "suffix_decoding_max_cached_requests", 0, default=10000),
+                   suffix_decoding_max_spec_factor=number(
+                       "suffix_decoding_max_spec_factor", 0.0, 1e6, 1.0),
+                   suffix_decoding_min_token_prob=number(
+                       "suffix_decoding_min_token_prob", 0.0, 1.0, 0.1),
+                   model=model, num_draft_layers=layers, draft_sample_method=sample,
+                   min_acceptance_rate=number("min_acceptance_rate", 0.0, 1.0,
+                                              DEFAULT_MIN_ACCEPTANCE_RATE))
 
     def to_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if v is not None}
@@ -400,8 +489,16 @@ class SpeculativeConfig:
     def describe(self) -> str:
         per = "".join(f", k={k} at {a}-{b} requests"
                       for a, b, k in self.num_speculative_tokens_per_batch_size or ())
+        what = {"ngram": f"n-grams {self.prompt_lookup_min}..{self.prompt_lookup_max}",
+                "suffix": f"tree depth {self.suffix_decoding_max_tree_depth}, "
+                          f"{self.suffix_decoding_max_cached_requests} cached requests",
+                "draft_model": f"draft model {self.model}, {self.draft_sample_method} drafts",
+                "layer_skip": f"the first {self.num_draft_layers} layers draft, "
+                              f"{self.draft_sample_method}"}[self.method]
+        floor = (f", no drafts for a request below {self.min_acceptance_rate:.0%} acceptance"
+                 if self.min_acceptance_rate else "")
         return (f"speculative decoding: {self.method}, k={self.num_speculative_tokens}{per}, "
-                f"n-grams {self.prompt_lookup_min}..{self.prompt_lookup_max}")
+                f"{what}{floor}")
 
 
 def _is_int(v) -> bool:

@@ -19,6 +19,10 @@ import msgspec
 from sloserve.logprobs import Logprobs
 from sloserve.sampling_params import SamplingParams
 
+#: a draft token the worker fills in (speculative decoding with a model drafter: the core
+#: proposes this many placeholders, the scheduler places them, the runner drafts them)
+DRAFT_PLACEHOLDER = -1
+
 
 @dataclass
 class ScheduledRequest:
@@ -38,7 +42,8 @@ class ScheduledRequest:
             tokens are sampled after it (the runner returns between 1 and that many).
         is_decode: one new token of a request that already has output (its KV is complete),
             possibly followed by draft tokens; prefill chunks and recomputation are not decodes.
-        spec_token_ids: draft tokens proposed for verification (the last entries of token_ids).
+        spec_token_ids: draft tokens proposed for verification (the last entries of token_ids);
+            :data:`DRAFT_PLACEHOLDER` entries are drafted by the worker in the step.
         prompt_logprob_targets: for a request that asked for prompt logprobs, the prompt tokens
             that the chunk's first positions predict (position ``num_computed_tokens + i``
             predicts ``prompt_logprob_targets[i]``); empty otherwise.
@@ -134,6 +139,9 @@ class ModelRunnerOutput:
             empty list: none in the step.
         prepare_s, forward_s, sample_s: seconds the runner spent building the inputs, in the
             model forward and sampling (perf_counter).
+        draft_token_ids: per request, the draft tokens the worker proposed in place of
+            :data:`DRAFT_PLACEHOLDER` entries (empty list: none in the step).
+        draft_s: seconds the worker's drafter took (included in forward_s).
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -143,6 +151,8 @@ class ModelRunnerOutput:
     sample_s: float = 0.0
     logprobs: list[Logprobs | None] = field(default_factory=list)
     prompt_logprobs: list[Logprobs | None] = field(default_factory=list)
+    draft_token_ids: list[list[int]] = field(default_factory=list)
+    draft_s: float = 0.0
 
 
 _encoder = msgspec.msgpack.Encoder()

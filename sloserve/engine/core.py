@@ -244,9 +244,15 @@ class EngineCore:
         if self.drafter is not None:
             batch = len(self.scheduler.running)
             if self.drafter.k_for(batch) > 0:  # no token lists built where drafts are off
-                for req, most in self.scheduler.draft_candidates():
-                    req.spec_token_ids = self.drafter.propose(req.all_token_ids, most, batch)
+                # a model's drafts are not masked yet: no drafts for a grammar's requests
+                for req, most in self.scheduler.draft_candidates(
+                        with_grammar=not self.drafter.config.uses_model):
+                    req.spec_token_ids = self.drafter.propose(
+                        req.request_id, req.all_token_ids, req.num_prompt_tokens, most, batch)
         out = self.scheduler.schedule(now=t0)
+        if self.drafter is not None:
+            for rid in out.finished_request_ids:
+                self.drafter.finish(rid)
         # requests the scheduler finished without running them (a grammar that failed to compile)
         failed = self.scheduler.take_finished_outputs()
         if out.is_empty:
@@ -272,6 +278,11 @@ class EngineCore:
                 self.stats(), timestamp=self.clock())
         self.last_runner_output = runner_out
         self.num_steps += 1
+        if self.drafter is not None:
+            for o in outputs:
+                if o.num_draft_tokens:
+                    self.drafter.observe(o.request_id, o.num_draft_tokens,
+                                         o.num_accepted_draft_tokens, o.num_output_tokens)
         self.rates.update(out.num_prefill_tokens, out.num_decode_tokens, now - t0)
         self.scheduler.observe(self.rates)
         step = StepStats(start_time=t0, step_s=now - t0, forward_s=runner_out.forward_s,

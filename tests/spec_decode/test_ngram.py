@@ -42,15 +42,15 @@ def test_drafts_go_to_decoding_requests_within_max_tokens_and_the_context():
     assert got == {"a": 8, "b": 1, "ctx": 3}  # c: its last token; g: a grammar; p: prefilling
     d = Drafter(SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3,
                                          "prompt_lookup_max": 2}))
-    assert d.propose([4, 5, 6, 7, 8, 9, 4, 5], 8) == [6, 7, 8]
-    assert d.propose([4, 5, 6, 7, 8, 9, 4, 5], 1) == [6]
-    assert d.propose([4, 5, 6, 7, 8, 9, 4, 5], 0) == []
+    assert d.propose("r", [4, 5, 6, 7, 8, 9, 4, 5], 2, 8) == [6, 7, 8]
+    assert d.propose("r", [4, 5, 6, 7, 8, 9, 4, 5], 2, 1) == [6]
+    assert d.propose("r", [4, 5, 6, 7, 8, 9, 4, 5], 2, 0) == []
 
 
 @pytest.mark.parametrize("value, message", [
     ("{", "not valid JSON"),
     ([1], "must be a JSON object"),
-    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ngram"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ngram, suffix, draft_model, layer_skip"),
     ({"method": "ngram", "prompt_lookup_max": 2}, "num_speculative_tokens must be an integer"),
     ({"method": "ngram", "num_speculative_tokens": 0, "prompt_lookup_max": 2}, "in [1, 32]"),
     ({"method": "ngram", "num_speculative_tokens": 2}, "needs prompt_lookup_max"),
@@ -59,6 +59,17 @@ def test_drafts_go_to_decoding_requests_within_max_tokens_and_the_context():
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": True}, ">= 1"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "k": 1},
      "unknown key(s) k"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs model"),
+    ({"method": "layer_skip", "num_speculative_tokens": 2}, "needs num_draft_layers"),
+    ({"method": "layer_skip", "num_speculative_tokens": 2, "num_draft_layers": 0}, ">= 1, got 0"),
+    ({"method": "layer_skip", "num_speculative_tokens": 2, "num_draft_layers": 4,
+      "draft_sample_method": "random"}, "draft_sample_method must be one of greedy"),
+    ({"method": "suffix", "suffix_decoding_min_token_prob": 2}, "in [0.0, 1.0], got 2"),
+    ({"method": "suffix", "suffix_decoding_max_tree_depth": 0}, "in [1, 1024], got 0"),
+    ({"method": "suffix", "min_acceptance_rate": -0.1}, "min_acceptance_rate"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2,
+      "disable_by_batch_size": 4, "num_speculative_tokens_per_batch_size": [[1, 2, 1]]},
+     "not both"),
 ])
 def test_a_bad_speculative_config_is_refused_with_its_reason(value, message):
     with pytest.raises(ValueError, match="speculative_config") as e:
@@ -82,7 +93,7 @@ def test_k_per_batch_size():
     assert [c.k_for(b) for b in (1, 2, 8, 9, 64, 65)] == [4, 2, 2, 0, 0, 4]
     d = Drafter(c)
     toks = [4, 5, 6, 7, 8, 9, 4, 5]
-    assert [d.propose(toks, 8, b) for b in (1, 5, 20)] == [[6, 7, 8, 9], [6, 7], []]
+    assert [d.propose("r", toks, 2, 8, b) for b in (1, 5, 20)] == [[6, 7, 8, 9], [6, 7], []]
     assert SpeculativeConfig.parse(c.to_dict()) == c
     for bad in ([[2, 1, 1]], [[1, 4, 5]], [[0, 4, 1]], [[1, 4]], "1-4:2"):
         with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size"):
@@ -104,3 +115,55 @@ def test_without_a_table_k_drops_with_the_batch():
     table = SpeculativeConfig.parse(dict(c.to_dict(), num_speculative_tokens_per_batch_size=[
         [1, 64, 4]]))
     assert Drafter(table, quantized_step_max_tokens=16).k_for(16) == 4
+
+
+def test_the_methods_defaults_and_vllm_v0_switch_off():
+    suffix = SpeculativeConfig.parse({"method": "suffix"})
+    assert (suffix.num_speculative_tokens, suffix.suffix_decoding_max_tree_depth,
+            suffix.suffix_decoding_max_cached_requests, suffix.suffix_decoding_max_spec_factor,
+            suffix.suffix_decoding_min_token_prob) == (24, 24, 10000, 1.0, 0.1)
+    ls = SpeculativeConfig.parse({"method": "layer_skip", "num_speculative_tokens": 3,
+                                  "num_draft_layers": 8})
+    assert ls.uses_model and ls.draft_sample_method == "greedy" and "first 8 layers" in \
+        ls.describe()
+    v0 = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3,
+                                  "prompt_lookup_max": 2, "disable_by_batch_size": 4})
+    assert [v0.k_for(b) for b in (1, 3, 4, 100)] == [3, 3, 0, 0]
+    for c in (suffix, ls, v0):
+        assert SpeculativeConfig.parse(c.to_dict()) == c
+
+
+def test_model_methods_propose_placeholders_for_the_worker():
+    from sloserve.step_io import DRAFT_PLACEHOLDER
+    d = Drafter(SpeculativeConfig.parse({"method": "layer_skip", "num_speculative_tokens": 3,
+                                         "num_draft_layers": 8}))
+    assert d.propose("r", [1, 2, 3], 2, 8) == [DRAFT_PLACEHOLDER] * 3
+    assert d.propose("r", [1, 2, 3], 2, 2) == [DRAFT_PLACEHOLDER] * 2
+
+
+def test_a_request_below_the_acceptance_floor_gets_no_drafts_for_a_window():
+    """min_acceptance_rate 0.25: a window of 32 draft tokens with 7 accepted stops the
+    request's drafts for its next 32 output tokens; 8 of 32 keeps them; other requests are
+    not touched; finish forgets the request."""
+    from sloserve.config import ACCEPTANCE_WINDOW as W
+    d = Drafter(SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4,
+                                         "prompt_lookup_max": 2, "min_acceptance_rate": 0.25}))
+    toks = [4, 5, 6, 7, 8, 9, 4, 5]
+
+    def drafts(rid, outputs):  # a prompt of 6 tokens, ``outputs`` output tokens
+        return d.propose(rid, toks[:6] + list(range(100, 98 + outputs)) + toks[6:], 6, 8)
+    for _ in range(W // 4 - 1):
+        d.observe("low", 4, 1, 10)
+        d.observe("ok", 4, 1, 10)
+    d.observe("low", 4, 0, 10)     # 7 of 32
+    d.observe("ok", 4, 1, 10)      # 8 of 32
+    assert drafts("low", 10) == [] and drafts("low", 10 + W - 1) == []
+    assert drafts("low", 10 + W) == [6, 7, 8, 9]  # after 10 + W output tokens: again
+    assert drafts("ok", 10) == [6, 7, 8, 9] and drafts("other", 10) == [6, 7, 8, 9]
+    d.finish("low")
+    assert drafts("low", 10) == [6, 7, 8, 9]
+    off = Drafter(SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4,
+                                           "prompt_lookup_max": 2, "min_acceptance_rate": 0}))
+    for _ in range(W):
+        off.observe("r", 4, 0, 10)
+    assert off.propose("r", toks, 2, 8) == [6, 7, 8, 9]
