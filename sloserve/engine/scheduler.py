@@ -286,16 +286,17 @@ class Scheduler:
         return bool(self.requests)
 
     # ----------------------------------------------------------------- scheduling
-    def draft_candidates(self) -> list[tuple[Request, int]]:
+    def draft_candidates(self, with_grammar: bool = True) -> list[tuple[Request, int]]:
         """The requests that may take draft tokens in the next step (speculative decoding:
         ``sloserve.spec_decode.drafter``), each with the most drafts it can use: running,
-        decoding next (past its prompt), without a structured-output grammar (its mask is one
-        per step), and below ``max_tokens`` by more than one token (a request's last token is
-        never a draft's)."""
+        decoding next (past its prompt), and below ``max_tokens`` by more than one token (a
+        request's last token is never a draft's). A request with a structured-output grammar
+        only ``with_grammar`` (the scheduler gives each draft position its mask and cuts the
+        drafts at the first one its grammar refuses, ``_fill_bitmasks``)."""
         out = []
         for req in self.running:
             if req.status is not RequestStatus.RUNNING or req.num_tokens_to_compute != 1 \
-                    or req.grammar is not None:
+                    or (req.grammar is not None and not with_grammar):
                 continue
             most = self.config.max_model_len - req.num_tokens
             mt = req.sampling_params.max_tokens
@@ -556,6 +557,31 @@ class Scheduler:
                     "(the spec cannot be satisfied)", True)
                 continue
             sr.token_bitmask = [mask]
+            if sr.spec_token_ids:
+                self._mask_drafts(sr, r.grammar)
+
+    @staticmethod
+    def _mask_drafts(sr: ScheduledRequest, grammar) -> None:
+        """A mask for each draft position: the matcher advances over the drafts it allows
+        (the first it refuses and those after are cut from the step, as is everything after
+        a draft that completes the grammar), each position's mask is filled, then the matcher
+        is rolled back: ``update_from_output`` advances it over the tokens kept."""
+        kept = 0
+        try:
+            for tok in sr.spec_token_ids:
+                if not grammar.accept(tok):
+                    break
+                kept += 1
+                if grammar.is_terminated:
+                    break
+                sr.token_bitmask.append(grammar.fill_bitmask())
+        finally:
+            grammar.rollback(kept)
+        cut = len(sr.spec_token_ids) - kept
+        if cut:
+            sr.spec_token_ids = sr.spec_token_ids[:kept]
+            sr.token_ids = sr.token_ids[:len(sr.token_ids) - cut]
+            sr.num_new_tokens -= cut
 
     def _must_wait(self, req: Request) -> bool:
         """Not admitted this step: its grammar still compiles, or (prefix caching on) it is one
@@ -621,7 +647,10 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         lps = runner_out.logprobs or [None] * len(out.scheduled)
         plps = runner_out.prompt_logprobs or [None] * len(out.scheduled)
-        for sr, toks, lp, plp in zip(out.scheduled, runner_out.sampled_token_ids, lps, plps):
+        # the worker's drafts where the core proposed placeholders (a model drafter)
+        drafted = runner_out.draft_token_ids or [None] * len(out.scheduled)
+        for sr, toks, lp, plp, dr in zip(out.scheduled, runner_out.sampled_token_ids, lps, plps,
+                                         drafted):
             req = self.requests.get(sr.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # finished or preempted meanwhile
@@ -638,8 +667,10 @@ class Scheduler:
                                                     new_prompt_logprobs=plp,
                                                     parent_request_id=req.parent_request_id))
                 continue
-            k = len(sr.spec_token_ids)
-            if not 1 <= len(toks) <= k + 1 or toks[:-1] != sr.spec_token_ids[:len(toks) - 1]:
+            spec = dr if dr else sr.spec_token_ids
+            k = len(spec)
+            if len(spec) != len(sr.spec_token_ids) or not 1 <= len(toks) <= k + 1 \
+                    or toks[:-1] != spec[:len(toks) - 1]:
                 raise ValueError(f"{sr.request_id}: {len(toks)} sampled tokens {toks[:4]} do "
                                  f"not fit {k} draft tokens")
             if k:  # rejected drafts: their KV is not valid; free blocks past what is kept

@@ -185,6 +185,11 @@ class RequestGrammar:
         matcher is unchanged)."""
         return bool(self._m().accept_token(token_id))
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (draft tokens checked for their masks)."""
+        if num_tokens:
+            self._m().rollback(num_tokens)
+
     @property
     def is_terminated(self) -> bool:
         return self._matcher is not None and self._matcher.is_terminated()

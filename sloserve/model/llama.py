@@ -14,6 +14,7 @@ load_weights` takes the Hugging Face names (``packed_modules_mapping``, as vLLM 
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -108,8 +109,9 @@ class LlamaModel(nn.Module):
         self.kernels = None  # set where the whole-layer kernel call is used
 
     def forward(self, input_ids, positions, kv_caches, attn_backend, attn_meta,
-                logits_indices, plan: StepPlan) -> torch.Tensor:
-        """The final norm's output at ``logits_indices``, [S, hidden]."""
+                logits_indices, plan: StepPlan, num_layers: int | None = None) -> torch.Tensor:
+        """The final norm's output at ``logits_indices``, [S, hidden], after the first
+        ``num_layers`` layers (None: all; ``layer_skip`` drafts stop early)."""
         act, fdt = plan.act_dtype, plan.float_dtype
         hidden = self.embed_tokens(input_ids)
         residual = None
@@ -120,7 +122,8 @@ class LlamaModel(nn.Module):
             bufs = (torch.empty(T, d), torch.empty(T, d),
                     torch.empty(T, self.layers[0].mlp.down_proj.input_size))
             run_layer = self.kernels.run_x16_layer
-        for layer, cache in zip(self.layers, kv_caches):
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        for layer, cache in zip(layers, kv_caches):
             attn = layer.self_attn
             if qkv is None:
                 hidden, residual = layer.input_layernorm(hidden, residual, act)
@@ -247,7 +250,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_backend, attn_meta: Any,
-                logits_indices: torch.Tensor) -> torch.Tensor:
+                logits_indices: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
         """One step over a flattened batch.
 
         Args:
@@ -257,11 +260,16 @@ class LlamaForCausalLM(nn.Module):
             attn_backend: computes attention (and owns the cache layout).
             attn_meta: ``attn_backend.build_metadata(...)`` of this step.
             logits_indices: [S] int64 rows of T whose next-token logits are needed.
+            num_layers: run only the first this many decoder layers, then the final norm and
+                the LM head (``layer_skip`` speculative drafts; None: all). They write their
+                layers' KV as a full step does (the verify step then overwrites it).
 
         Returns:
             [S, vocab_size] float32 logits.
         """
         plan = self.plan(input_ids.shape[0])
+        if num_layers is not None and plan.fused:  # a whole-layer call makes the next layer's Q/K/V
+            plan = dataclasses.replace(plan, fused=False)
         x = self.model(input_ids, positions, kv_caches, attn_backend, attn_meta,
-                       logits_indices, plan)
+                       logits_indices, plan, num_layers)
         return self.lm_head(x, torch.float32).float()

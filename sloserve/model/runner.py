@@ -20,8 +20,9 @@ from sloserve.model import hugepages
 from sloserve.model.config import ModelConfig
 from sloserve.model import logprobs as lp
 from sloserve.model.invariant import one_thread
+from sloserve.model.rejection_sampler import rejection_sample
 from sloserve.model.sampler import Sampler, apply_token_bitmask
-from sloserve.step_io import ModelRunnerOutput, SchedulerOutput
+from sloserve.step_io import DRAFT_PLACEHOLDER, ModelRunnerOutput, SchedulerOutput
 
 
 def kv_cache_spec(config: ModelConfig, block_size: int, kv_cache_dtype: torch.dtype) -> KVCacheSpec:
@@ -119,13 +120,22 @@ class ModelRunner:
         self.logprobs_mode = logprobs_mode
         #: the cache's layout and sizes (the worker sized the block count with the same spec)
         self.kv_cache_spec = spec = kv_cache_spec(config, block_size, kv_cache_dtype)
-        shape = attn_backend.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads,
-                                            spec.entry_width)
-        # on 2 MB pages where the OS allows (see hugepages): a decode step streams the cache
-        self.kv_caches = [hugepages.zeros(shape, kv_cache_dtype)
-                          for _ in range(config.num_hidden_layers)]
+        self.kv_caches = self.allocate_kv(config, num_blocks, block_size, kv_cache_dtype,
+                                          attn_backend)
         #: bytes of K and V of one token over all layers, in the cache's dtype
         self.kv_bytes_per_token = spec.bytes_per_token
+        #: speculative decoding's model drafts (``sloserve.model.draft.ModelDrafter``), or None
+        self.drafter = None
+
+    @staticmethod
+    def allocate_kv(config: ModelConfig, num_blocks: int, block_size: int,
+                    kv_cache_dtype: torch.dtype, attn_backend) -> list[torch.Tensor]:
+        """A model's KV cache tensors, one per layer in ``attn_backend``'s layout, on 2 MB
+        pages where the OS allows (see hugepages: a decode step streams the cache)."""
+        spec = kv_cache_spec(config, block_size, kv_cache_dtype)
+        shape = attn_backend.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads,
+                                            spec.entry_width)
+        return [hugepages.zeros(shape, kv_cache_dtype) for _ in range(config.num_hidden_layers)]
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
@@ -140,47 +150,76 @@ class ModelRunner:
         """
         for rid in out.finished_request_ids:
             self.sampler.release(rid)
+            if self.drafter is not None:
+                self.drafter.release(rid)
         t0 = time.perf_counter()
+        drafts = None
+        if self.drafter is not None and (self.drafter.catch_up or any(
+                DRAFT_PLACEHOLDER in sr.spec_token_ids for sr in out.scheduled)):
+            drafts = self.drafter.draft(out)
+            out = drafts.out
         inputs = build_step_inputs(out, self.block_size)
         meta = self.attn_backend.build_metadata(inputs)
         t1 = time.perf_counter()
         logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.attn_backend,
                          meta, inputs.logits_indices)
         t2 = time.perf_counter()
-        sampled, logprobs, prompt_logprobs = self._sample(out, logits)
+        sampled, logprobs, prompt_logprobs = self._sample(
+            out, logits, drafts.probs if drafts is not None else None)
+        if drafts is not None:
+            for sr, kept in zip(out.scheduled, sampled):
+                self.drafter.after_verify(sr, kept)
         t3 = time.perf_counter()
+        draft_s = drafts.seconds if drafts is not None else 0.0
         return ModelRunnerOutput(req_ids=[s.request_id for s in out.scheduled],
                                  sampled_token_ids=sampled, logprobs=logprobs,
-                                 prompt_logprobs=prompt_logprobs, prepare_s=t1 - t0,
-                                 forward_s=t2 - t1, sample_s=t3 - t2)
+                                 prompt_logprobs=prompt_logprobs, prepare_s=t1 - t0 - draft_s,
+                                 forward_s=t2 - t1 + draft_s, sample_s=t3 - t2,
+                                 draft_token_ids=drafts.token_ids if drafts is not None else [],
+                                 draft_s=draft_s)
 
-    def _sample(self, out: SchedulerOutput, logits: torch.Tensor):
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor,
+                draft_probs: list[torch.Tensor | None] | None = None):
         """(sampled tokens, logprobs, prompt logprobs) per scheduled request from the logits
-        rows of :func:`build_step_inputs` (each request's prompt rows, then its sample rows)."""
+        rows of :func:`build_step_inputs` (each request's prompt rows, then its sample rows).
+        A request with draft probabilities (``draft_probs``: a probabilistic model draft) is
+        verified by rejection sampling, the others by sample-and-match."""
+        draft_probs = draft_probs or [None] * len(out.scheduled)
         sample_rows: list[int] = []
         rids, params = [], []
+        plain: list[int] = []  # positions in sample_rows the sampler draws
         prompt_rows: list[tuple[int, int]] = []  # (first row, count) per request
         mask_rows, masks = [], []
         row = 0
-        for sr in out.scheduled:
+        starts: list[int] = []  # per scheduled request, its first row in sample_rows
+        for sr, q in zip(out.scheduled, draft_probs):
             m = len(sr.prompt_logprob_targets)
             prompt_rows.append((row, m))
             row += m
+            starts.append(len(sample_rows))
             if sr.samples:
                 k1 = 1 + len(sr.spec_token_ids)
                 for j in range(k1):
                     if j < len(sr.token_bitmask) and sr.token_bitmask[j]:
                         mask_rows.append(len(sample_rows))
                         masks.append(sr.token_bitmask[j])
+                    if q is None:
+                        plain.append(len(sample_rows))
                     sample_rows.append(row + j)
-                rids += [sr.request_id] * k1
-                params += [sr.sampling_params] * k1
+                if q is None:
+                    rids += [sr.request_id] * k1
+                    params += [sr.sampling_params] * k1
                 row += k1
         if row != logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} logits rows for {row} positions")
         slogits = logits if len(sample_rows) == row else logits[sample_rows]
         apply_token_bitmask(slogits, mask_rows, masks)
-        toks = self.sampler(slogits, rids, params) if rids else []
+        toks = [0] * len(sample_rows)
+        if rids:
+            sub = slogits if len(plain) == len(sample_rows) else slogits[plain]
+            for i, t in zip(plain, self.sampler(sub, rids, params)):
+                toks[i] = t
+        verified = self._rejection_sample(out, slogits, draft_probs, starts)
         sampled: list[list[int]] = []
         logprobs: list = []
         prompt_logprobs: list = []
@@ -198,10 +237,13 @@ class ModelRunner:
                     logprobs.append(None)
                 continue
             k = len(sr.spec_token_ids)
-            got = toks[i:i + k + 1]
-            a = 0
-            while a < k and got[a] == sr.spec_token_ids[a]:
-                a += 1
+            if len(sampled) in verified:
+                got, a = verified[len(sampled)]
+            else:
+                got = toks[i:i + k + 1]
+                a = 0
+                while a < k and got[a] == sr.spec_token_ids[a]:
+                    a += 1
             sampled.append(got[:a + 1])
             if want_lp:
                 logprobs.append(None if sr.sampling_params.logprobs is None else
@@ -209,6 +251,28 @@ class ModelRunner:
                                               sr.sampling_params.logprobs))
             i += k + 1
         return sampled, logprobs, prompt_logprobs
+
+    def _rejection_sample(self, out: SchedulerOutput, slogits: torch.Tensor,
+                          draft_probs: list, starts: list[int]) -> dict[int, tuple]:
+        """Verify the probabilistic drafts (those with draft probabilities), the requests with
+        the same number of drafts together: {scheduled index: (kept tokens, accepted)}."""
+        groups: dict[int, list[int]] = {}
+        for x, (sr, q) in enumerate(zip(out.scheduled, draft_probs)):
+            if q is not None and sr.samples:
+                groups.setdefault(len(sr.spec_token_ids), []).append(x)
+        verified = {}
+        for k, idxs in groups.items():
+            srs = [out.scheduled[x] for x in idxs]
+            rows = torch.cat([torch.arange(starts[x], starts[x] + k + 1) for x in idxs])
+            p = self.sampler.probs(slogits[rows], [sr.sampling_params for sr in srs
+                                                   for _ in range(k + 1)])
+            u = self.sampler.uniforms([sr.request_id for sr in srs],
+                                      [sr.sampling_params for sr in srs], k + 1)
+            kept, acc = rejection_sample(
+                p.view(len(idxs), k + 1, -1), torch.stack([draft_probs[x] for x in idxs]),
+                torch.tensor([sr.spec_token_ids for sr in srs], dtype=torch.long), u)
+            verified.update(zip(idxs, zip(kept, acc)))
+        return verified
 
     def _logprobs(self, sp, rows: torch.Tensor, token_ids: list[int], k: int):
         """Logprobs of ``token_ids`` (one per row) and the top ``k``, per --logprobs-mode."""
@@ -226,7 +290,7 @@ class ModelRunner:
         """``rows`` as --logprobs-mode reads them: processed_* modes take the sampler's
         processed logits (temperature, top-k, top-p)."""
         if self.logprobs_mode.startswith("processed"):
-            return torch.stack([self.sampler.processed_logits(r, sp) for r in rows])
+            return self.sampler.processed(rows, [sp] * rows.shape[0])
         return rows
 
     # ------------------------------------------------------------------ KV export / import

@@ -40,7 +40,8 @@ class Sampler:
         #: sample the non-greedy rows one at a time on one thread (see the class docstring)
         self.batch_invariant = batch_invariant
 
-    def _generator(self, request_id: str, sp: SamplingParams) -> torch.Generator:
+    def generator(self, request_id: str, sp: SamplingParams) -> torch.Generator:
+        """The request's generator (made, seeded, at its first draw)."""
         g = self._generators.get(request_id)
         if g is None:
             seed = sp.seed if sp.seed is not None else int(
@@ -90,36 +91,60 @@ class Sampler:
         """Sample every row of ``sub`` [R, V] (the non-greedy rows), each with one uniform
         from its request's generator (:func:`draw`)."""
         # float32 whatever the logits' dtype (fp16 logits / 1e-4 overflowed to inf - inf)
-        temps = torch.tensor([sp.temperature for sp in params], dtype=torch.float32)
-        scaled = sub.float() / temps[:, None]
-        for j, sp in enumerate(params):  # top-k / top-p rows: one at a time
-            if 0 < sp.top_k < sub.shape[-1] or sp.top_p < 1.0:
-                scaled[j] = self.processed_logits(sub[j], sp)
-        u = torch.cat([torch.rand(1, generator=self._generator(rid, sp), dtype=torch.float64)
+        scaled = self.processed(sub, params)
+        u = torch.cat([torch.rand(1, generator=self.generator(rid, sp), dtype=torch.float64)
                        for rid, sp in zip(request_ids, params)])
         scaled -= scaled.amax(dim=-1, keepdim=True)  # in place: one [S, V] buffer in all
         return draw(scaled.exp_(), u).tolist()
 
+    def probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """The distributions non-greedy rows sample from ([R, V] float32: :meth:`processed`,
+        then softmax)."""
+        return torch.softmax(self.processed(logits, params), -1)
+
+    def uniforms(self, request_ids: list[str], params: list[SamplingParams],
+                 n: int) -> torch.Tensor:
+        """[R, n] float64 uniforms, row r the next n draws of request r's generator."""
+        return torch.stack([torch.rand(n, generator=self.generator(rid, sp),
+                                       dtype=torch.float64)
+                            for rid, sp in zip(request_ids, params)])
+
     @staticmethod
     def processed_logits(row: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
-        """The logits a non-greedy request draws from: scaled by temperature, tokens outside
-        top-k and top-p at -inf ([V] float32; a greedy request's row unchanged)."""
-        if sp.greedy:
-            return row
-        row = row / sp.temperature
-        if 0 < sp.top_k < row.shape[-1]:
-            kth = torch.topk(row, sp.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if sp.top_p < 1.0:
-            sorted_logits, idx = torch.sort(row, descending=True)
-            probs = torch.softmax(sorted_logits, dim=-1)
-            # drop a token when the mass before it already reaches top_p; the most likely token
-            # always stays (a top_p that rounds to 0 in float32 must not drop every token)
-            drop = (torch.cumsum(probs, dim=-1) - probs) >= sp.top_p
-            drop[0] = False
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            row = torch.full_like(row, float("-inf")).scatter(0, idx, sorted_logits)
-        return row
+        """One row of :meth:`processed` ([V] float32; a greedy request's row unchanged)."""
+        return Sampler.processed(row[None], [sp])[0]
+
+    @staticmethod
+    def processed(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """The logits each non-greedy row draws from: scaled by its temperature, tokens outside
+        its top-k and top-p at -inf ([R, V] float32, a new tensor; greedy rows unchanged).
+        Each row's result depends on that row alone: the rows that need top-k or top-p are
+        sorted once, together.
+
+        top-k keeps every token at least as likely as the k-th (ties included); top-p then
+        drops a token when the mass of the tokens before it (after top-k) already reaches
+        top_p; the most likely token always stays (a top_p that rounds to 0 in float32 must
+        not drop every token)."""
+        R, V = logits.shape
+        temps = torch.tensor([1.0 if sp.greedy else sp.temperature for sp in params],
+                             dtype=torch.float32)
+        out = logits.float() / temps[:, None]
+        cut = [j for j, sp in enumerate(params)
+               if not sp.greedy and (0 < sp.top_k < V or sp.top_p < 1.0)]
+        if not cut:
+            return out
+        rows = out[cut]
+        vals, idx = torch.sort(rows, dim=-1, descending=True)
+        ks = torch.tensor([params[j].top_k if 0 < params[j].top_k < V else V for j in cut])
+        kth = vals.gather(-1, (ks - 1)[:, None])
+        vals = vals.masked_fill(vals < kth, float("-inf"))
+        top_p = torch.tensor([params[j].top_p for j in cut], dtype=torch.float32)
+        probs = torch.softmax(vals, dim=-1)
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p[:, None]
+        drop[:, 0] = False
+        vals = vals.masked_fill(drop, float("-inf"))
+        out[cut] = torch.full_like(rows, float("-inf")).scatter(-1, idx, vals)
+        return out
 
 
 #: tokens per block of :func:`draw`'s two-level search

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import time
 
@@ -44,6 +45,8 @@ class Worker:
         self.attn_backend = None
         self.model = None
         self.model_config = None
+        #: speculative decoding's draft model (``draft_model``), or None
+        self.draft_model = None
         self.model_name = ""
         #: the one log line on which weights and kernels serve which steps
         self.weights_line = ""
@@ -98,6 +101,23 @@ class Worker:
         self.model_config = self.model.config
         self.model_name = self.config.served_model_name or weights_name
         logger.info("%s", self.weights_line)
+        spec = self.config.speculative
+        if spec is not None and spec.method == "layer_skip" \
+                and spec.num_draft_layers >= self.model_config.num_hidden_layers:
+            raise ValueError(f"speculative_config: num_draft_layers must be below the model's "
+                             f"{self.model_config.num_hidden_layers} layers, got "
+                             f"{spec.num_draft_layers}")
+        if spec is not None and spec.method == "draft_model":
+            self.draft_model, name, line = get_model(
+                # drafts need not be batch-invariant: verification keeps the output exact
+                dataclasses.replace(self.config, model=spec.model, served_model_name=None,
+                                    batch_invariant=False), self.dtype)
+            v, dv = self.model_config.vocab_size, self.draft_model.config.vocab_size
+            if dv != v:
+                raise ValueError(f"speculative_config: the draft model {spec.model} has a "
+                                 f"vocabulary of {dv} tokens, the served model {v}: they must "
+                                 f"be the same")
+            logger.info("draft model %s: %s", name, line)
 
     def get_model_info(self) -> WorkerInfo:
         """What the engine core needs to know of the loaded model and the choices made here."""
@@ -119,7 +139,13 @@ class Worker:
     def get_kv_cache_spec(self) -> KVCacheSpec:
         """The KV cache layout of the loaded model in the chosen KV dtype."""
         from sloserve.model.runner import kv_cache_spec
-        return kv_cache_spec(self.model_config, self.config.block_size, self.kv_cache_dtype)
+        spec = kv_cache_spec(self.model_config, self.config.block_size, self.kv_cache_dtype)
+        if self.draft_model is not None:  # its cache shares the block tables: as many layers'
+            draft = kv_cache_spec(self.draft_model.config, 1, self.kv_cache_dtype)  # worth
+            per_layer = spec.bytes_per_token / spec.num_layers
+            spec = dataclasses.replace(spec, num_layers=spec.num_layers + math.ceil(
+                draft.bytes_per_token / per_layer))
+        return spec
 
     def determine_available_memory(self) -> int:
         """Bytes the KV cache may take: ``--kv-cache-memory`` (a CPU process has no device
@@ -145,6 +171,21 @@ class Worker:
                                         self.kv_cache_dtype,
                                         Sampler(cfg.seed, batch_invariant=cfg.batch_invariant),
                                         self.attn_backend, logprobs_mode=cfg.logprobs_mode)
+        spec = cfg.speculative
+        if spec is not None and spec.uses_model:
+            from sloserve.model.draft import ModelDrafter
+            runner = self.model_runner
+            if spec.method == "layer_skip":
+                model, caches, layers = self.model, runner.kv_caches, spec.num_draft_layers
+            else:
+                model, layers = self.draft_model, None
+                caches = ModelRunner.allocate_kv(self.draft_model.config, num_blocks,
+                                                 cfg.block_size, self.kv_cache_dtype,
+                                                 self.attn_backend)
+            runner.drafter = ModelDrafter(model, caches, layers, self.attn_backend,
+                                          cfg.block_size, runner.sampler,
+                                          spec.draft_sample_method == "probabilistic",
+                                          catch_up=spec.method == "draft_model")
 
     # ------------------------------------------------------------------ steps
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

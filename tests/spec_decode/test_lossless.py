@@ -1,13 +1,15 @@
-"""Speculative decoding (n-gram drafts) is lossless: on the embedded SmolLM2-135M, in float32
-under ``--batch-invariant`` (so that a position's logits do not depend on the step's shape: a
-verify step computes 1 + k positions of a request in one pass), every request gives the same
-token ids, logprobs, text and finish with drafts as without, for k = 1 and 4, beside batch-mates,
-chunked under a small token budget, through preemption in a tight KV cache, after a prefix-cache
-hit, with stop strings and EOS inside accepted runs. Each case also checks that drafts were
-verified and that some were rejected (the path under test ran).
+"""Speculative decoding is lossless with each method (ngram, suffix, layer_skip, draft_model):
+on the embedded SmolLM2-135M, in float32 under ``--batch-invariant`` (so that a position's
+logits do not depend on the step's shape: a verify step computes 1 + k positions of a request in
+one pass), every request gives the same token ids, logprobs, text, finish and completion tokens
+with drafts as without, for k = 4 and 1, beside batch-mates, chunked under a small token budget
+(drafts trimmed to it), through preemption in a tight KV cache, after a prefix-cache hit, with a
+stop string and EOS inside accepted runs. Each case also checks that drafts were verified and
+that some were accepted and some rejected (the path under test ran).
 
-One engine for the module: drafts on and off by swapping the core's drafter (the only
-difference between the two runs)."""
+One engine for the module: drafts on and off by swapping the core's drafter and the runner's
+model drafter (the only difference between the runs); the results without drafts are computed
+once."""
 from __future__ import annotations
 
 import contextlib
@@ -45,15 +47,19 @@ def llm():
 
 
 @contextlib.contextmanager
-def drafts(llm, k: int | None):
-    """Drafts of k tokens (None: off) inside the block."""
+def drafts(llm, k: int | None, spec: SpeculativeConfig | None = None, model_drafter=None):
+    """Drafts of k tokens (None: off) inside the block: n-gram, or ``spec``'s method with
+    ``model_drafter`` in the runner (the model methods)."""
     core = llm.engine.core
-    before = core.drafter
-    core.drafter = Drafter(config(k)) if k else None
+    runner = core.model_executor.driver_worker.model_runner
+    before = core.drafter, runner.drafter
+    spec = dataclasses.replace(spec or config(k), num_speculative_tokens=k or 1)
+    core.drafter = Drafter(spec) if k else None
+    runner.drafter = model_drafter if k else None
     try:
         yield
     finally:
-        core.drafter = before
+        core.drafter, runner.drafter = before
 
 
 def run(llm, items):
@@ -77,16 +83,19 @@ def run(llm, items):
             for r in reqs]
 
 
-def on_and_off(llm, items, k: int = 4, tokens: int | None = None):
-    """The items' results without drafts and with k; the spec-decode counts of the run with."""
+def on_and_off(llm, items, k: int = 4, tokens: int | None = None, spec=None,
+               model_drafter=None, off=None):
+    """The items' results without drafts (or ``off``, computed before) and with k drafts; the
+    spec-decode counts of the run with."""
     with contextlib.ExitStack() as stack:
         if tokens:
             stack.enter_context(scheduler_budget(llm, tokens))
-        with drafts(llm, None):
-            off = run(llm, items)
+        if off is None:
+            with drafts(llm, None):
+                off = run(llm, items)
         stats = llm.engine.summary.spec_decoding
         before = dataclasses.replace(stats, num_accepted_tokens_per_pos=[])
-        with drafts(llm, k):
+        with drafts(llm, k, spec, model_drafter):
             on = run(llm, items)
     return off, on, (stats.num_drafts - before.num_drafts,
                      stats.num_draft_tokens - before.num_draft_tokens,
@@ -99,47 +108,125 @@ def assert_lossless(off, on, counts):
     assert drafts_ > 0 and 0 < accepted < draft_tokens  # accepted and rejected drafts
 
 
-@pytest.mark.parametrize("k", [1, 4])
-def test_greedy_outputs_and_logprobs_are_the_same_with_drafts(llm, k):
-    off, on, counts = on_and_off(llm, [(COPY, GREEDY), (NUMBERS, GREEDY), (ROME, GREEDY)], k)
-    assert_lossless(off, on, counts)
-    assert "quick brown fox" in on[0][2] and len(on[2][0]) == 40
-
-
-def test_beside_batch_mates_in_a_tight_kv_cache(llm):
-    """Twelve requests (sampled ones with seeds among them: a seeded request's tokens are its
-    own stream's, drafts or not) in a cache of 320 tokens: some are preempted and recomputed."""
-    items = [(COPY, GREEDY), (NUMBERS, GREEDY)] + [
-        (f"{ROME} {i}" * (1 + i % 3), SamplingParams(temperature=0.0, max_tokens=24 + i))
-        for i in range(10)]
-    preempted = llm.engine.summary.num_preemptions
-    off, on, counts = on_and_off(llm, items)
-    assert llm.engine.summary.num_preemptions > preempted
-    assert_lossless(off, on, counts)
-
-
-def test_chunked_prefill_and_a_budget_that_trims_drafts(llm):
-    off, on, counts = on_and_off(llm, [(COPY, GREEDY), (NUMBERS, GREEDY)], tokens=24)
-    assert_lossless(off, on, counts)
-
-
-def test_after_a_prefix_cache_hit(llm):
-    run(llm, [(COPY, dataclasses.replace(GREEDY, max_tokens=1))])  # caches COPY's blocks
-    hits = llm.engine.core.kv.prefix_cache_hits
-    off, on, counts = on_and_off(llm, [(COPY, GREEDY)])
-    assert llm.engine.core.kv.prefix_cache_hits > hits
-    assert_lossless(off, on, counts)
-
-
-def test_stop_strings_and_eos_inside_accepted_runs(llm):
-    """A stop string that an accepted run crosses ends the text where it ends without drafts,
-    with the same completion token count; so does an EOS (a chat answer that ends by itself)."""
-    stop = dataclasses.replace(GREEDY, stop=["silver"], max_tokens=60)
+# ------------------------------------------------------------------ the scenario
+# One scenario for every method, its results without drafts computed once: twelve requests under a
+# token budget of 24 (chunked prefill, drafts trimmed to the budget) in the cache of 320 tokens
+# (preemptions), COPY a second time after its blocks were cached (a prefix-cache hit), a stop
+# string an accepted run crosses, a chat answer that ends with EOS, logprobs throughout.
+def scenario(llm):
     chat = llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Say the word yes, and nothing else."}],
         add_generation_prompt=True)
-    off, on, counts = on_and_off(llm, [(COPY, stop), (chat, dataclasses.replace(
-        GREEDY, max_tokens=60))])
+    return [(COPY, GREEDY), (NUMBERS, GREEDY), (COPY, dataclasses.replace(
+        GREEDY, stop=["silver"], max_tokens=60)), (chat, dataclasses.replace(
+            GREEDY, max_tokens=60))] + [
+        (f"{ROME} {i}" * (1 + i % 3), dataclasses.replace(GREEDY, max_tokens=20 + i))
+        for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def scenario_off(llm):
+    items = scenario(llm)
+    run(llm, [(COPY, dataclasses.replace(GREEDY, max_tokens=1))])  # caches COPY's blocks
+    with scheduler_budget(llm, 24), drafts(llm, None):
+        off = run(llm, items)
+    assert "quick brown fox" in off[0][2] and len(off[1][0]) == 40
+    assert off[2][3][0] == "stop" and "silver" not in off[2][2]  # the stop string
+    assert off[3][3][0] == "stop" and off[3][3][2] < 60           # EOS
+    return items, off
+
+
+@pytest.fixture(scope="module")
+def draft_checkpoint(tmp_path_factory):
+    """A draft model for ``draft_model``: the embedded model's first 26 of 30 layers, written
+    as a Hugging Face folder (float32 safetensors, its tokenizer): the same vocabulary, its own
+    weights and KV cache, and drafts that are often right."""
+    import transformers
+    from safetensors.torch import save_file
+    from sloserve.model.loader import load_weights
+    w = load_weights(None, "float32")
+    c, keep = w.config, 26
+    folder = tmp_path_factory.mktemp("draft")
+    transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_hidden_layers=keep,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+        rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings, bos_token_id=c.bos_token_id,
+        eos_token_id=c.eos_token_ids).save_pretrained(folder)
+    save_file({k: v.contiguous() for k, v in w.state_dict.items()
+               if not k.startswith("model.layers.") or int(k.split(".")[2]) < keep},
+              str(folder / "model.safetensors"))
+    w.tokenizer.hf.save_pretrained(folder)
+    return str(folder)
+
+
+def model_drafter(llm, spec: SpeculativeConfig):
+    """The worker's drafter for a model method, as the worker builds it."""
+    from sloserve.model.draft import ModelDrafter
+    from sloserve.model.model_loader import get_model
+    from sloserve.model.runner import ModelRunner
+    worker = llm.engine.core.model_executor.driver_worker
+    runner = worker.model_runner
+    if spec.method == "layer_skip":
+        model, caches = worker.model, runner.kv_caches
+    else:
+        model = get_model(dataclasses.replace(worker.config, model=spec.model,
+                                              batch_invariant=False), worker.dtype)[0]
+        caches = ModelRunner.allocate_kv(model.config, runner.num_blocks, runner.block_size,
+                                         runner.kv_cache_dtype, runner.attn_backend)
+    return ModelDrafter(model, caches, spec.num_draft_layers if spec.method == "layer_skip"
+                        else None, runner.attn_backend, runner.block_size, runner.sampler,
+                        spec.draft_sample_method == "probabilistic",
+                        catch_up=spec.method == "draft_model")
+
+
+#: (probabilistic drafts: greedy requests draft the argmax, as vLLM; their distribution is
+#: tests/spec_decode/test_rejection_sampling.py's)
+METHODS = {
+    "ngram": {"method": "ngram", "prompt_lookup_max": 4},
+    "suffix": {"method": "suffix"},
+    "layer_skip": {"method": "layer_skip", "num_draft_layers": 24},
+    "draft_model": {"method": "draft_model"},
+}
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_each_method_is_lossless(llm, scenario_off, request, method):
+    """Token ids, logprobs, text, finish and completion tokens the same with drafts of k = 4
+    (the scenario) and k = 1 (COPY alone) as without; drafts proposed, some accepted, some
+    rejected."""
+    items, off = scenario_off
+    raw = dict(METHODS[method], num_speculative_tokens=4, min_acceptance_rate=0)
+    if method == "draft_model":
+        raw["model"] = request.getfixturevalue("draft_checkpoint")
+    spec = SpeculativeConfig.parse(raw)
+    md = model_drafter(llm, spec) if spec.uses_model else None
+    run(llm, [(COPY, dataclasses.replace(GREEDY, max_tokens=1))])  # COPY's blocks cached again
+    hits = llm.engine.core.kv.prefix_cache_hits
+    preempted = llm.engine.summary.num_preemptions
+    _, on, counts = on_and_off(llm, items, 4, tokens=24, spec=spec, model_drafter=md, off=off)
+    assert llm.engine.core.kv.prefix_cache_hits > hits
+    assert llm.engine.summary.num_preemptions > preempted
     assert_lossless(off, on, counts)
-    assert on[0][3][0] == "stop" and "silver" not in on[0][2]
-    assert on[1][3][0] == "stop" and on[1][3][2] < 60  # EOS
+    one = off[:1]
+    _, on1, counts1 = on_and_off(llm, items[:1], 1, spec=spec, model_drafter=md, off=one)
+    assert on1 == one and counts1[0] > 0
+
+
+def test_a_json_schema_request_drafts_within_its_grammar(llm):
+    """A JSON-schema request that copies JSON from its prompt takes n-gram drafts: each draft
+    position gets its own mask, and the output is the one without drafts."""
+    import json
+    from sloserve.sampling_params import StructuredOutputsParams
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "city": {"type": "string"}},
+              "required": ["name", "city"]}
+    record = '{"name": "The quick brown fox", "city": "Rome"}'
+    prompt = f"Write the JSON again with the city changed to Paris.\nJSON: {record}\nNew JSON:"
+    sp = dataclasses.replace(GREEDY, max_tokens=40, structured_outputs=StructuredOutputsParams(
+        json=json.dumps(schema)))
+    off, on, counts = on_and_off(llm, [(prompt, sp)])
+    assert_lossless(off, on, counts)
+    assert json.loads(on[0][2])["name"] == "The quick brown fox"
