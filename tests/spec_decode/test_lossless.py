@@ -139,27 +139,10 @@ def scenario_off(llm):
 @pytest.fixture(scope="module")
 def draft_checkpoint(tmp_path_factory):
     """A draft model for ``draft_model``: the embedded model's first 26 of 30 layers, written
-    as a Hugging Face folder (float32 safetensors, its tokenizer): the same vocabulary, its own
+    as a Hugging Face folder (``sloserve.tools.draft_checkpoint``): the same vocabulary, its own
     weights and KV cache, and drafts that are often right."""
-    import transformers
-    from safetensors.torch import save_file
-    from sloserve.model.loader import load_weights
-    w = load_weights(None, "float32")
-    c, keep = w.config, 26
-    folder = tmp_path_factory.mktemp("draft")
-    transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size, num_hidden_layers=keep,
-        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-        rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
-        max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=c.tie_word_embeddings, bos_token_id=c.bos_token_id,
-        eos_token_id=c.eos_token_ids).save_pretrained(folder)
-    save_file({k: v.contiguous() for k, v in w.state_dict.items()
-               if not k.startswith("model.layers.") or int(k.split(".")[2]) < keep},
-              str(folder / "model.safetensors"))
-    w.tokenizer.hf.save_pretrained(folder)
-    return str(folder)
+    from sloserve.tools.draft_checkpoint import write_draft_checkpoint
+    return write_draft_checkpoint(26, str(tmp_path_factory.mktemp("draft")))
 
 
 def model_drafter(llm, spec: SpeculativeConfig):

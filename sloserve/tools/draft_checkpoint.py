@@ -1,0 +1,54 @@
+"""Write a draft model for ``--speculative-config '{"method": "draft_model", ...}'``: the
+embedded SmolLM2-135M's first N layers (its embeddings, final norm and LM head) as a Hugging Face
+folder (float32 safetensors, config.json, the tokenizer): the same vocabulary as the served
+model, its own weights and KV cache. There is no smaller SmolLM2 to draft with; this is the
+draft the repository can build offline (tests/spec_decode/test_lossless.py builds the same).
+
+    .venv/bin/python -m sloserve.tools.draft_checkpoint N FOLDER
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def write_draft_checkpoint(num_layers: int, folder: str) -> str:
+    import transformers
+    from safetensors.torch import save_file
+    from sloserve.model.loader import load_weights
+    w = load_weights(None, "float32")
+    c = w.config
+    if not 1 <= num_layers <= c.num_hidden_layers:
+        raise ValueError(f"N must be in [1, {c.num_hidden_layers}], got {num_layers}")
+    os.makedirs(folder, exist_ok=True)
+    transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_hidden_layers=num_layers,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+        rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings, bos_token_id=c.bos_token_id,
+        eos_token_id=c.eos_token_ids).save_pretrained(folder)
+    save_file({k: v.contiguous() for k, v in w.state_dict.items()
+               if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers},
+              os.path.join(folder, "model.safetensors"))
+    w.tokenizer.hf.save_pretrained(folder)
+    return folder
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("num_layers", type=int)
+    p.add_argument("folder")
+    a = p.parse_args(argv)
+    try:
+        print(write_draft_checkpoint(a.num_layers, a.folder))
+    except ValueError as e:
+        print(f"draft_checkpoint: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
