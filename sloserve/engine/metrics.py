@@ -189,9 +189,10 @@ class SpecDecodingLogger:
 class StepTraceLogger:
     """Writes one JSON line per engine step (``sloserve serve --step-trace FILE``): start time
     (s, monotonic), step seconds, queue sizes after it, its composition (decode contexts,
-    prefill chunks as [tokens, start]) and the requests it admitted ([arrival time, prompt
-    tokens]), with the request ids of the prefill chunks and of the admitted requests in the same
-    order (``prefill_ids``, ``admitted_ids``: which request a chunk belongs to, for tests and
+    prefill chunks as [tokens, start], and in a verify step ``decode_drafts``: the draft tokens
+    of each decode) and the requests it admitted ([arrival time, prompt tokens]), with the
+    request ids of the prefill chunks and of the admitted requests in the same order
+    (``prefill_ids``, ``admitted_ids``: which request a chunk belongs to, for tests and
     debugging). The simulator's profiler fits its cost model to the time from one step's start to
     the next one's while the engine stays busy (``sloserve profile --from-trace``): what a step
     really costs in a serving process. Written by the engine core (it has the composition).
@@ -213,13 +214,17 @@ class StepTraceLogger:
         """
         import json
         dec, pre = out.composition()
-        self._f.write(json.dumps({
+        row = {
             "t": round(step.start_time, 6), "step_s": round(step.step_s, 6),
             "running": stats.num_running, "waiting": stats.num_waiting,
             "decode_contexts": list(dec), "prefill_chunks": [list(c) for c in pre],
             "admitted": [[round(a, 6), n] for a, n, _ in admitted],
             "prefill_ids": [s.request_id for s in out.scheduled if not s.is_decode],
-            "admitted_ids": [rid for _, _, rid in admitted]}) + "\n")
+            "admitted_ids": [rid for _, _, rid in admitted]}
+        drafts = [s.num_new_tokens - 1 for s in out.scheduled if s.is_decode]
+        if any(drafts):  # a verify step: the draft tokens of each decode, in decode_contexts order
+            row["decode_drafts"] = drafts
+        self._f.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
         self._f.close()

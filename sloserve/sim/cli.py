@@ -9,6 +9,7 @@ holds the lecture presets, ``capacity`` the KV-capacity arithmetic.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from sloserve.argtypes import parse_given, pos_float, pos_int
@@ -40,6 +41,20 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--num-replicas", type=pos_int, default=1)
     e.add_argument("--router", default="least-outstanding",
                    choices=["round-robin", "least-outstanding", "prefix-affinity"])
+    s = p.add_argument_group("speculative decoding (modelled: stand-in drafts accepted at a "
+                             "given rate)")
+    s.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="the `sloserve serve` flag (vLLM's JSON, e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}'): the "
+                        "engine's own drafter rules (k per batch size, the acceptance floor) "
+                        "propose k drafts for every decoding request; any method, the model "
+                        "methods' drafting passes not priced")
+    s.add_argument("--spec-acceptance-rate", type=float, default=None, metavar="A",
+                   help="with --speculative-config: the chance that a draft token is accepted "
+                        "given that the drafts before it in the step were (0 to 1; the seeded "
+                        "RNG of --seed). A step of k drafts then gives a request on average "
+                        "1 + A + ... + A^k tokens (A = 0.88 and k = 4: 3.93, the mean acceptance "
+                        "length measured on `copy`, benchmarks/README.md)")
     d = p.add_argument_group("prefill/decode disaggregation (both counts > 0 turn it on)")
     d.add_argument("--num-prefill-instances", type=pos_int, default=None)
     d.add_argument("--num-decode-instances", type=pos_int, default=None)
@@ -149,3 +164,12 @@ def _check_combinations(a: argparse.Namespace, given: set[str]) -> None:
     if "slo_attainment" in given and slo - {"slo_attainment"}:
         raise ValueError("--slo-attainment (with --goodput limits) and --slo-p99-* are two "
                          "kinds of target: give one")
+    if a.spec_acceptance_rate is not None and not a.speculative_config:
+        raise ValueError("--spec-acceptance-rate only applies with --speculative-config")
+    if a.speculative_config:
+        if a.spec_acceptance_rate is None:
+            raise ValueError("--speculative-config needs --spec-acceptance-rate A (the chance "
+                             "that a draft token is accepted, given the ones before it were)")
+        if not (math.isfinite(a.spec_acceptance_rate) and 0 <= a.spec_acceptance_rate <= 1):
+            raise ValueError(f"--spec-acceptance-rate must be in [0, 1], got "
+                             f"{a.spec_acceptance_rate:g}")

@@ -1,18 +1,37 @@
 """Step-time cost models: the duration of one engine step from its composition.
 
 A step's composition is what the scheduler put in it: the decodes (one token each, at their
-context lengths) and the prefill chunks (tokens and the position they start at). The profiled
-model is linear in the features DistServe's latency model uses (Zhong et al. OSDI'24, section
-4.1: prefill time ~ a + b * sum(L) + c * sum(L^2), decode time ~ a + b * sum(context) + c * batch),
-extended to the hybrid batches of chunked prefill by adding the two parts in one step:
+context lengths, each with the draft tokens it verifies, speculative decoding) and the prefill
+chunks (tokens and the position they start at). The profiled model is linear in the features
+DistServe's latency model uses (Zhong et al. OSDI'24, section 4.1: prefill time ~ a + b * sum(L)
++ c * sum(L^2), decode time ~ a + b * sum(context) + c * batch), extended to the hybrid batches
+of chunked prefill by adding the two parts in one step, and to verify steps:
 
     t = c0 + c1 * decodes + c2 * sum(decode contexts) + c3 * prefill tokens
            + c4 * sum over chunks of n * (start + n)          (attention of a chunk: n queries
                                                                 over start + n keys)
            + c5 * prefill chunks                               (fixed cost of each chunk)
+           + c6 * draft tokens                                 (a verify step's extra query
+                                                                rows: the k drafts after a
+                                                                decode's token)
+           + c7 * [step tokens > quantized step limit]         (the dense-GEMM crossover)
 
 fitted by least squares to step times measured on the real engine. The per-chunk term carries
 a new request's fixed set-up, without which steps that start short prompts are under-priced.
+
+The last term is the crossover of the CPU engine's linear kernels: a step of at most
+``quantized_step_max_tokens`` query tokens (decodes + drafts + prefill tokens; the worker's
+``WorkerInfo.quantized_step_max_tokens``, measured at its start-up) runs on the quantized,
+memory-bound kernels, a larger one on a dense GEMM that reads the dense weights, a fixed cost
+of its own (on the AMX host a verify step past the limit costs 2-4x a decode step,
+``benchmarks/verify_cost.py``). Before it was a feature, every prefill step of a profile was
+past the limit and the per-chunk term c5 carried that cost too; with verify steps in the
+profile (``sloserve profile``'s verify grid) the two come apart. A model whose limit is 0
+(unknown, or no quantized weights) has no crossover: the term is 0.
+
+Profiles written before the verify terms have 5 or 6 coefficients; they load with c6 = c3 (a
+draft token priced as a prefill token: one more query row through the step) and c7 = 0 (no
+crossover), see :class:`LinearCostModel`.
 """
 from __future__ import annotations
 
@@ -23,7 +42,9 @@ from typing import Protocol, Sequence
 import numpy as np
 
 FEATURES = ("overhead", "decodes", "decode_context_tokens", "prefill_tokens", "prefill_attention",
-            "prefill_chunks")
+            "prefill_chunks", "draft_tokens", "dense_step")
+#: index of each feature in :data:`FEATURES`
+_F = {name: i for i, name in enumerate(FEATURES)}
 
 
 @dataclass(frozen=True)
@@ -31,20 +52,52 @@ class StepComposition:
     """What one step computes.
 
     Attributes:
-        decode_contexts: context length of each decode, its new token included (tokens).
+        decode_contexts: context length of each decode after the step, its new token and its
+            draft tokens included (tokens; ``SchedulerOutput.composition()``).
         prefill_chunks: (tokens in the chunk, start position) of each prefill chunk.
+        decode_drafts: draft tokens each decode verifies (speculative decoding: a decode of
+            1 + k query tokens), in ``decode_contexts`` order; () when none has any (a tuple
+            of zeros is normalized to ()).
+
+    Raises:
+        ValueError: ``decode_drafts`` given with another length than ``decode_contexts``, or
+            a negative count.
     """
 
     decode_contexts: tuple[int, ...] = ()
     prefill_chunks: tuple[tuple[int, int], ...] = ()
+    decode_drafts: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.decode_drafts:
+            if len(self.decode_drafts) != len(self.decode_contexts) \
+                    or min(self.decode_drafts) < 0:
+                raise ValueError(f"decode_drafts {self.decode_drafts} must hold a count >= 0 "
+                                 f"for each of the {len(self.decode_contexts)} decodes")
+            if not any(self.decode_drafts):
+                object.__setattr__(self, "decode_drafts", ())
 
     @classmethod
     def of(cls, out) -> "StepComposition":
-        """From a :class:`~sloserve.step_io.SchedulerOutput` (its ``composition()``)."""
-        return cls(*out.composition())
+        """From a :class:`~sloserve.step_io.SchedulerOutput`: its ``composition()``, and the
+        draft tokens of each decode (its query tokens past the first)."""
+        dec, pre = out.composition()
+        return cls(dec, pre, tuple(s.num_new_tokens - 1 for s in out.scheduled if s.is_decode))
 
-    def features(self) -> np.ndarray:
-        """The model's feature vector (see the module docstring), float64 of shape (6,)."""
+    @property
+    def num_drafts(self) -> int:
+        """Draft tokens the step verifies (all decodes)."""
+        return sum(self.decode_drafts)
+
+    @property
+    def num_tokens(self) -> int:
+        """Query tokens of the step: decodes, their drafts and prefill tokens."""
+        return len(self.decode_contexts) + self.num_drafts + sum(n for n, _ in self.prefill_chunks)
+
+    def features(self, quantized_step_max_tokens: int = 0) -> np.ndarray:
+        """The model's feature vector (see the module docstring), float64 of shape (8,);
+        ``dense_step`` is 1 when the step has more than ``quantized_step_max_tokens`` tokens
+        (0: no crossover, always 0)."""
         return np.array([
             1.0,
             len(self.decode_contexts),
@@ -52,6 +105,8 @@ class StepComposition:
             sum(n for n, _ in self.prefill_chunks),
             sum(n * (s + n) for n, s in self.prefill_chunks),
             len(self.prefill_chunks),
+            self.num_drafts,
+            1.0 if 0 < quantized_step_max_tokens < self.num_tokens else 0.0,
         ], dtype=np.float64)
 
 
@@ -61,51 +116,84 @@ class CostModel(Protocol):
     def step_time(self, comp: StepComposition) -> float: ...
 
 
+def _default_coef(coef: list[float], name: str) -> float:
+    """What a coefficient the samples (or an older profile) do not determine defaults to: a
+    draft token costs what a prefill token does (one more query row through the step), the
+    crossover nothing."""
+    return coef[_F["prefill_tokens"]] if name == "draft_tokens" else 0.0
+
+
 @dataclass
 class LinearCostModel:
     """The profiled cost model: ``t = coef . features`` (seconds; coefficients per feature in
     :data:`FEATURES` order: s, s/decode, s/context token, s/prefill token, s/attention pair,
-    s/chunk). Five coefficients (a profile written before the per-chunk term) get a zero one.
+    s/chunk, s/draft token, s per step past the quantized limit).
+
+    Older profiles load: five coefficients (before the per-chunk term) get a zero one; five or
+    six (before the verify terms) get ``draft_tokens`` = the ``prefill_tokens`` coefficient
+    and ``dense_step`` = 0; :attr:`defaulted` names the coefficients so filled in.
+
+    Attributes:
+        quantized_step_max_tokens: the step limit of the quantized kernels the profile was
+            measured under (``dense_step``'s threshold; 0: no crossover). The simulated worker
+            reports it, so the simulated drafter's k (``Drafter.k_for``) follows it too.
 
     Raises:
-        ValueError: not a list of 5 or 6 coefficients, or one negative, infinite or NaN.
+        ValueError: not a list of 5, 6 or 8 coefficients, or one negative, infinite or NaN;
+            a limit that is not an integer >= 0.
     """
 
     coef: list[float] = field(default_factory=lambda: [0.0] * len(FEATURES))
+    quantized_step_max_tokens: int = 0
+    defaulted: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.coef, (list, tuple)):
             raise ValueError(f"coefficients must be a list of {len(FEATURES)} numbers, "
                              f"got {self.coef!r}")
         self.coef = list(self.coef)
-        if len(self.coef) == len(FEATURES) - 1:
-            self.coef.append(0.0)
-        if len(self.coef) != len(FEATURES):
-            raise ValueError(f"need {len(FEATURES)} coefficients ({', '.join(FEATURES)}), "
-                             f"got {len(self.coef)}")
+        if len(self.coef) not in (5, 6, len(FEATURES)):
+            raise ValueError(f"need {len(FEATURES)} coefficients ({', '.join(FEATURES)}; a "
+                             f"profile of before the verify terms: the first 6 or 5), got "
+                             f"{len(self.coef)}")
         if not all(isinstance(c, (int, float)) and not isinstance(c, bool) and 0 <= c < math.inf
                    for c in self.coef):
             raise ValueError(f"coefficients must be finite numbers >= 0, got {self.coef}")
+        missing = FEATURES[len(self.coef):]
+        if len(self.coef) == 5:
+            self.coef.append(0.0)
+        for name in FEATURES[len(self.coef):]:
+            self.coef.append(_default_coef(self.coef, name))
+        self.defaulted = tuple(dict.fromkeys((*self.defaulted, *missing)))
+        q = self.quantized_step_max_tokens
+        if isinstance(q, bool) or not isinstance(q, int) or q < 0:
+            raise ValueError(f"quantized_step_max_tokens must be an integer >= 0, got {q!r}")
 
     def step_time(self, comp: StepComposition) -> float:
         """Seconds of one step."""
-        return float(np.dot(self.coef, comp.features()))
+        return float(np.dot(self.coef, comp.features(self.quantized_step_max_tokens)))
 
     @classmethod
-    def fit(cls, samples: Sequence[tuple[StepComposition, float]]) -> "LinearCostModel":
+    def fit(cls, samples: Sequence[tuple[StepComposition, float]],
+            quantized_step_max_tokens: int = 0) -> "LinearCostModel":
         """Non-negative least squares on (composition, measured seconds) pairs.
 
         Solved as ordinary least squares, then any negative coefficient is fixed at 0 and the
-        rest refitted (a few features, so this active-set loop ends in at most 6 rounds).
+        rest refitted (a few features, so this active-set loop ends in at most 8 rounds). A
+        feature no sample has (no verify step, no step past the limit) is left out of the fit
+        and gets its default (see :class:`LinearCostModel`; named in ``defaulted``).
 
         Raises:
-            ValueError: fewer samples than features.
+            ValueError: fewer samples than features to fit.
         """
-        if len(samples) < len(FEATURES):
-            raise ValueError(f"need at least {len(FEATURES)} samples to fit, got {len(samples)}")
-        x = np.stack([c.features() for c, _ in samples])
+        if not samples:
+            raise ValueError("need samples to fit, got none")
+        x = np.stack([c.features(quantized_step_max_tokens) for c, _ in samples])
         y = np.array([t for _, t in samples], dtype=np.float64)
-        active = list(range(len(FEATURES)))
+        unseen = [j for j in range(len(FEATURES)) if j >= _F["draft_tokens"] and not x[:, j].any()]
+        active = [j for j in range(len(FEATURES)) if j not in unseen]
+        if len(samples) < len(active):
+            raise ValueError(f"need at least {len(active)} samples to fit, got {len(samples)}")
         coef = np.zeros(len(FEATURES))
         for _ in range(len(FEATURES)):
             sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
@@ -116,7 +204,10 @@ class LinearCostModel:
             active = [a for a, v in zip(active, sol) if v > 0]
             if not active:
                 break
-        return cls([float(v) for v in coef])
+        out = [float(v) for v in coef]
+        for j in unseen:
+            out[j] = _default_coef(out, FEATURES[j])
+        return cls(out, quantized_step_max_tokens, tuple(FEATURES[j] for j in unseen))
 
     def relative_errors(self, samples: Sequence[tuple[StepComposition, float]]) -> np.ndarray:
         """|predicted - measured| / measured for each sample."""
@@ -126,7 +217,7 @@ class LinearCostModel:
 @dataclass
 class OverlapCostModel:
     """A roofline-shaped step: memory and compute overlap, so a step costs the larger of the
-    two. ``t = overhead + max(decode_step_s, prefill tokens / prefill_tokens_per_s)``.
+    two. ``t = overhead + max(decode_step_s, (prefill + draft tokens) / prefill_tokens_per_s)``.
 
     This is the regime chunked prefill is made for (Sarathi-Serve, Agrawal et al. OSDI'24,
     section 3): a decode step is memory-bound (``decode_step_s`` whatever the batch), so prefill
@@ -150,9 +241,11 @@ class OverlapCostModel:
             raise ValueError("decode_step_s and overhead_s must be finite and >= 0")
 
     def step_time(self, comp: StepComposition) -> float:
-        """Seconds of one step."""
-        prefill = sum(n for n, _ in comp.prefill_chunks) / self.prefill_tokens_per_s
-        return self.overhead_s + max(self.decode_step_s if comp.decode_contexts else 0.0, prefill)
+        """Seconds of one step (draft tokens are compute like prefill tokens: they ride in the
+        memory-bound step until the compute exceeds it)."""
+        compute = (sum(n for n, _ in comp.prefill_chunks) + comp.num_drafts) \
+            / self.prefill_tokens_per_s
+        return self.overhead_s + max(self.decode_step_s if comp.decode_contexts else 0.0, compute)
 
 
 @dataclass
@@ -164,7 +257,8 @@ class RooflineCostModel:
     FLOP and bytes come from :func:`sloserve.roofline.ops.operator_costs`: the weights are read
     once per step whatever it carries; every new token pays the linear layers' FLOP; a decode at
     context c reads c tokens of KV and does c attention pairs; a chunk of n tokens at start s
-    reads s + n tokens of KV and does n * s + n (n + 1) / 2 pairs.
+    reads s + n tokens of KV and does n * s + n (n + 1) / 2 pairs; a verify step's draft tokens
+    pay the linear layers' FLOP and their attention pairs, the KV is read once per decode.
 
     Attributes:
         spec, hw: a ``ModelSpec`` and a ``Hardware`` (``sloserve.roofline``).
@@ -204,9 +298,12 @@ class RooflineCostModel:
     def step_time(self, comp: StepComposition) -> float:
         """Seconds of one step."""
         p = self._per
-        tokens = len(comp.decode_contexts) + sum(n for n, _ in comp.prefill_chunks)
-        pairs = sum(comp.decode_contexts) + sum(n * s + n * (n + 1) // 2
-                                                for n, s in comp.prefill_chunks)
+        tokens = comp.num_tokens
+        # a verify of d drafts at context c: its d + 1 query rows see c - d .. c keys
+        pairs = (sum(comp.decode_contexts) + sum(n * s + n * (n + 1) // 2
+                                                 for n, s in comp.prefill_chunks)
+                 + sum(d * c - d * (d + 1) // 2
+                       for c, d in zip(comp.decode_contexts, comp.decode_drafts)))
         kv_tokens = sum(comp.decode_contexts) + sum(s + n for n, s in comp.prefill_chunks)
         flops = tokens * p["token_flops"] + pairs * p["pair_flops"]
         nbytes = (p["weights"] + tokens * (p["token_act_bytes"] + p["kv_write_bytes"])

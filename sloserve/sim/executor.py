@@ -8,16 +8,29 @@ advances the :class:`VirtualClock` by that many seconds and returns a plain
 :class:`~sloserve.step_io.ModelRunnerOutput` with one stand-in token (id 1) for every request
 whose chunk samples. How long an output runs is the request's ``max_tokens`` (``ignore_eos``),
 which the simulator sets. No torch.
+
+Speculative decoding is modelled, not run: :class:`SimDrafter` is the engine's own
+:class:`~sloserve.spec_decode.drafter.Drafter` (its k per batch size, ``Drafter.k_for``, and its
+acceptance floor) proposing k stand-in tokens for every candidate, whatever the method; the
+executor accepts draft position i with probability ``spec_acceptance_rate`` given that every
+earlier one was accepted (a seeded RNG) and returns the accepted drafts plus one token, as the
+real runner returns them. The methods whose drafts come from a model (``draft_model``,
+``layer_skip``) are modelled the same way: their drafting passes are not priced, only the
+verify step's extra query tokens (the cost model's ``draft_tokens`` and ``dense_step`` terms).
 """
 from __future__ import annotations
 
+import dataclasses
+import math
+import random
 from functools import lru_cache
 from typing import Any, Callable
 
-from sloserve.config import EngineConfig
+from sloserve.config import MODEL_SPEC_METHODS, EngineConfig, SpeculativeConfig
 from sloserve.executor.abstract import Executor
 from sloserve.kv_cache_spec import KVCacheSpec
 from sloserve.sim.cost_model import CostModel, StepComposition
+from sloserve.spec_decode.drafter import Drafter
 from sloserve.step_io import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 
 #: the longest step a cost model may price (s): longer is a settings mistake, not a server
@@ -63,6 +76,37 @@ def default_kv_cache_spec(block_size: int) -> KVCacheSpec:
     return kv_cache_spec(get_model("SmolLM2-135M"), "bf16", block_size)
 
 
+class SimDrafter(Drafter):
+    """The engine's drafter with stand-in drafts: the same k per batch size
+    (:meth:`~sloserve.spec_decode.drafter.Drafter.k_for`, with the simulated worker's quantized
+    step limit) and the same acceptance floor (``min_acceptance_rate``), but every proposal is
+    k tokens of :data:`SAMPLED_TOKEN_ID` (the n-gram or suffix match is not looked for: the
+    executor's acceptance rate stands for how often drafts are right). Set as the core's
+    ``drafter`` after the core is built (the simulator does, ``Replica``).
+
+    Args:
+        config: the speculative config (``--speculative-config``).
+        quantized_step_max_tokens: the simulated worker's step limit (the cost model's).
+    """
+
+    def __init__(self, config: SpeculativeConfig, quantized_step_max_tokens: int = 0):
+        # as a model method: no proposer is built, propose() gives placeholders of the right
+        # count after the k and floor rules, finish() drops only the floor's state (and the
+        # core, seeing config.uses_model, offers it no grammar request: the simulator has none)
+        model = config if config.method in MODEL_SPEC_METHODS else \
+            dataclasses.replace(config, method=MODEL_SPEC_METHODS[0])
+        super().__init__(model, quantized_step_max_tokens)
+        self.method = config.method
+
+    def propose(self, request_id: str, token_ids, num_prompt_tokens: int, max_drafts: int,
+                batch_size: int = 1) -> list[int]:
+        """k stand-in tokens (k as the engine's drafter decides it; [] where it would draft
+        none)."""
+        n = len(super().propose(request_id, token_ids, num_prompt_tokens, max_drafts,
+                                batch_size))
+        return [SAMPLED_TOKEN_ID] * n
+
+
 class CostModelExecutor(Executor):
     """An executor whose step is a price: no workers, no model.
 
@@ -74,18 +118,28 @@ class CostModelExecutor(Executor):
         kv_cache_spec: the KV layout the blocks stand for (default: the embedded SmolLM2 in
             bf16, :func:`default_kv_cache_spec`).
         on_step: called with (end time, composition) after each step is priced.
+        spec_acceptance_rate: the chance that a draft token is accepted given that every draft
+            before it in the step was (0 to 1; speculative decoding, see the module docstring).
+        seed: seeds the acceptance draws.
 
     Raises (constructor):
-        ValueError: ``config.num_kv_blocks`` unset, or a spec whose block size is not the
-            config's.
+        ValueError: ``config.num_kv_blocks`` unset, a spec whose block size is not the
+            config's, an acceptance rate outside [0, 1].
     """
 
     def __init__(self, config: EngineConfig, cost: CostModel, clock: VirtualClock,
                  max_model_len: int, kv_cache_spec: KVCacheSpec | None = None,
-                 on_step: Callable[[float, StepComposition], None] | None = None):
+                 on_step: Callable[[float, StepComposition], None] | None = None,
+                 spec_acceptance_rate: float = 0.0, seed: int = 0):
         if config.num_kv_blocks is None:
             raise ValueError("the cost-model executor needs num_kv_blocks")
+        if not (isinstance(spec_acceptance_rate, (int, float))
+                and math.isfinite(spec_acceptance_rate) and 0 <= spec_acceptance_rate <= 1):
+            raise ValueError(f"the draft acceptance rate must be in [0, 1], got "
+                             f"{spec_acceptance_rate!r}")
         self.cost, self.clock, self.on_step = cost, clock, on_step
+        self.spec_acceptance_rate = float(spec_acceptance_rate)
+        self.rng = random.Random(seed)
         self.max_model_len = max_model_len
         self.kv_cache_spec = kv_cache_spec or default_kv_cache_spec(config.block_size)
         if self.kv_cache_spec.block_size != config.block_size:
@@ -108,7 +162,9 @@ class CostModelExecutor(Executor):
                          max_position_embeddings=self.max_model_len)
         return WorkerInfo(model_name="simulated", model_path="", model_config=mc,
                           dtype=spec.dtype, kv_cache_dtype=spec.dtype,
-                          description=f"cost model {type(self.cost).__name__}")
+                          description=f"cost model {type(self.cost).__name__}",
+                          quantized_step_max_tokens=getattr(self.cost,
+                                                            "quantized_step_max_tokens", 0))
 
     def get_kv_cache_spec(self) -> KVCacheSpec:
         return self.kv_cache_spec
@@ -120,7 +176,8 @@ class CostModelExecutor(Executor):
         self.num_blocks = num_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Price the step, advance the clock by it, sample a stand-in token where one is due.
+        """Price the step, advance the clock by it, sample a stand-in token where one is due
+        (after a decode's k drafts: the accepted ones, drawn position by position, plus one).
 
         Raises:
             ValueError: the cost model priced the step at <= 0 s, over :data:`MAX_STEP_S` or NaN.
@@ -136,8 +193,17 @@ class CostModelExecutor(Executor):
         scheduled = scheduler_output.scheduled
         return ModelRunnerOutput(
             req_ids=[sr.request_id for sr in scheduled],
-            sampled_token_ids=[[SAMPLED_TOKEN_ID] if sr.samples else [] for sr in scheduled],
+            sampled_token_ids=[self._sampled(sr.spec_token_ids) if sr.samples else []
+                               for sr in scheduled],
             forward_s=dt)
+
+    def _sampled(self, drafts: list[int]) -> list[int]:
+        """The accepted prefix of ``drafts`` (position i accepted with the acceptance rate
+        while all before it were) and one sampled token; no draw without drafts."""
+        a = 0
+        while a < len(drafts) and self.rng.random() < self.spec_acceptance_rate:
+            a += 1
+        return [*drafts[:a], SAMPLED_TOKEN_ID]
 
     def shutdown(self) -> None:
         """Nothing to stop."""

@@ -35,10 +35,10 @@ def run(a) -> int:
                      burstiness=a.burstiness, seed=a.seed, goodput=sim.slos,
                      max_concurrency=a.max_concurrency)
     run_ = BenchmarkRun(bc, sim.reqs, res.records, 0.0, res.duration, metrics)
-    extra = ""
+    extra = f"; {res.spec_summary()}" if res.num_draft_tokens else ""
     if res.kv_transfer_s:
-        extra = (f"; KV transfer exposed mean {1e3 * sum(res.kv_transfer_s) / len(res.kv_transfer_s):.2f}"
-                 f" ms, max {1e3 * max(res.kv_transfer_s):.2f} ms")
+        extra += (f"; KV transfer exposed mean {1e3 * sum(res.kv_transfer_s) / len(res.kv_transfer_s):.2f}"
+                  f" ms, max {1e3 * max(res.kv_transfer_s):.2f} ms")
     print(f"sim: {sim.describe()}; {res.num_preemptions} preemptions; mean requests in flight "
           f"{res.mean_in_flight:.2f}{extra}; {len(sim.reqs) / wall:.0f} requests simulated per s "
           f"of wall time", file=sys.stderr)

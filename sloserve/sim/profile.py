@@ -2,10 +2,13 @@
 simulator's linear cost model (:class:`~sloserve.sim.cost_model.LinearCostModel`).
 
 Grid: pure decode steps (batch x context), hybrid steps (decodes + one prefill chunk at a
-start position), and whole-prompt prefills. Every point is the median of a few timed steps
-after warm-up (``sloserve.tools.step_profile``): decode and hybrid points time the model
-runner's whole ``execute`` on plain-data steps of that composition (inputs, forward, sampling;
-not the scheduler), prefill points the engine's whole ``step()``. Every fourth point is held out
+start position), whole-prompt prefills, and verify steps (speculative decoding: batch x k
+draft tokens per decode, what ``benchmarks/verify_cost.py`` measures). Every point is the median
+of a few timed steps after warm-up (``sloserve.tools.step_profile``): decode, hybrid and verify
+points time the model runner's whole ``execute`` on plain-data steps of that composition
+(inputs, forward, sampling; not the scheduler), prefill points the engine's whole ``step()``.
+The engine's quantized step limit (``WorkerInfo.quantized_step_max_tokens``, measured at its
+start-up) is the fit's dense-GEMM crossover and is saved with it. Every fourth point is held out
 of the fit and the fit's relative error on it is printed.
 """
 from __future__ import annotations
@@ -25,6 +28,58 @@ from sloserve.sim.cost_model import FEATURES, LinearCostModel, StepComposition
 DECODE_GRID = [(b, c) for b in (1, 8, 16) for c in (128, 512)]
 MIXED_GRID = [(b, n) for b in (1, 8, 16) for n in (32, 128, 256, 512)]
 PREFILL_GRID = [64, 256, 512, 1024]
+#: (batch, draft tokens per decode) of the verify points: on the AMX host's 16-token quantized
+#: limit, batch 1 and (4, 1..2) stay on the quantized kernels, (4, 4..8) and batch 16 cross it
+VERIFY_GRID = [(b, k) for b in (1, 4, 16) for k in (1, 2, 4, 8)]
+
+
+def time_verify_steps(eng, batch: int, context_len: int, k: int, warmup: int,
+                      repeats: int) -> list:
+    """``repeats`` timed verify steps: ``batch`` decodes at context about ``context_len``, each
+    with ``k`` draft tokens (the vocabulary's last id, which the greedy model does not pick, as
+    ``step_profile.time_decode_steps(spec_tokens=k)``), run on the engine's model runner as
+    plain-data scheduler outputs like ``step_profile.time_mixed_steps``'s decodes (so their
+    times compare with the decode grid's: no scheduler). Step j's decodes compute positions
+    ``context_len + j .. context_len + j + k``; ``StepSample.context`` is the context after
+    it, drafts included (``SchedulerOutput.composition()``'s).
+
+    Raises:
+        ValueError: the engine has requests in flight, or too few KV blocks.
+    """
+    import time
+
+    from sloserve.sampling_params import SamplingParams
+    from sloserve.step_io import ScheduledRequest, SchedulerOutput
+    from sloserve.tools.step_profile import StepSample
+    if eng.has_unfinished_requests():
+        raise ValueError("time_verify_steps needs an idle engine (its blocks are used directly)")
+    steps = warmup + repeats
+    bs = eng.config.block_size
+    per = -(-(context_len + steps + k) // bs)
+    if batch * per > eng.num_kv_blocks:
+        raise ValueError(f"{batch} decodes at context {context_len} with {k} drafts for "
+                         f"{steps} steps need {batch * per} KV blocks; the engine has "
+                         f"{eng.num_kv_blocks}")
+    greedy = SamplingParams(temperature=0.0, max_tokens=k + 2)
+    draft = [eng.model_config.vocab_size - 1] * k
+    out = []
+    for j in range(steps):
+        ctx = context_len + j + 1
+        sched = [ScheduledRequest(f"profile-v{i}", ctx - 1, 1 + k, [10 + i, *draft],
+                                  list(range(i * per, (i + 1) * per)), greedy, samples=True,
+                                  is_decode=True, spec_token_ids=list(draft))
+                 for i in range(batch)]
+        t0 = time.perf_counter()
+        ro = eng.runner.execute(SchedulerOutput(sched))
+        wall = time.perf_counter() - t0
+        if j >= warmup:
+            out.append(StepSample(wall, ro.prepare_s, ro.forward_s, ro.sample_s, ctx + k))
+    return out
+
+
+def quantized_step_max_tokens(eng) -> int:
+    """The engine's quantized step limit (its worker's, 0 without quantized weights)."""
+    return int(eng.core.model_executor.get_model_info().quantized_step_max_tokens or 0)
 
 
 def profile_engine(eng, repeats: int = 3, context_len: int = 256,
@@ -50,6 +105,10 @@ def profile_engine(eng, repeats: int = 3, context_len: int = 256,
         s = time_prefill_steps(eng, n, warmup=1, repeats=repeats)
         out.append((StepComposition((), ((n, 0),)), med(s)))
         log(f"prefill {n}: {out[-1][1] * 1e3:.1f} ms")
+    for b, k in VERIFY_GRID:
+        s = time_verify_steps(eng, b, context_len, k, warmup=2, repeats=repeats)
+        out.append((StepComposition((s[len(s) // 2].context,) * b, (), (k,) * b), med(s)))
+        log(f"verify B={b} k={k}: {out[-1][1] * 1e3:.1f} ms")
     return out
 
 
@@ -73,15 +132,20 @@ def trace_samples(paths) -> list[tuple[StepComposition, float]]:
 
 
 def _step_row(d: dict) -> tuple[float, float, int, StepComposition]:
-    """(start time, step seconds, requests running or waiting after it, composition)."""
-    if not isinstance(d["decode_contexts"], list) or not isinstance(d["prefill_chunks"], list):
-        raise ValueError("decode_contexts and prefill_chunks must be lists")
+    """(start time, step seconds, requests running or waiting after it, composition). A line
+    without ``decode_drafts`` (no verify step, or a trace of before speculative decoding) has
+    none."""
+    drafts = d.get("decode_drafts", [])
+    if not all(isinstance(d[k], list) for k in ("decode_contexts", "prefill_chunks")) \
+            or not isinstance(drafts, list):
+        raise ValueError("decode_contexts, prefill_chunks and decode_drafts must be lists")
     t, step_s = float(d["t"]), float(d["step_s"])
     if not (math.isfinite(t) and 0 <= step_s < math.inf):
         raise ValueError(f"bad times t={t}, step_s={step_s}")
     return (t, step_s, int(d["running"]) + int(d["waiting"]),
             StepComposition(tuple(int(c) for c in d["decode_contexts"]),
-                            tuple((int(n), int(st)) for n, st in d["prefill_chunks"])))
+                            tuple((int(n), int(st)) for n, st in d["prefill_chunks"]),
+                            tuple(int(k) for k in drafts)))
 
 
 #: a gap this long between one step's end and the next one's start means the engine idled
@@ -166,20 +230,24 @@ def frontend_delays(trace: str, bench_result: str) -> tuple[list[float], list[fl
     return into, out
 
 
-def fit_with_holdout(samples):
-    """(model fitted on all points, relative errors on every 4th point of a fit without them)."""
+def fit_with_holdout(samples, quantized_step_max_tokens: int = 0):
+    """(model fitted on all points, relative errors on every 4th point of a fit without them);
+    ``quantized_step_max_tokens``: the dense-GEMM crossover (0: none)."""
     held = samples[3::4]
     train = [s for i, s in enumerate(samples) if i % 4 != 3]
-    return LinearCostModel.fit(samples), LinearCostModel.fit(train).relative_errors(held)
+    return (LinearCostModel.fit(samples, quantized_step_max_tokens),
+            LinearCostModel.fit(train, quantized_step_max_tokens).relative_errors(held))
 
 
 def save_profile(path: str, samples, model: LinearCostModel, meta: dict,
                  frontend: dict | None = None) -> None:
-    """Write the measured table, the fitted coefficients and (when measured) the server-path
-    delays (``frontend``: request_in_s, token_out_s) as JSON."""
+    """Write the measured table, the fitted coefficients, the quantized step limit they assume
+    and (when measured) the server-path delays (``frontend``: request_in_s, token_out_s) as
+    JSON."""
     with open(path, "w", encoding="utf-8") as f:
         json.dump({"meta": meta, "features": list(FEATURES), "coef": model.coef,
-                   "frontend": frontend,
+                   "quantized_step_max_tokens": model.quantized_step_max_tokens,
+                   "defaulted": list(model.defaulted), "frontend": frontend,
                    "samples": [{"composition": asdict(c), "seconds": t} for c, t in samples]},
                   f, indent=1)
 
@@ -211,15 +279,19 @@ def load_frontend(path: str) -> tuple[float, float]:
 
 
 def load_profile(path: str) -> LinearCostModel:
-    """The fitted model of a profile file.
+    """The fitted model of a profile file. A profile of before the verify terms (6 or 5
+    coefficients, no ``quantized_step_max_tokens``) loads with their defaults
+    (:class:`~sloserve.sim.cost_model.LinearCostModel`: a draft token priced as a prefill
+    token, no crossover).
 
     Raises:
         FileNotFoundError, ValueError: missing file, or not a profile (no valid ``coef``).
     """
     d = _read_profile(path)
     try:
-        return LinearCostModel(d["coef"])
-    except ValueError as e:
+        return LinearCostModel(d["coef"], d.get("quantized_step_max_tokens", 0),
+                               tuple(d.get("defaulted") or ()))
+    except (ValueError, TypeError) as e:
         raise ValueError(f"{path}: {e}") from None
 
 
@@ -237,10 +309,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --from-trace: the `sloserve bench --save-detailed` result of "
                          "each trace's run, in the same order; measures the server's path "
                          "(send -> engine queue, step end -> client) for the simulator")
+    ap.add_argument("--quantized-step-max-tokens", type=int, default=None, metavar="N",
+                    help="with --from-trace: the traced server's quantized step limit (its "
+                         "start-up line: 'steps of <= N tokens on the quantized weights'), the "
+                         "fit's dense-GEMM crossover (default 0: none; a grid run measures it)")
     a = ap.parse_args(argv)
     if a.bench_result and not a.from_trace:
         print("sloserve profile: error: --bench-result goes with --from-trace (the traces of "
               "the same runs)", file=sys.stderr)
+        return 2
+    if a.quantized_step_max_tokens is not None and (not a.from_trace
+                                                    or a.quantized_step_max_tokens < 0):
+        print("sloserve profile: error: --quantized-step-max-tokens goes with --from-trace "
+              "(a grid run measures the limit) and must be >= 0", file=sys.stderr)
         return 2
     if a.from_trace:
         return _from_trace(a)
@@ -255,10 +336,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"sloserve profile: error: {e}", file=sys.stderr)
         return 2
+    qmax = quantized_step_max_tokens(eng)
     samples = profile_engine(eng, a.repeats, log=lambda s: print(s, file=sys.stderr))
-    model, err = fit_with_holdout(samples)
+    model, err = fit_with_holdout(samples, qmax)
     save_profile(a.out, samples, model, {"model": eng.model_name, "dtype": eng.dtype_choice.dtype,
-                                         "num_threads": cfg.num_threads})
+                                         "num_threads": cfg.num_threads,
+                                         "quantized_step_max_tokens": qmax})
     _report(model, err, a.out, f"{len(samples)} grid points")
     print("note: this timed an isolated engine; a serving process pays more per step (HTTP, "
           "streams, the client on the same cores). To predict a server, fit the steps it ran: "
@@ -273,7 +356,7 @@ def _from_trace(a: argparse.Namespace) -> int:
             raise ValueError(f"--bench-result needs one file per trace: {len(a.from_trace)} "
                              f"traces, {len(a.bench_result)} results")
         samples = trace_samples(a.from_trace)
-        model, err = fit_with_holdout(samples)
+        model, err = fit_with_holdout(samples, a.quantized_step_max_tokens or 0)
         frontend = None
         if a.bench_result:
             into, out = [], []
@@ -298,7 +381,12 @@ def _from_trace(a: argparse.Namespace) -> int:
 
 def _report(model: LinearCostModel, err, out: str, source: str) -> None:
     print(f"fit ({source}): t = "
-          + " + ".join(f"{c:.3g}*{f}" for c, f in zip(model.coef, FEATURES)) + " (s)")
+          + " + ".join(f"{c:.3g}*{f}" for c, f in zip(model.coef, FEATURES)) + " (s); "
+          + (f"dense_step: a step of over {model.quantized_step_max_tokens} tokens"
+             if model.quantized_step_max_tokens else "no dense-GEMM crossover (limit unknown)"))
+    if model.defaulted:
+        print(f"not in the samples, defaulted: {', '.join(model.defaulted)} (a draft token "
+              f"priced as a prefill token; no crossover term)")
     print(f"held-out relative error ({len(err)} points): mean {100 * err.mean():.1f} %, "
           f"median {100 * float(np.median(err)):.1f} %, max {100 * err.max():.1f} %")
     if len(err) < 6 or err.mean() > 0.2:

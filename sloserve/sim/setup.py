@@ -96,7 +96,7 @@ class SimSetup:
         check_workload_flags(a)
         self.cost, self.cost_name = cost_model_from_args(a)
         self.dis = disaggregation_from_args(a)
-        if a.dataset_name == "sharegpt":
+        if a.dataset_name in ("sharegpt", "copy"):  # real texts: their lengths in tokens
             from sloserve.bench.datasets import PromptFactory
             from sloserve.bench.tokenizer import load_tokenizer
             from sloserve.embedded import default_model_path
@@ -120,6 +120,8 @@ class SimSetup:
             raise ValueError(f"the server path (--request-in-ms, --token-out-ms, or the "
                              f"profile's) must be finite and >= 0, got {1e3 * into} ms in and "
                              f"{1e3 * out} ms out")
+        from sloserve.config import SpeculativeConfig
+        self.spec = SpeculativeConfig.parse(a.speculative_config)  # ValueError names the key
         self.num_kv_blocks = kv_blocks_from_args(a)
         max_len = a.max_model_len or min(SIM_MODEL_LEN, self.num_kv_blocks * a.block_size)
         self.cfg = SimConfig(max_num_batched_tokens=a.max_num_batched_tokens,
@@ -134,7 +136,13 @@ class SimSetup:
                              long_prefill_token_threshold=a.long_prefill_token_threshold,
                              enable_prefill_pacing=a.enable_prefill_pacing,
                              num_kv_blocks=self.num_kv_blocks,
-                             block_size=a.block_size, request_in_s=into, token_out_s=out)
+                             block_size=a.block_size, request_in_s=into, token_out_s=out,
+                             speculative=self.spec,
+                             spec_acceptance_rate=a.spec_acceptance_rate or 0.0, seed=a.seed)
+        defaulted = getattr(self.cost, "defaulted", ())
+        if self.spec is not None and "draft_tokens" in defaulted:
+            self.cost_name += (", verify tokens priced as prefill tokens and no dense-GEMM "
+                               "crossover (the profile has no verify terms)")
         if into or out:
             self.cost_name += (f", server path {1e3 * into:.1f} ms in / {1e3 * out:.1f} ms out")
 
@@ -162,7 +170,11 @@ class SimSetup:
         where = (f"{self.dis.num_prefill} prefill + {self.dis.num_decode} decode instances "
                  f"(KV over {a.kv_transfer_link}, {a.kv_transfer_mode})" if self.dis else
                  f"{a.num_replicas} replica(s) ({a.router})")
+        spec = ""
+        if cfg.speculative is not None:
+            spec = (f", {cfg.speculative.describe()}, modelled: draft acceptance "
+                    f"{cfg.spec_acceptance_rate:g} per position")
         return (f"{len(self.reqs)} {a.dataset_name} requests, {where}, policy {cfg.policy}, "
-                f"budget {cfg.max_num_batched_tokens}, cost model {self.cost_name}")
+                f"budget {cfg.max_num_batched_tokens}{spec}, cost model {self.cost_name}")
 
 

@@ -10,7 +10,11 @@ the tokens; until then the router counts the requests it finishes as still outst
 Requests that reach a replica while its step runs are added when the step ends, as the real
 single-threaded core loop takes its inputs between steps. Prompts are token ids of the right
 length (the content does not matter to scheduling); outputs run to their ``max_tokens``
-(``ignore_eos``), as in a benchmark with ``--ignore-eos``.
+(``ignore_eos``), as in a benchmark with ``--ignore-eos``. With speculative decoding
+(``SimConfig.speculative``) a step may give a request several tokens: its record counts the
+tokens (``output_tokens``, so TPOT is per token) and the step's tokens arrive together, one
+content chunk (one inter-token gap per step, as the server streams a multi-token delta as one
+event and ``sloserve bench`` times events).
 
 The result is the same per-request records ``sloserve bench`` collects, so the same metrics
 code, JSON and plots apply. ``simulate_cluster`` runs several replicas behind a router;
@@ -25,14 +29,15 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from sloserve.config import EngineConfig
+from sloserve.config import EngineConfig, SpeculativeConfig
 from sloserve.engine.admission import AdmissionLimits, check_arrival
 from sloserve.engine.core import EngineCore
 from sloserve.engine.messages import EngineCoreOutputs, EngineCoreRequest, KVTransferParams
 from sloserve.engine.scheduler import SchedulerConfig, SchedulingPolicy
 from sloserve.sampling_params import SamplingParams
 from sloserve.sim.cost_model import CostModel, StepComposition
-from sloserve.sim.executor import MAX_STEP_S, SAMPLED_TOKEN_ID, CostModelExecutor, VirtualClock
+from sloserve.sim.executor import (MAX_STEP_S, SAMPLED_TOKEN_ID, CostModelExecutor, SimDrafter,
+                                   VirtualClock)
 from sloserve.sim.kv_transfer import Disaggregation
 from sloserve.workload import PREFIX_GROUP_TAG, RequestRecord, SampleRequest
 
@@ -60,6 +65,12 @@ class SimConfig(SchedulerConfig):
         max_waiting_requests, slo_reject (with ttft_slo_s): the server's overload control at
             arrival (``sloserve.engine.admission``, the same rules): a refused request is a
             failed record with the server's 429 message.
+        speculative: speculative decoding (``--speculative-config``), modelled: the engine's
+            drafter rules with stand-in drafts (:class:`~sloserve.sim.executor.SimDrafter`);
+            None: off.
+        spec_acceptance_rate: the chance a draft token is accepted given that every earlier
+            draft of its step was (0 to 1).
+        seed: seeds the acceptance draws (each replica its own stream).
     """
 
     num_kv_blocks: int | None = None
@@ -69,9 +80,16 @@ class SimConfig(SchedulerConfig):
     enable_prefix_caching: bool = EngineConfig.enable_prefix_caching
     max_waiting_requests: int | None = None
     slo_reject: bool = False
+    speculative: SpeculativeConfig | None = None
+    spec_acceptance_rate: float = 0.0
+    seed: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not (isinstance(self.spec_acceptance_rate, (int, float))
+                and 0 <= self.spec_acceptance_rate <= 1):
+            raise ValueError(f"the draft acceptance rate must be in [0, 1], got "
+                             f"{self.spec_acceptance_rate!r}")
         if self.num_kv_blocks is None:
             from sloserve.sim.capacity import kv_blocks
             self.num_kv_blocks = kv_blocks(EngineConfig.kv_cache_memory, "SmolLM2-135M", "bf16",
@@ -105,6 +123,9 @@ class SimResult:
         mean_in_flight: requests sent and not finished, averaged over ``duration`` (Little's L).
         kv_transfer_s: exposed KV-transfer seconds of each request, in input order (0 for one
             that finished on its prefill instance; empty without disaggregation).
+        num_drafts, num_draft_tokens, num_accepted_tokens: speculative decoding over the run,
+            as the server's ``/metrics`` counts them (verify steps of a request, draft tokens,
+            accepted draft tokens).
     """
 
     records: list[RequestRecord]
@@ -114,6 +135,18 @@ class SimResult:
     replica_of: list[int] = field(default_factory=list)
     mean_in_flight: float = 0.0
     kv_transfer_s: list[float] = field(default_factory=list)
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def spec_summary(self) -> str:
+        """vLLM's figures of the drafts: acceptance (accepted / draft tokens) and mean
+        acceptance length (1 + accepted per verify); "" when there were none."""
+        if not self.num_draft_tokens:
+            return ""
+        return (f"drafts: {self.num_draft_tokens} tokens in {self.num_drafts} verifies, "
+                f"acceptance {100 * self.num_accepted_tokens / self.num_draft_tokens:.1f} %, "
+                f"mean acceptance length {1 + self.num_accepted_tokens / self.num_drafts:.2f}")
 
 
 class Replica:
@@ -132,9 +165,15 @@ class Replica:
         self.clock = VirtualClock()
         self.steps: list[tuple[float, StepComposition]] = []
         executor = CostModelExecutor(cfg.engine_config(), cost, self.clock, cfg.max_model_len,
-                                     on_step=self._record_step if record_steps else None)
+                                     on_step=self._record_step if record_steps else None,
+                                     spec_acceptance_rate=cfg.spec_acceptance_rate,
+                                     seed=cfg.seed * 1_000_003 + index)
         self.core = EngineCore(executor.config, executor, scheduler_config=cfg, clock=self.clock,
                                raise_step_errors=True)
+        if cfg.speculative is not None:
+            self.core.drafter = SimDrafter(
+                cfg.speculative, executor.get_model_info().quantized_step_max_tokens)
+        self.num_drafts = self.num_draft_tokens = self.num_accepted = 0
         self.inbox: list[int] = []
         self.incoming = 0  # KV transfers on their way here
         #: the step in flight: the core took it at its start; its outputs are delivered at its end
@@ -232,8 +271,14 @@ class Replica:
         outs, self.running, self.num_finishing = self.running, None, 0
         t = outs.timestamp + self.token_out_s
         for o in outs.outputs:
-            if o.new_token_ids:
-                self.recs[int(o.request_id)].chunk_times.append(t)
+            if o.new_token_ids:  # the step's tokens of a request: one chunk
+                rec = self.recs[int(o.request_id)]
+                rec.chunk_times.append(t)
+                rec.output_tokens += len(o.new_token_ids)
+            if o.num_draft_tokens:
+                self.num_drafts += 1
+                self.num_draft_tokens += o.num_draft_tokens
+                self.num_accepted += o.num_accepted_draft_tokens
         return [(int(o.request_id), o.first_scheduled_time) for o in outs.outputs if o.finished]
 
     def close(self) -> None:
@@ -436,14 +481,16 @@ class _Cluster:
             if rec.error:
                 continue
             rec.success = True
-            rec.output_tokens = len(rec.chunk_times)
-            rec.set_times_from_chunks()
+            rec.set_times_from_chunks()  # output_tokens: counted as the tokens came
         start = min(self.arrivals, default=0.0)
         end = max((r.chunk_times[-1] for r in self.recs if r.chunk_times), default=start)
         duration = max(end - start, 1e-9)
         steps = sorted((s for r in self.reps for s in r.steps), key=lambda s: s[0])
         return SimResult(self.recs, duration, steps, sum(r.preemptions for r in self.reps),
-                         self.replica_of, self.area / duration, self.transfer_s)
+                         self.replica_of, self.area / duration, self.transfer_s,
+                         sum(r.num_drafts for r in self.reps),
+                         sum(r.num_draft_tokens for r in self.reps),
+                         sum(r.num_accepted for r in self.reps))
 
 
 def simulate(requests: Sequence[SampleRequest], arrivals: Sequence[float], cfg: SimConfig,

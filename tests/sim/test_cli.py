@@ -175,9 +175,14 @@ def test_closed_loop_and_disaggregation_from_the_cli(capsys):
 
 
 def test_a_five_coefficient_profile_gets_a_zero_per_chunk_term(tmp_path):
+    """... and, as a profile of before the verify terms, draft tokens priced as prefill tokens
+    and no dense-GEMM crossover."""
     (tmp_path / "old.json").write_text('{"coef": [0.05, 0.002, 3e-6, 0.0006, 2e-8]}')
-    assert load_profile(str(tmp_path / "old.json")).coef == [0.05, 0.002, 3e-6, 0.0006, 2e-8, 0.0]
-    with pytest.raises(ValueError, match="need 6 coefficients"):
+    old = load_profile(str(tmp_path / "old.json"))
+    assert old.coef == [0.05, 0.002, 3e-6, 0.0006, 2e-8, 0.0, 0.0006, 0.0]
+    assert old.quantized_step_max_tokens == 0
+    assert old.defaulted == ("prefill_chunks", "draft_tokens", "dense_step")
+    with pytest.raises(ValueError, match="need 8 coefficients"):
         LinearCostModel([1.0, 2.0])
 
 
