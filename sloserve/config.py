@@ -331,9 +331,10 @@ class EngineConfig:
 #   sizes take ``num_speculative_tokens``. Without it, k drops with the batch so that a step
 #   stays on the quantized kernels (``sloserve.spec_decode.drafter.Drafter``).
 #   ``disable_by_batch_size`` (vLLM V0) is taken as ``[[N, inf, 0]]``.
-# * ``min_acceptance_rate`` (ours; default :data:`DEFAULT_MIN_ACCEPTANCE_RATE`): a request
-#   whose last :data:`ACCEPTANCE_WINDOW` draft tokens were accepted at a lower rate gets no
-#   drafts for its next ``ACCEPTANCE_WINDOW`` output tokens, then tries again (0: never off).
+# * ``min_acceptance_rate`` (ours; default: twice the break-even rate of the drafts measured
+#   at start-up, ``sloserve.spec_decode.drafter``): a request whose last
+#   :data:`ACCEPTANCE_WINDOW` draft tokens were accepted at a lower rate gets no drafts for its
+#   next ``ACCEPTANCE_WINDOW`` output tokens, then tries again (0: never off).
 
 SPEC_METHODS = ("ngram", "suffix", "draft_model", "layer_skip")
 #: the methods whose drafts come from a model run in the worker
@@ -344,10 +345,6 @@ MAX_SPECULATIVE_TOKENS = 32
 #: the acceptance floor's window: draft tokens judged together, and output tokens without
 #: drafts after a window below the floor
 ACCEPTANCE_WINDOW = 32
-#: a verify step of 1 + 4 rows at batch 1 costs 1.18x a decode step on the 135M model (AMX
-#: host, ``benchmarks/verify_cost.py``): it pays from 0.18 accepted tokens a step, 4.5 % of
-#: 4 drafts; the floor sits at twice that
-DEFAULT_MIN_ACCEPTANCE_RATE = 0.1
 
 
 @dataclass(frozen=True)
@@ -365,7 +362,8 @@ class SpeculativeConfig:
     model: str | None = None
     num_draft_layers: int | None = None
     draft_sample_method: str = "greedy"
-    min_acceptance_rate: float = DEFAULT_MIN_ACCEPTANCE_RATE
+    #: None: from the measured cost of drafts (``Drafter``)
+    min_acceptance_rate: float | None = None
 
     @property
     def uses_model(self) -> bool:
@@ -476,8 +474,8 @@ class SpeculativeConfig:
                    suffix_decoding_min_token_prob=number(
                        "suffix_decoding_min_token_prob", 0.0, 1.0, 0.1),
                    model=model, num_draft_layers=layers, draft_sample_method=sample,
-                   min_acceptance_rate=number("min_acceptance_rate", 0.0, 1.0,
-                                              DEFAULT_MIN_ACCEPTANCE_RATE))
+                   min_acceptance_rate=None if value.get("min_acceptance_rate") is None
+                   else number("min_acceptance_rate", 0.0, 1.0, None))
 
     def to_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if v is not None}
@@ -495,10 +493,8 @@ class SpeculativeConfig:
                 "draft_model": f"draft model {self.model}, {self.draft_sample_method} drafts",
                 "layer_skip": f"the first {self.num_draft_layers} layers draft, "
                               f"{self.draft_sample_method}"}[self.method]
-        floor = (f", no drafts for a request below {self.min_acceptance_rate:.0%} acceptance"
-                 if self.min_acceptance_rate else "")
         return (f"speculative decoding: {self.method}, k={self.num_speculative_tokens}{per}, "
-                f"{what}{floor}")
+                f"{what}")
 
 
 def _is_int(v) -> bool:

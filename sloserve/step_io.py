@@ -19,6 +19,10 @@ import msgspec
 from sloserve.logprobs import Logprobs
 from sloserve.sampling_params import SamplingParams
 
+#: query tokens of the one-request steps whose cost over a decode the worker measures at
+#: start-up where speculative decoding is on (``WorkerInfo.verify_cost``)
+VERIFY_COST_TOKENS = (1, 2, 3, 5, 9, 16)
+
 #: a draft token the worker fills in (speculative decoding with a model drafter: the core
 #: proposes this many placeholders, the scheduler places them, the runner drafts them)
 DRAFT_PLACEHOLDER = -1
@@ -192,6 +196,9 @@ class WorkerInfo:
         quantized_step_max_tokens: the most tokens a step may have and still run on the
             quantized weights (the memory-bound kernels; larger steps go to a dense GEMM at
             about twice a step's time or more); 0: no quantized weights.
+        verify_cost: speculative decoding: what a step of one request with T query tokens
+            costs over a one-token decode, for each T of :data:`VERIFY_COST_TOKENS` (measured
+            at start-up; empty where speculative decoding is off).
     """
 
     model_name: str
@@ -202,3 +209,4 @@ class WorkerInfo:
     dtype_reason: str = ""
     description: str = ""
     quantized_step_max_tokens: int = 0
+    verify_cost: list[float] = field(default_factory=list)

@@ -119,10 +119,10 @@ class EngineCore:
         self.drafter = None
         if spec is not None:
             from sloserve.spec_decode.drafter import Drafter
-            self.drafter = Drafter(spec, winfo.quantized_step_max_tokens)
-            logger.info("%s%s", spec.describe(), "" if spec.num_speculative_tokens_per_batch_size
-                        else f"; fewer drafts per request where a step of decodes and drafts "
-                             f"would pass {self.drafter.step_max_tokens} tokens")
+            # the worker measured what draft rows cost when it built its KV cache
+            self.drafter = Drafter(spec, winfo.quantized_step_max_tokens,
+                                   executor.get_model_info().verify_cost)
+            logger.info("%s; %s", spec.describe(), self.drafter.describe())
         #: CPUs the compute threads leave to grammar compiles (Executor.reserve_cpus)
         self._cpus_reserved = 0
         #: the last step's runner output (its timings), for benchmarks

@@ -190,7 +190,7 @@ class StepTraceLogger:
     """Writes one JSON line per engine step (``sloserve serve --step-trace FILE``): start time
     (s, monotonic), step seconds, queue sizes after it, its composition (decode contexts,
     prefill chunks as [tokens, start], and in a verify step ``decode_drafts``: the draft tokens
-    of each decode) and the requests it admitted ([arrival time, prompt tokens]), with the
+    of each decode, with the step's ``num_draft_tokens`` and ``num_accepted_draft_tokens``) and the requests it admitted ([arrival time, prompt tokens]), with the
     request ids of the prefill chunks and of the admitted requests in the same order
     (``prefill_ids``, ``admitted_ids``: which request a chunk belongs to, for tests and
     debugging). The simulator's profiler fits its cost model to the time from one step's start to
@@ -224,6 +224,8 @@ class StepTraceLogger:
         drafts = [s.num_new_tokens - 1 for s in out.scheduled if s.is_decode]
         if any(drafts):  # a verify step: the draft tokens of each decode, in decode_contexts order
             row["decode_drafts"] = drafts
+            row["num_draft_tokens"] = step.num_draft_tokens
+            row["num_accepted_draft_tokens"] = step.num_accepted_draft_tokens
         self._f.write(json.dumps(row) + "\n")
 
     def close(self) -> None:

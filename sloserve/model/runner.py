@@ -22,7 +22,9 @@ from sloserve.model import logprobs as lp
 from sloserve.model.invariant import one_thread
 from sloserve.model.rejection_sampler import rejection_sample
 from sloserve.model.sampler import Sampler, apply_token_bitmask
-from sloserve.step_io import DRAFT_PLACEHOLDER, ModelRunnerOutput, SchedulerOutput
+from sloserve.sampling_params import SamplingParams
+from sloserve.step_io import (DRAFT_PLACEHOLDER, VERIFY_COST_TOKENS, ModelRunnerOutput,
+                              ScheduledRequest, SchedulerOutput)
 
 
 def kv_cache_spec(config: ModelConfig, block_size: int, kv_cache_dtype: torch.dtype) -> KVCacheSpec:
@@ -136,6 +138,42 @@ class ModelRunner:
         shape = attn_backend.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads,
                                             spec.entry_width)
         return [hugepages.zeros(shape, kv_cache_dtype) for _ in range(config.num_hidden_layers)]
+
+    @torch.inference_mode()
+    def measure_verify_cost(self, context: int = 256, repeats: int = 9) -> list[float]:
+        """What a step of one greedy request past its prompt with T query tokens (a decode and
+        T - 1 draft rows, all rejected) costs over a one-token decode, for each T of
+        ``VERIFY_COST_TOKENS``: the median of ``repeats`` steps each (:meth:`execute`: inputs,
+        forward, sampling; the token counts interleaved, after one warm-up round), never below
+        a smaller T's (``context``: tokens before the step, fewer where the cache is smaller).
+        It writes the KV of positions below ``context + 16`` in the first blocks: call it
+        before any request runs (the worker does, at start-up, where
+        speculative decoding is on)."""
+        bs = self.block_size
+        context = min(context, self.num_blocks * bs - max(VERIFY_COST_TOKENS))  # a small cache
+        if context < 1:
+            raise ValueError(f"{self.num_blocks} KV blocks are too few to time a step")
+        steps = []
+        for n in VERIFY_COST_TOKENS:
+            blocks = list(range(-(-(context + n) // bs)))
+            # drafts no argmax matches (vocab_size is no token id; the inputs are token 0)
+            steps.append(SchedulerOutput([ScheduledRequest(
+                "verify-cost", context, n, [0] * n, blocks,
+                SamplingParams(temperature=0.0), samples=True, is_decode=True,
+                spec_token_ids=[self.config.vocab_size] * (n - 1), num_prompt_tokens=1)]))
+        runs: list[list[float]] = [[] for _ in steps]
+        for r in range(repeats + 1):
+            for out, times in zip(steps, runs):
+                t0 = time.perf_counter()
+                self.execute(out)
+                if r:
+                    times.append(time.perf_counter() - t0)
+        med = [sorted(t)[len(t) // 2] for t in runs]
+        out, top = [], 1.0
+        for m in med:
+            top = max(top, m / med[0])
+            out.append(top)
+        return out
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()

@@ -31,7 +31,7 @@ from sloserve.executor.abstract import Executor
 from sloserve.kv_cache_spec import KVCacheSpec
 from sloserve.sim.cost_model import CostModel, StepComposition
 from sloserve.spec_decode.drafter import Drafter
-from sloserve.step_io import ModelRunnerOutput, SchedulerOutput, WorkerInfo
+from sloserve.step_io import VERIFY_COST_TOKENS, ModelRunnerOutput, SchedulerOutput, WorkerInfo
 
 #: the longest step a cost model may price (s): longer is a settings mistake, not a server
 MAX_STEP_S = 3600.0
@@ -76,6 +76,15 @@ def default_kv_cache_spec(block_size: int) -> KVCacheSpec:
     return kv_cache_spec(get_model("SmolLM2-135M"), "bf16", block_size)
 
 
+def verify_cost(cost: CostModel, context: int = 64) -> list[float]:
+    """What the worker measures at start-up (``WorkerInfo.verify_cost``), priced by ``cost``:
+    a step of one request with T query tokens over a one-token decode, for each T of
+    ``VERIFY_COST_TOKENS``; the simulated drafter takes its k per batch size from it."""
+    decode = cost.step_time(StepComposition((context + 1,)))
+    return [cost.step_time(StepComposition((context + t,), (), (t - 1,))) / decode
+            for t in VERIFY_COST_TOKENS]
+
+
 class SimDrafter(Drafter):
     """The engine's drafter with stand-in drafts: the same k per batch size
     (:meth:`~sloserve.spec_decode.drafter.Drafter.k_for`, with the simulated worker's quantized
@@ -89,13 +98,14 @@ class SimDrafter(Drafter):
         quantized_step_max_tokens: the simulated worker's step limit (the cost model's).
     """
 
-    def __init__(self, config: SpeculativeConfig, quantized_step_max_tokens: int = 0):
+    def __init__(self, config: SpeculativeConfig, quantized_step_max_tokens: int = 0,
+                 verify_cost: list[float] | None = None):
         # as a model method: no proposer is built, propose() gives placeholders of the right
         # count after the k and floor rules, finish() drops only the floor's state (and the
         # core, seeing config.uses_model, offers it no grammar request: the simulator has none)
         model = config if config.method in MODEL_SPEC_METHODS else \
             dataclasses.replace(config, method=MODEL_SPEC_METHODS[0])
-        super().__init__(model, quantized_step_max_tokens)
+        super().__init__(model, quantized_step_max_tokens, verify_cost)
         self.method = config.method
 
     def propose(self, request_id: str, token_ids, num_prompt_tokens: int, max_drafts: int,

@@ -37,7 +37,7 @@ from sloserve.engine.scheduler import SchedulerConfig, SchedulingPolicy
 from sloserve.sampling_params import SamplingParams
 from sloserve.sim.cost_model import CostModel, StepComposition
 from sloserve.sim.executor import (MAX_STEP_S, SAMPLED_TOKEN_ID, CostModelExecutor, SimDrafter,
-                                   VirtualClock)
+                                   VirtualClock, verify_cost)
 from sloserve.sim.kv_transfer import Disaggregation
 from sloserve.workload import PREFIX_GROUP_TAG, RequestRecord, SampleRequest
 
@@ -172,7 +172,8 @@ class Replica:
                                raise_step_errors=True)
         if cfg.speculative is not None:
             self.core.drafter = SimDrafter(
-                cfg.speculative, executor.get_model_info().quantized_step_max_tokens)
+                cfg.speculative, executor.get_model_info().quantized_step_max_tokens,
+                verify_cost(cost))
         self.num_drafts = self.num_draft_tokens = self.num_accepted = 0
         self.inbox: list[int] = []
         self.incoming = 0  # KV transfers on their way here

@@ -20,7 +20,7 @@ import torch
 
 from sloserve.config import EngineConfig
 from sloserve.kv_cache_spec import KVCacheSpec
-from sloserve.step_io import ModelRunnerOutput, SchedulerOutput, WorkerInfo
+from sloserve.step_io import VERIFY_COST_TOKENS, ModelRunnerOutput, SchedulerOutput, WorkerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,8 @@ class Worker:
         self.model_config = None
         #: speculative decoding's draft model (``draft_model``), or None
         self.draft_model = None
+        #: speculative decoding: ``ModelRunner.measure_verify_cost`` at start-up (or empty)
+        self.verify_cost: list[float] = []
         self.model_name = ""
         #: the one log line on which weights and kernels serve which steps
         self.weights_line = ""
@@ -133,7 +135,8 @@ class Worker:
             description=(f"attention {self.attn_backend.describe(self.kv_cache_dtype)}, "
                          f"{torch.get_num_threads()} torch threads"),
             quantized_step_max_tokens=getattr(getattr(self.model, "policy", None),
-                                              "quant_max_tokens", 0))
+                                              "quant_max_tokens", 0),
+            verify_cost=list(self.verify_cost))
 
     # ------------------------------------------------------------------ the KV cache
     def get_kv_cache_spec(self) -> KVCacheSpec:
@@ -172,6 +175,11 @@ class Worker:
                                         Sampler(cfg.seed, batch_invariant=cfg.batch_invariant),
                                         self.attn_backend, logprobs_mode=cfg.logprobs_mode)
         spec = cfg.speculative
+        if spec is not None:  # what draft rows cost here: the drafter's k per batch size
+            self.verify_cost = self.model_runner.measure_verify_cost()
+            logger.info("a verify step of 1 + k rows costs %s a decode step (k = %s)",
+                        ", ".join(f"{c:.2f}x" for c in self.verify_cost[1:]),
+                        ", ".join(str(t - 1) for t in VERIFY_COST_TOKENS[1:]))
         if spec is not None and spec.uses_model:
             from sloserve.model.draft import ModelDrafter
             runner = self.model_runner

@@ -17,7 +17,7 @@ from sloserve.engine.metrics import StepTraceLogger
 from sloserve.sim.cli import main as sim_main
 from sloserve.sim.cost_model import (FEATURES, LinearCostModel, OverlapCostModel,
                                      RooflineCostModel, StepComposition)
-from sloserve.sim.executor import SimDrafter
+from sloserve.sim.executor import SimDrafter, verify_cost
 from sloserve.sim.profile import _step_row, fit_with_holdout, load_profile, save_profile
 from sloserve.sim.simulator import SimConfig, simulate, simulate_cluster
 from sloserve.sim.workload import LengthOnlyFactory
@@ -172,7 +172,8 @@ def test_a_profile_with_verify_terms_round_trips_and_an_old_one_gets_the_default
 def test_step_trace_lines_carry_the_drafts_of_a_verify_step_only(tmp_path):
     path = str(tmp_path / "t.jsonl")
     log = StepTraceLogger(path)
-    step = SimpleNamespace(start_time=1.0, step_s=0.01)
+    step = SimpleNamespace(start_time=1.0, step_s=0.01, num_draft_tokens=3,
+                           num_accepted_draft_tokens=2)
     stats = SimpleNamespace(num_running=2, num_waiting=0)
     verify = SchedulerOutput([
         ScheduledRequest("a", 40, 4, [1] * 4, [0], None, True, True, spec_token_ids=[1] * 3),
@@ -183,6 +184,8 @@ def test_step_trace_lines_carry_the_drafts_of_a_verify_step_only(tmp_path):
     log.close()
     rows = [json.loads(line) for line in open(path)]
     assert rows[0]["decode_drafts"] == [3, 0] and "decode_drafts" not in rows[1]
+    assert (rows[0]["num_draft_tokens"], rows[0]["num_accepted_draft_tokens"]) == (3, 2)
+    assert "num_draft_tokens" not in rows[1]
     assert [_step_row(r)[3] for r in rows] == [StepComposition.of(verify),
                                               StepComposition.of(plain)]
     assert _step_row(rows[0])[3].decode_drafts == (3, 0)
@@ -199,7 +202,9 @@ def test_a_served_engines_trace_records_its_verify_steps(tiny_llama_dir, tmp_pat
     path = str(tmp_path / "trace.jsonl")
     eng = LLMEngine(EngineConfig(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64,
                                  block_size=4, max_num_batched_tokens=64,
-                                 speculative_config=dict(NGRAM4, prompt_lookup_min=1)),
+                                 speculative_config=dict(  # drafts at any measured cost
+                                     NGRAM4, prompt_lookup_min=1,
+                                     num_speculative_tokens_per_batch_size=[[1, 64, 4]])),
                     step_trace=path)
     comps = record_compositions(eng)
     for i in range(2):
@@ -350,17 +355,19 @@ def test_disaggregated_and_replicated_runs_count_every_token():
 
 
 def test_the_default_switch_off_leaves_big_batches_without_drafts():
-    """No per-batch table: the engine's rule (a step of decodes and drafts within 8 tokens,
-    fewer under the worker's quantized limit): 8 requests decoding together get no drafts,
-    one alone gets 4."""
+    """No per-batch table: the engine's rule on the cost model's prices (k per request from its
+    acceptance and what drafts cost, every step within the quantized limit of 16 tokens): 8
+    requests decoding together take at most one draft each, one alone takes 4."""
     reqs, arr = [SampleRequest("", 16, 40) for _ in range(8)], [0.0] * 8
     res = simulate(reqs, arr, _cfg(_spec(), 0.5), LinearCostModel(COEF, QMAX), record_steps=True)
     for _, c in res.steps:
         n = len(c.decode_contexts)
-        if n >= 5:
-            assert not c.decode_drafts
+        if n >= 8:
+            assert max(c.decode_drafts, default=0) <= 1
+            assert c.num_tokens <= QMAX
         if c.decode_drafts:
-            assert max(c.decode_drafts) <= Drafter(_spec(), QMAX).k_for(n)
+            cost = LinearCostModel(COEF, QMAX)
+            assert max(c.decode_drafts) <= Drafter(_spec(), QMAX, verify_cost(cost)).k_for(n)
     solo = simulate(reqs[:1], [0.0], _cfg(_spec(), 0.5), LinearCostModel(COEF, QMAX),
                     record_steps=True)
     assert max(d for _, c in solo.steps for d in c.decode_drafts) == 4

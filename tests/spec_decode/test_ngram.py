@@ -167,3 +167,39 @@ def test_a_request_below_the_acceptance_floor_gets_no_drafts_for_a_window():
     for _ in range(W):
         off.observe("r", 4, 0, 10)
     assert off.propose("r", toks, 2, 8) == [6, 7, 8, 9]
+
+
+def test_k_per_request_from_its_acceptance_and_the_measured_cost_of_drafts():
+    """With the worker's measurement (a step of T query tokens over a decode, T = 1, 2, 3, 5,
+    9, 16; figures of the AMX host and of the same host limited to AVX2) each request takes
+    the k maximising 1 + a + ... + a^k over the step's relative cost at its estimated
+    acceptance a (prior 0.6), none below a gain of 1.15; the quantized limit caps every step."""
+    from sloserve.spec_decode.drafter import expected_tokens
+    c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4,
+                                 "prompt_lookup_max": 3})
+    amx = Drafter(c, 16, [1.0, 1.04, 1.05, 1.16, 1.53, 2.26])
+    assert amx.cost(4) == pytest.approx(1.105) and amx.cost(7) == pytest.approx(1.345)
+    assert amx.ratios(2)[1] == pytest.approx(1.105 / 1.04)
+    assert [amx.k_for(b) for b in (1, 2, 8, 9, 16)] == [4, 4, 1, 0, 0]  # 9 x 2 > 16
+    assert (amx.best_k(1, 0.6), amx.best_k(8, 0.6), amx.best_k(8, 0.95)) == (4, 0, 1)
+    assert amx.min_acceptance_rate == 0  # adaptive: no fixed floor unless given
+    avx2 = Drafter(c, 512, [1.0, 1.17, 1.40, 1.78, 2.65, 4.15])
+    assert (avx2.best_k(1, 0.6), avx2.best_k(1, 0.88), avx2.best_k(1, 0.2)) == (2, 4, 0)
+    assert expected_tokens(0.5, 2) == 1.75 and expected_tokens(1.0, 3) == 4
+    # a request whose drafts are rejected falls to no drafts, for a window, then from the prior
+    from sloserve.config import ACCEPTANCE_WINDOW as W
+    toks = [4, 5, 6, 7, 8, 9, 4, 5]
+    assert avx2.propose("r", toks, 2, 8) == [6, 7]         # k = 2 at the prior
+    for _ in range(4):
+        avx2.observe("r", 2, 0, 6)
+    assert avx2.propose("r", toks, 2, 8) == []              # rate ~0.2: off ...
+    assert avx2.propose("r", toks + [1] * (W - 1), 2, 40) == []
+    assert avx2.propose("r", toks + [1] * W, 2, 40) != []  # ... for W output tokens
+    for _ in range(6):
+        avx2.observe("hi", 4, 4, 10)
+    assert avx2.propose("hi", toks, 2, 8) == [6, 7, 8, 9]  # k = 4
+    # a table or a floor given wins
+    fixed = SpeculativeConfig.parse(dict(c.to_dict(), min_acceptance_rate=0.3,
+                                         num_speculative_tokens_per_batch_size=[[1, 64, 4]]))
+    d = Drafter(fixed, 512, [1.0, 1.17, 1.40, 1.78, 2.65, 4.15])
+    assert d.k_for(8) == 4 and d.min_acceptance_rate == 0.3 and not d.adaptive
