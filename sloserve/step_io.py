@@ -199,6 +199,8 @@ class WorkerInfo:
         verify_cost: speculative decoding: what a step of one request with T query tokens
             costs over a one-token decode, for each T of :data:`VERIFY_COST_TOKENS` (measured
             at start-up; empty where speculative decoding is off).
+        draft_pass_cost: a model drafter's pass (``draft_model``, ``layer_skip``) over a
+            decode step, measured at start-up: each draft token of a step adds one (0: none).
     """
 
     model_name: str
@@ -210,3 +212,4 @@ class WorkerInfo:
     description: str = ""
     quantized_step_max_tokens: int = 0
     verify_cost: list[float] = field(default_factory=list)
+    draft_pass_cost: float = 0.0

@@ -120,8 +120,9 @@ class EngineCore:
         if spec is not None:
             from sloserve.spec_decode.drafter import Drafter
             # the worker measured what draft rows cost when it built its KV cache
-            self.drafter = Drafter(spec, winfo.quantized_step_max_tokens,
-                                   executor.get_model_info().verify_cost)
+            measured = executor.get_model_info()
+            self.drafter = Drafter(spec, winfo.quantized_step_max_tokens, measured.verify_cost,
+                                   measured.draft_pass_cost)
             logger.info("%s; %s", spec.describe(), self.drafter.describe())
         #: CPUs the compute threads leave to grammar compiles (Executor.reserve_cpus)
         self._cpus_reserved = 0

@@ -25,6 +25,7 @@ import time
 import torch
 
 from sloserve.model.sampler import Sampler, draw
+from sloserve.sampling_params import SamplingParams
 from sloserve.step_io import DRAFT_PLACEHOLDER, ScheduledRequest, SchedulerOutput
 
 
@@ -116,6 +117,32 @@ class ModelDrafter:
         return Drafts(dataclasses.replace(out, scheduled=filled), drafts,
                       [None if p is None else torch.stack(p) for p in probs],
                       time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def measure_pass_cost(self, runner, context: int = 256, repeats: int = 9) -> float:
+        """One draft pass of a one-token decode over the served model's decode step (medians
+        of ``repeats``, interleaved, after a warm-up): what each draft token adds to a step
+        (``WorkerInfo.draft_pass_cost``). Writes KV in the first blocks: call it before any
+        request runs."""
+        from sloserve.model.runner import build_step_inputs
+        bs = self.block_size
+        context = min(context, runner.num_blocks * bs - 1)
+        sr = ScheduledRequest("draft-cost", context, 1, [0], list(range(context // bs + 1)),
+                              SamplingParams(), samples=True, is_decode=True,
+                              num_prompt_tokens=1)
+        inputs = build_step_inputs(SchedulerOutput([sr]), bs)
+        target, draft = [], []
+        for r in range(repeats + 1):
+            for model, caches, layers, times in (
+                    (runner.model, runner.kv_caches, None, target),
+                    (self.model, self.kv_caches, self.num_layers, draft)):
+                t0 = time.perf_counter()
+                meta = self.attn_backend.build_metadata(inputs)
+                model(inputs.input_ids, inputs.positions, caches, self.attn_backend, meta,
+                      inputs.logits_indices, layers)
+                if r:
+                    times.append(time.perf_counter() - t0)
+        return sorted(draft)[repeats // 2] / sorted(target)[repeats // 2]
 
     def after_verify(self, sr: ScheduledRequest, kept: list[int]) -> None:
         """A draft model that has not run the last draft of a fully accepted run runs it next

@@ -84,6 +84,8 @@ class Drafter:
             step with drafts stays within it.
         verify_cost: ``WorkerInfo.verify_cost``: per ``VERIFY_COST_TOKENS`` T, a step of T
             query tokens over a one-token decode, measured by the worker at start-up.
+        draft_pass_cost: ``WorkerInfo.draft_pass_cost``: a model drafter's pass over a
+            decode step (each of a step's k draft tokens takes one pass over the batch).
 
     How many drafts a request takes (none where they do not pay):
 
@@ -105,8 +107,9 @@ class Drafter:
     """
 
     def __init__(self, config: SpeculativeConfig, quantized_step_max_tokens: int = 0,
-                 verify_cost: list[float] | None = None):
+                 verify_cost: list[float] | None = None, draft_pass_cost: float = 0.0):
         self.config = config
+        self.draft_pass_cost = draft_pass_cost
         self.quantized_step_max_tokens = quantized_step_max_tokens
         self.step_max_tokens = min(DEFAULT_STEP_TOKENS, quantized_step_max_tokens or
                                    DEFAULT_STEP_TOKENS)
@@ -151,12 +154,14 @@ class Drafter:
 
     def ratios(self, batch_size: int) -> list[float]:
         """Per k = 0..``num_speculative_tokens``, a step of ``batch_size`` requests with k
-        drafts each over the step without (inf past the quantized limit)."""
+        drafts each over the step without, a model drafter's k passes included (inf past the
+        quantized limit)."""
         r = self._ratios.get(batch_size)
         if r is None:
             b, limit = max(1, batch_size), self.quantized_step_max_tokens
             base = self.cost(b)
-            r = [float("inf") if limit and b * (k + 1) > limit else self.cost(b * (k + 1)) / base
+            r = [float("inf") if limit and b * (k + 1) > limit else
+                 self.cost(b * (k + 1)) / base + k * self.draft_pass_cost
                  for k in range(self.config.num_speculative_tokens + 1)]
             if len(self._ratios) < 4096:
                 self._ratios[batch_size] = r

@@ -47,8 +47,10 @@ class Worker:
         self.model_config = None
         #: speculative decoding's draft model (``draft_model``), or None
         self.draft_model = None
-        #: speculative decoding: ``ModelRunner.measure_verify_cost`` at start-up (or empty)
+        #: speculative decoding: ``ModelRunner.measure_verify_cost`` at start-up (or empty),
+        #: and a model drafter's pass over a decode step (``ModelDrafter.measure_pass_cost``)
         self.verify_cost: list[float] = []
+        self.draft_pass_cost = 0.0
         self.model_name = ""
         #: the one log line on which weights and kernels serve which steps
         self.weights_line = ""
@@ -136,7 +138,7 @@ class Worker:
                          f"{torch.get_num_threads()} torch threads"),
             quantized_step_max_tokens=getattr(getattr(self.model, "policy", None),
                                               "quant_max_tokens", 0),
-            verify_cost=list(self.verify_cost))
+            verify_cost=list(self.verify_cost), draft_pass_cost=self.draft_pass_cost)
 
     # ------------------------------------------------------------------ the KV cache
     def get_kv_cache_spec(self) -> KVCacheSpec:
@@ -194,6 +196,8 @@ class Worker:
                                           cfg.block_size, runner.sampler,
                                           spec.draft_sample_method == "probabilistic",
                                           catch_up=spec.method == "draft_model")
+            self.draft_pass_cost = runner.drafter.measure_pass_cost(runner)
+            logger.info("a draft pass costs %.2fx a decode step", self.draft_pass_cost)
 
     # ------------------------------------------------------------------ steps
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -198,6 +198,10 @@ def test_k_per_request_from_its_acceptance_and_the_measured_cost_of_drafts():
     for _ in range(6):
         avx2.observe("hi", 4, 4, 10)
     assert avx2.propose("hi", toks, 2, 8) == [6, 7, 8, 9]  # k = 4
+    # a model drafter's passes count: each draft token adds one pass over the batch
+    model = Drafter(c, 16, [1.0, 1.04, 1.05, 1.16, 1.53, 2.26], draft_pass_cost=0.5)
+    assert model.ratios(1)[2] == pytest.approx(1.05 + 2 * 0.5)
+    assert (model.best_k(1, 0.6), model.best_k(1, 0.95)) == (0, 4)
     # a table or a floor given wins
     fixed = SpeculativeConfig.parse(dict(c.to_dict(), min_acceptance_rate=0.3,
                                          num_speculative_tokens_per_batch_size=[[1, 64, 4]]))
