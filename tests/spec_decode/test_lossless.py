@@ -213,3 +213,24 @@ def test_a_json_schema_request_drafts_within_its_grammar(llm):
     off, on, counts = on_and_off(llm, [(prompt, sp)])
     assert_lossless(off, on, counts)
     assert json.loads(on[0][2])["name"] == "The quick brown fox"
+
+
+@pytest.mark.parametrize("method", ["ngram", "layer_skip_probabilistic"])
+def test_a_seeded_request_repeats_itself_with_drafts(llm, method):
+    """A sampled request with a seed gives the same tokens run to run with drafts (it need not
+    equal its run without, as in vLLM): n-gram drafts verified by sample-and-match, and
+    probabilistic layer-skip drafts (each drawn from q at the request's temperature) verified by
+    rejection sampling, on the served model."""
+    raw = {"ngram": dict(METHODS["ngram"]),
+           "layer_skip_probabilistic": dict(METHODS["layer_skip"],
+                                            draft_sample_method="probabilistic")}[method]
+    spec = SpeculativeConfig.parse(dict(raw, num_speculative_tokens=4, min_acceptance_rate=0))
+    md = model_drafter(llm, spec) if spec.uses_model else None
+    sp = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=40, logprobs=1)
+    stats = llm.engine.summary.spec_decoding
+    drafted = stats.num_draft_tokens
+    with drafts(llm, 4, spec, md):
+        first = run(llm, [(COPY, sp)])
+        second = run(llm, [(COPY, sp)])
+    assert first == second and len(first[0][0]) > 0
+    assert stats.num_draft_tokens > drafted
