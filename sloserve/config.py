@@ -250,7 +250,9 @@ class EngineConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got "
                                  f"{getattr(self, name)!r}")
-        self.speculative  # noqa: B018 (raises for a bad one)
+        spec = self.speculative  # raises for a bad one
+        if spec is not None and spec.model is not None and not os.path.exists(spec.model):
+            raise ValueError(f"speculative_config: the draft model does not exist: {spec.model}")
         if self.batch_invariant:
             # the torch reference's matmuls and SDPA pick their kernels by shape: no
             # batch-invariant path there (sloserve.model.model_loader says the same for weights
@@ -337,6 +339,16 @@ class EngineConfig:
 #   next ``ACCEPTANCE_WINDOW`` output tokens, then tries again (0: never off).
 
 SPEC_METHODS = ("ngram", "suffix", "draft_model", "layer_skip")
+#: the keys that only some methods take (a key given to another method is refused)
+_METHOD_KEYS = {
+    "prompt_lookup_min": ("ngram",), "prompt_lookup_max": ("ngram",),
+    **{k: ("suffix",) for k in ("suffix_decoding_max_tree_depth",
+                                "suffix_decoding_max_cached_requests",
+                                "suffix_decoding_max_spec_factor",
+                                "suffix_decoding_min_token_prob")},
+    "model": ("draft_model",), "num_draft_layers": ("layer_skip",),
+    "draft_sample_method": ("draft_model", "layer_skip"),
+}
 #: the methods whose drafts come from a model run in the worker
 MODEL_SPEC_METHODS = ("draft_model", "layer_skip")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
@@ -399,14 +411,19 @@ class SpeculativeConfig:
         method = value.get("method")
         if method not in SPEC_METHODS:
             raise ValueError(f"speculative_config: method must be one of "
-                             f"{', '.join(SPEC_METHODS)}, got {method!r}")
+                             f"{', '.join(SPEC_METHODS)}, "
+                             f"{'got ' + repr(method) if method is not None else 'missing'}")
+        foreign = sorted(k for k in value if k in _METHOD_KEYS and method not in _METHOD_KEYS[k])
+        if foreign:
+            raise ValueError(f"speculative_config: {', '.join(foreign)} do(es) not apply to "
+                             f"method {method}")
 
         def integer(name, lo, hi=None, default=None):
             v = value.get(name, default)
             if not _is_int(v) or v < lo or (hi is not None and v > hi):
                 span = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
                 raise ValueError(f"speculative_config: {name} must be an integer {span}, "
-                                 f"got {v!r}")
+                                 f"{'got ' + repr(v) if v is not None else 'missing'}")
             return v
 
         def number(name, lo, hi, default):
@@ -478,7 +495,9 @@ class SpeculativeConfig:
                    else number("min_acceptance_rate", 0.0, 1.0, None))
 
     def to_dict(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if v is not None}
+        """The JSON object :meth:`parse` takes back (the keys of this method only)."""
+        d = {k: v for k, v in asdict(self).items()
+             if v is not None and self.method in _METHOD_KEYS.get(k, (self.method,))}
         if self.num_speculative_tokens_per_batch_size is not None:
             d["num_speculative_tokens_per_batch_size"] = [
                 list(r) for r in self.num_speculative_tokens_per_batch_size]
@@ -624,8 +643,10 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s JSON: {"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4} (drafts from '
-                        'earlier occurrences of the latest n-gram, verified in the next step; '
-                        'greedy output unchanged)')
+                        'earlier occurrences of the latest n-gram, verified in the step; '
+                        'greedy output unchanged); methods ngram, suffix, draft_model ("model": '
+                        'PATH), layer_skip ("num_draft_layers": N), each with '
+                        'num_speculative_tokens (suffix: default 24); see docs/engine.md')
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:

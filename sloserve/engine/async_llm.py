@@ -86,9 +86,11 @@ class AsyncLLM:
         self.processor = Processor(tokenizer, self.info)
         self.output_processor = OutputProcessor(tokenizer)
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
+        self._spec_logger: SpecDecodingLogger | None = None
         spec = config.speculative
         if spec is not None:
-            self.stat_loggers.append(SpecDecodingLogger(logger, spec.num_speculative_tokens))
+            self._spec_logger = SpecDecodingLogger(logger, spec.num_speculative_tokens)
+            self.stat_loggers.append(self._spec_logger)
         #: the core's latest published snapshot
         self.stats = SchedulerStats(num_free_blocks=self.info.num_kv_blocks,
                                     num_blocks=self.info.num_kv_blocks)
@@ -318,6 +320,9 @@ class AsyncLLM:
                     return
                 logger.exception("bad message from the engine core")
                 continue
+            if self._spec_logger is not None:
+                with self._stats_lock:
+                    self._spec_logger.tick()
             if isinstance(msg, EngineCoreOutputs):
                 try:
                     self._handle(msg)

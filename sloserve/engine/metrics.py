@@ -167,7 +167,9 @@ class EngineSummary:
 
 class SpecDecodingLogger:
     """Logs vLLM's "SpecDecoding metrics" line (:meth:`SpecDecodingStats.summary`) every
-    ``interval_s`` seconds in which drafts were verified, for the drafts of that interval."""
+    ``interval_s`` seconds in which drafts were verified, for the drafts of that interval: at
+    a step's stats, or at :meth:`tick` (the server's receive loop calls it while idle, so the
+    last drafts of a busy stretch are logged on time)."""
 
     def __init__(self, log, num_speculative_tokens: int, interval_s: float = 10.0,
                  clock=None):
@@ -180,9 +182,14 @@ class SpecDecodingLogger:
         if it is None or it.spec_decoding is None:
             return
         self.stats.add(it.spec_decoding)
+        self.tick()
+
+    def tick(self) -> None:
+        """Log the interval's line if it is over and drafts were verified in it."""
         now = self.clock()
         if now - self.since >= self.interval_s:
-            self.log.info("%s", self.stats.summary(self.k))
+            if self.stats.num_drafts:
+                self.log.info("%s", self.stats.summary(self.k))
             self.stats, self.since = SpecDecodingStats(), now
 
 

@@ -110,7 +110,10 @@ def create_engine_and_app(config: EngineConfig, *, manage_engine: bool = False,
         FileNotFoundError / ValueError / OSError: the core refused the model or the settings.
         EngineCoreStartError: the core crashed while starting.
     """
-    metrics = PrometheusStatLogger(max_num_batched_tokens=config.max_num_batched_tokens)
+    spec = config.speculative
+    metrics = PrometheusStatLogger(max_num_batched_tokens=config.max_num_batched_tokens,
+                                   num_speculative_tokens=spec.num_speculative_tokens if spec
+                                   else 0)
     engine = AsyncLLM(config, stat_loggers=[metrics], step_trace=step_trace, log_level=log_level)
     app = build_app(engine, metrics, manage_engine=manage_engine,
                     max_request_body_bytes=max_request_body_bytes)

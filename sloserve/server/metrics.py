@@ -78,11 +78,13 @@ class PrometheusStatLogger:
 
     def __init__(self, model_name: str | None = None, max_model_len: int | None = None,
                  max_num_batched_tokens: int | None = None,
-                 registry: CollectorRegistry | None = None):
+                 registry: CollectorRegistry | None = None, num_speculative_tokens: int = 0):
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
+        #: with speculative decoding, the per-position series exist from the start (as vLLM)
+        self.num_speculative_tokens = num_speculative_tokens
         self._bound = False
         self._lock = threading.Lock()
         # a scrape sees whole steps: record and render take turns (counters of one step agree)
@@ -173,6 +175,8 @@ class PrometheusStatLogger:
         self._spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                      "Accepted tokens per draft position.",
                                      ["model_name", "position"], registry=r)
+        for pos in range(self.num_speculative_tokens):
+            self._spec_per_pos.labels(name, str(pos))
         self.g_grammar_compiles = gauge(
             "sloserve:grammar_compiles",
             "Structured-output grammars compiling or waiting to compile.")

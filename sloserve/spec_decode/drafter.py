@@ -202,17 +202,32 @@ class Drafter:
         if self.config.num_speculative_tokens_per_batch_size is not None:
             rule = "k per batch size from num_speculative_tokens_per_batch_size"
         else:
-            ks, b = [], 1
-            while b <= 64 and (k := self.k_for(b)) > 0:
-                ks.append(f"{k} at {b}")
+            runs: list[list[int]] = []  # [k, first batch size, last batch size]
+            b = 1
+            while b <= 256 and (k := self.k_for(b)) > 0:
+                if runs and runs[-1][0] == k:
+                    runs[-1][2] = b
+                else:
+                    runs.append([k, b, b])
                 b += 1
-            rule = f"k = {', '.join(ks) or 'none'} running request(s), none from {b} on"
-            if self.adaptive:
-                rule = (f"k per request from its acceptance (prior {PRIOR_ACCEPTANCE:.0%}, "
-                        f"{self.best_k(1, PRIOR_ACCEPTANCE)} drafts at first alone) and the "
-                        f"measured cost of drafts: at most {rule}")
+            sizes = ", ".join(f"{k} at {lo}" + (f"-{hi}" if hi > lo else "")
+                              for k, lo, hi in runs)
+            if not self.adaptive:
+                rule = (f"k = {sizes or 'none'} running request(s), none from {b} on (steps "
+                        f"of at most {self.step_max_tokens} tokens)")
             else:
-                rule += f" (steps of at most {self.step_max_tokens} tokens)"
+                cost = f"1 + 1 rows {self.cost(2):.2f}x a decode step" + (
+                    f", a draft pass {self.draft_pass_cost:.2f}x" if self.draft_pass_cost else "")
+                first = self.best_k(1, PRIOR_ACCEPTANCE)
+                if not first:  # a request never drafts, so never shows a better acceptance
+                    rule = (f"no drafts: at the cost measured here ({cost}) they would not pay "
+                            f"at the {PRIOR_ACCEPTANCE:.0%} acceptance a request starts from "
+                            f"(num_speculative_tokens_per_batch_size forces them)")
+                else:
+                    rule = (f"k per request from its acceptance and the cost measured here "
+                            f"({cost}): {first} for a new request alone, then as its "
+                            f"acceptance shows; at most {sizes} running request(s), none "
+                            f"from {b} on")
         if self.min_acceptance_rate:
             rule += f"; no drafts for a request below {self.min_acceptance_rate:.0%} acceptance"
         return rule

@@ -118,3 +118,16 @@ def test_stat_logger_unit():
     assert _get(_samples(b.render().decode()), "vllm:prompt_tokens_total") == 0
     assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
     assert build_1_2_5_buckets(2048)[-1] == 2000
+
+
+def test_spec_decode_per_position_series_exist_from_the_start():
+    """As vLLM: with k draft tokens the k per-position accepted counters exist (at 0) before
+    any draft is accepted; without speculative decoding there are none."""
+    spec, plain = PrometheusStatLogger(num_speculative_tokens=3), PrometheusStatLogger()
+    spec.bind("m")
+    plain.bind("m")
+    s = _samples(spec.render().decode())
+    name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    assert sorted(dict(lbl)["position"] for n, lbl in s if n == name) == ["0", "1", "2"]
+    assert _get(s, name) == 0
+    assert not [n for n, _ in _samples(plain.render().decode()) if n == name]

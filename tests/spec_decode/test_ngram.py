@@ -70,6 +70,15 @@ def test_drafts_go_to_decoding_requests_within_max_tokens_and_the_context():
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2,
       "disable_by_batch_size": 4, "num_speculative_tokens_per_batch_size": [[1, 2, 1]]},
      "not both"),
+    ({"method": "layer_skip", "num_draft_layers": 8}, "num_speculative_tokens must be an "
+                                                      "integer in [1, 32], missing"),
+    ({"num_speculative_tokens": 4}, "method must be one of ngram, suffix, draft_model, "
+                                    "layer_skip, missing"),
+    ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "model": "x",
+      "num_draft_layers": 3}, "model, num_draft_layers do(es) not apply to method ngram"),
+    ({"method": "suffix", "prompt_lookup_max": 4}, "prompt_lookup_max do(es) not apply"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/nonexistent/draft.gguf"},
+     "the draft model does not exist: /nonexistent/draft.gguf"),
 ])
 def test_a_bad_speculative_config_is_refused_with_its_reason(value, message):
     with pytest.raises(ValueError, match="speculative_config") as e:
@@ -207,3 +216,32 @@ def test_k_per_request_from_its_acceptance_and_the_measured_cost_of_drafts():
                                          num_speculative_tokens_per_batch_size=[[1, 64, 4]]))
     d = Drafter(fixed, 512, [1.0, 1.17, 1.40, 1.78, 2.65, 4.15])
     assert d.k_for(8) == 4 and d.min_acceptance_rate == 0.3 and not d.adaptive
+
+
+def test_the_spec_decoding_log_line_comes_on_time_when_the_engine_goes_idle():
+    """vLLM's "SpecDecoding metrics" line covers each 10 s interval with drafts: a step's
+    stats inside the interval only add up; the server's idle ticks log the interval once it is
+    over (the last drafts of a busy stretch are not held back until the next request), and an
+    interval without drafts logs nothing."""
+    from sloserve.engine.metrics import IterationStats, SpecDecodingLogger, SpecDecodingStats
+
+    class Log:
+        lines: list[str] = []
+
+        def info(self, fmt, line):
+            self.lines.append(line)
+    now = [0.0]
+    log = Log()
+    sl = SpecDecodingLogger(log, 2, interval_s=10.0, clock=lambda: now[0])
+    sd = SpecDecodingStats()
+    sd.observe(2, 1)
+    now[0] = 3.0
+    sl.record(IterationStats(spec_decoding=sd), [])
+    sl.tick()
+    assert log.lines == []
+    now[0] = 10.5
+    sl.tick()  # idle: no step since
+    assert len(log.lines) == 1 and "Accepted: 1 tokens, Drafted: 2 tokens" in log.lines[0]
+    now[0] = 30.0
+    sl.tick()
+    assert len(log.lines) == 1
