@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from sloserve.model.sampler import Sampler, draw
+from sloserve.model.sampler import STREAM_DRAFT, Sampler, draw
 from sloserve.sampling_params import SamplingParams
 from sloserve.step_io import DRAFT_PLACEHOLDER, ScheduledRequest, SchedulerOutput
 
@@ -180,7 +180,10 @@ class ModelDrafter:
         srs = [out.scheduled[i] for _, i in sampled]
         params = [sr.sampling_params for sr in srs]
         q = self.sampler.probs(logits[[r for r, _ in sampled]], params)
-        u = self.sampler.uniforms([sr.request_id for sr in srs], params, 1)[:, 0]
+        # the draft at token index n + 1 + (drafts so far): its own stream of the request's
+        u = self.sampler.uniforms([sr.request_id for sr in srs], params,  # uniforms
+                                  [sr.num_computed_tokens + 1 + len(drafts[i])
+                                   for sr, (_, i) in zip(srs, sampled)], STREAM_DRAFT)
         for (r, i), qi, t in zip(sampled, q, draw(q, u).tolist()):
             drafts[i].append(t)
             probs[i].append(qi)

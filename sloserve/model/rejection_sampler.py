@@ -9,9 +9,10 @@ top-p applied to the target's logits (``Sampler.probs``), after the grammar's ma
 Deterministic drafts (n-gram, suffix, greedy draft models) do not come here: for them q is a
 point mass and the runner's sample-and-match is this rule.
 
-Randomness: a verify step of k drafts draws k + 1 uniforms from the request's generator, k for
-the acceptance tests and one for the token that ends the run (spent whether or not a test
-rejected), so the requests of a step are verified together."""
+Randomness (``sloserve.model.sampler.uniform``): the acceptance test of the draft at token
+index t takes the request's uniform for (t, accept), and the token that ends the run at index t
+(a resample or, after the last draft, a sample of p) its uniform for (t, sample), the one it
+would sample there without drafts. The requests of a step are verified together."""
 from __future__ import annotations
 
 import torch
@@ -20,14 +21,17 @@ from sloserve.model.sampler import draw
 
 
 def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
-                     u: torch.Tensor) -> tuple[list[list[int]], list[int]]:
+                     u_accept: torch.Tensor, u_end: torch.Tensor
+                     ) -> tuple[list[list[int]], list[int]]:
     """Verify the drafts of R requests with k drafts each.
 
     Args:
         p: [R, k + 1, V] target probabilities (the last row: the position after the last draft).
         q: [R, k, V] the draft distributions the drafts were sampled from.
         drafts: [R, k] int64 draft tokens.
-        u: [R, k + 1] float64 uniforms in [0, 1).
+        u_accept: [R, k] float64 uniforms of the acceptance tests.
+        u_end: [R, k + 1] float64 uniforms of the token that ends the run, per position where
+            it may end.
 
     Returns:
         (per request the kept tokens: its accepted drafts and one more; per request the number
@@ -37,7 +41,7 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
     idx = drafts[..., None]
     pd = p[:, :k].gather(-1, idx)[..., 0].double()
     qd = q.gather(-1, idx)[..., 0].double()
-    ok = (qd > 0) & (u[:, :k] * qd < pd)                      # u < p / q, no division
+    ok = (qd > 0) & (u_accept * qd < pd)                      # u < p / q, no division
     accepted = ok.long().cumprod(-1).sum(-1)                  # [R]: drafts before a rejection
     rows = torch.arange(R)
     last = p[rows, accepted]                                  # [R, V]
@@ -47,7 +51,7 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor,
         resid = (last - q[rows, j]).clamp(min=0)
         good = resid.sum(-1) > 0                              # p == q up to rounding: p itself
         last = torch.where((rejected & good)[:, None], resid, last)
-    ends = draw(last, u[:, k]).tolist()
+    ends = draw(last, u_end[rows, accepted]).tolist()
     n = accepted.tolist()
     d = drafts.tolist()
     return [d[r][:n[r]] + [ends[r]] for r in range(R)], n

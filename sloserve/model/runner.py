@@ -21,7 +21,7 @@ from sloserve.model.config import ModelConfig
 from sloserve.model import logprobs as lp
 from sloserve.model.invariant import one_thread
 from sloserve.model.rejection_sampler import rejection_sample
-from sloserve.model.sampler import Sampler, apply_token_bitmask
+from sloserve.model.sampler import STREAM_ACCEPT, STREAM_SAMPLE, Sampler, apply_token_bitmask
 from sloserve.sampling_params import SamplingParams
 from sloserve.step_io import (DRAFT_PLACEHOLDER, VERIFY_COST_TOKENS, ModelRunnerOutput,
                               ScheduledRequest, SchedulerOutput)
@@ -226,6 +226,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         rids, params = [], []
         plain: list[int] = []  # positions in sample_rows the sampler draws
+        indices: list[int] = []  # the token index each of those samples
         prompt_rows: list[tuple[int, int]] = []  # (first row, count) per request
         mask_rows, masks = [], []
         row = 0
@@ -247,6 +248,8 @@ class ModelRunner:
                 if q is None:
                     rids += [sr.request_id] * k1
                     params += [sr.sampling_params] * k1
+                    # the token each row samples: index end - k + j of the request's sequence
+                    indices += range(sr.end_pos - k1 + 1, sr.end_pos + 1)
                 row += k1
         if row != logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} logits rows for {row} positions")
@@ -255,7 +258,7 @@ class ModelRunner:
         toks = [0] * len(sample_rows)
         if rids:
             sub = slogits if len(plain) == len(sample_rows) else slogits[plain]
-            for i, t in zip(plain, self.sampler(sub, rids, params)):
+            for i, t in zip(plain, self.sampler(sub, rids, params, indices)):
                 toks[i] = t
         verified = self._rejection_sample(out, slogits, draft_probs, starts)
         sampled: list[list[int]] = []
@@ -304,11 +307,15 @@ class ModelRunner:
             rows = torch.cat([torch.arange(starts[x], starts[x] + k + 1) for x in idxs])
             p = self.sampler.probs(slogits[rows], [sr.sampling_params for sr in srs
                                                    for _ in range(k + 1)])
-            u = self.sampler.uniforms([sr.request_id for sr in srs],
-                                      [sr.sampling_params for sr in srs], k + 1)
+            ids = [sr.request_id for sr in srs for _ in range(k + 1)]
+            sps = [sr.sampling_params for sr in srs for _ in range(k + 1)]
+            at = [t for sr in srs for t in range(sr.end_pos - k, sr.end_pos + 1)]
+            u_end = self.sampler.uniforms(ids, sps, at, STREAM_SAMPLE).view(len(idxs), k + 1)
+            u_acc = self.sampler.uniforms(ids, sps, at, STREAM_ACCEPT).view(len(idxs), k + 1)
             kept, acc = rejection_sample(
                 p.view(len(idxs), k + 1, -1), torch.stack([draft_probs[x] for x in idxs]),
-                torch.tensor([sr.spec_token_ids for sr in srs], dtype=torch.long), u)
+                torch.tensor([sr.spec_token_ids for sr in srs], dtype=torch.long),
+                u_acc[:, :k], u_end)
             verified.update(zip(idxs, zip(kept, acc)))
         return verified
 

@@ -7,20 +7,51 @@ from sloserve.model.invariant import one_thread
 from sloserve.sampling_params import SamplingParams
 
 
+#: what a uniform is for (:func:`uniform`'s ``stream``): sampling a token, a draft's
+#: acceptance test, drawing a probabilistic draft
+STREAM_SAMPLE, STREAM_ACCEPT, STREAM_DRAFT = 0, 1, 2
+_M64 = (1 << 64) - 1
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's finalizer (Steele et al. 2014): a bijection of 64-bit ints whose output
+    bits each depend on every input bit."""
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def uniform(seed: int, index: int, stream: int = STREAM_SAMPLE) -> float:
+    """A float64 uniform in [0, 1) that depends only on (``seed``, ``index``, ``stream``): the
+    random number of the token at ``index`` of a request's sequence (prompt and output)
+    counted from 0, for one purpose. Counter-based (a hash, not a running stream), so a
+    request's draws do not depend on how many it drew before: on its step shapes, its draft
+    tokens, their acceptance or its batch-mates."""
+    z = _mix64((_mix64(seed & _M64) + ((index << 2) | stream) * 0xD1B54A32D192ED03) & _M64)
+    return (z >> 11) * (1.0 / (1 << 53))
+
+
 class Sampler:
     """Picks one token per row of logits.
 
-    Randomness: a request that is not greedy draws one float64 uniform per sampled position
-    from its own torch.Generator, seeded with its ``seed``; without a seed, with one drawn from
-    the engine's RNG (``--seed``) when the request first samples, so an unseeded request's
-    stream depends on the order in which requests reach their first sample (as in vLLM: pass a
-    seed for reproducible samples). The server gives choice i of a seeded request with ``n`` > 1
-    the seed ``seed + i`` (``sampling_params.child_seed``, vLLM's rule), so choice 0 draws the
-    stream the request alone would. No request's stream depends on another's draws.
+    Randomness: the token at index t of a request's sequence (prompt and output, from 0) is
+    drawn with one float64 uniform that depends only on the request's seed and t
+    (:func:`uniform`); a request without a ``seed`` gets one from the engine's RNG
+    (``--seed``) when it first samples, so an unseeded request's stream depends on the order in
+    which requests reach their first sample (as in vLLM: pass a seed for reproducible samples).
+    The server gives choice i of a seeded request with ``n`` > 1 the seed ``seed + i``
+    (``sampling_params.child_seed``, vLLM's rule), so choice 0 draws what the request alone
+    would. No request's draws depend on another's. Speculative decoding keys its draws the
+    same way (a draft's acceptance test and a probabilistic draft have their own streams), so
+    a seeded request with deterministic drafts (n-gram, suffix, greedy draft models) samples
+    the tokens it would sample without drafts wherever its logits are the same, whatever k
+    and whatever was accepted. (Called without token indices, e.g. by tests, each request's
+    draws count up from its first.)
 
     What holds about batch-mates:
 
-    * Without ``--batch-invariant`` (the default): only the stream above. The logits a
+    * Without ``--batch-invariant`` (the default): only the draws above. The logits a
       request samples from depend on its batch-mates (the step's token count picks the linear
       kernels and the dtype between them, chunking and prefix-cache hits pick the attention
       kernel), and the sampling math runs on all rows at once (torch's vectorized loops and
@@ -30,40 +61,56 @@ class Sampler:
       the step (``sloserve.model.invariant``), and the sampled rows are processed one at a
       time on one torch thread, so a greedy or seeded request's tokens and logprobs are the
       same alone, beside any batch-mates, as any choice of ``n`` with its seed, under any
-      chunking, prefix-cache hit or thread count. (Draft-token verify steps, which only tests
-      schedule, draw one uniform per verified position: a rejected draft's draws are spent.)
+      chunking, prefix-cache hit, thread count or (deterministic) speculative drafts.
     """
 
     def __init__(self, seed: int = 0, batch_invariant: bool = False):
         self._rng = torch.Generator().manual_seed(seed)
-        self._generators: dict[str, torch.Generator] = {}
+        self._seeds: dict[str, int] = {}
+        self._count: dict[str, int] = {}
         #: sample the non-greedy rows one at a time on one thread (see the class docstring)
         self.batch_invariant = batch_invariant
 
-    def generator(self, request_id: str, sp: SamplingParams) -> torch.Generator:
-        """The request's generator (made, seeded, at its first draw)."""
-        g = self._generators.get(request_id)
-        if g is None:
-            seed = sp.seed if sp.seed is not None else int(
+    def seed_of(self, request_id: str, sp: SamplingParams) -> int:
+        """The request's seed (an unseeded request's is drawn at its first use)."""
+        s = self._seeds.get(request_id)
+        if s is None:
+            s = sp.seed if sp.seed is not None else int(
                 torch.randint(0, 2**62, (1,), generator=self._rng))
-            g = self._generators[request_id] = torch.Generator().manual_seed(seed)
-        return g
+            self._seeds[request_id] = s
+        return s
 
     def release(self, request_id: str) -> None:
-        """Forget a finished request's generator."""
-        self._generators.pop(request_id, None)
+        """Forget a finished request's seed."""
+        self._seeds.pop(request_id, None)
+        self._count.pop(request_id, None)
+
+    def uniforms(self, request_ids: list[str], params: list[SamplingParams],
+                 indices: list[int] | None, stream: int = STREAM_SAMPLE) -> torch.Tensor:
+        """[R] float64: :func:`uniform` of each request's seed and token index (None: each
+        request's next draw count)."""
+        if indices is None:
+            indices = []
+            for rid in request_ids:
+                n = self._count.get(rid, 0)
+                self._count[rid] = n + 1
+                indices.append(n)
+        return torch.tensor([uniform(self.seed_of(rid, sp), i, stream)
+                             for rid, sp, i in zip(request_ids, params, indices)],
+                            dtype=torch.float64)
 
     def __call__(self, logits: torch.Tensor, request_ids: list[str],
-                 params: list[SamplingParams]) -> list[int]:
+                 params: list[SamplingParams], indices: list[int] | None = None) -> list[int]:
         """Sample.
 
         Greedy rows take the argmax; the other rows are sampled together (:func:`draw`), each
-        with one uniform draw from its request's generator (with ``batch_invariant``: one row
-        at a time on one thread).
+        with its uniform (with ``batch_invariant``: one row at a time on one thread).
 
         Args:
             logits: [S, V] float32.
             request_ids, params: one per row.
+            indices: per row, the index of the token it samples in its request's sequence
+                (None: each request's draws count up, see the class docstring).
 
         Returns:
             S token ids.
@@ -75,25 +122,26 @@ class Sampler:
             sub = logits if len(greedy) == len(params) else logits[greedy]
             for i, t in zip(greedy, sub.argmax(dim=-1).tolist()):
                 out[i] = t
-        if rows and self.batch_invariant:
+        if not rows:
+            return out
+        u = self.uniforms([request_ids[i] for i in rows], [params[i] for i in rows],
+                          None if indices is None else [indices[i] for i in rows])
+        if self.batch_invariant:
             with one_thread():
-                for i in rows:
-                    out[i] = self._draw_rows(logits[i:i + 1], [request_ids[i]], [params[i]])[0]
-        elif rows:
+                for j, i in enumerate(rows):
+                    out[i] = self._draw_rows(logits[i:i + 1], [params[i]], u[j:j + 1])[0]
+        else:
             sub = logits if len(rows) == len(params) else logits[rows]
-            for i, t in zip(rows, self._draw_rows(sub, [request_ids[i] for i in rows],
-                                                  [params[i] for i in rows])):
+            for i, t in zip(rows, self._draw_rows(sub, [params[i] for i in rows], u)):
                 out[i] = t
         return out
 
-    def _draw_rows(self, sub: torch.Tensor, request_ids: list[str],
-                   params: list[SamplingParams]) -> list[int]:
-        """Sample every row of ``sub`` [R, V] (the non-greedy rows), each with one uniform
-        from its request's generator (:func:`draw`)."""
+    def _draw_rows(self, sub: torch.Tensor, params: list[SamplingParams],
+                   u: torch.Tensor) -> list[int]:
+        """Sample every row of ``sub`` [R, V] (the non-greedy rows) with its uniform ``u``
+        (:func:`draw`)."""
         # float32 whatever the logits' dtype (fp16 logits / 1e-4 overflowed to inf - inf)
         scaled = self.processed(sub, params)
-        u = torch.cat([torch.rand(1, generator=self.generator(rid, sp), dtype=torch.float64)
-                       for rid, sp in zip(request_ids, params)])
         scaled -= scaled.amax(dim=-1, keepdim=True)  # in place: one [S, V] buffer in all
         return draw(scaled.exp_(), u).tolist()
 
@@ -101,13 +149,6 @@ class Sampler:
         """The distributions non-greedy rows sample from ([R, V] float32: :meth:`processed`,
         then softmax)."""
         return torch.softmax(self.processed(logits, params), -1)
-
-    def uniforms(self, request_ids: list[str], params: list[SamplingParams],
-                 n: int) -> torch.Tensor:
-        """[R, n] float64 uniforms, row r the next n draws of request r's generator."""
-        return torch.stack([torch.rand(n, generator=self.generator(rid, sp),
-                                       dtype=torch.float64)
-                            for rid, sp in zip(request_ids, params)])
 
     @staticmethod
     def processed_logits(row: torch.Tensor, sp: SamplingParams) -> torch.Tensor:

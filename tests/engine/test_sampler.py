@@ -96,14 +96,14 @@ def test_unseeded_sampling_is_reproducible_from_engine_seed():
     assert a != c
 
 
-def test_release_forgets_generator():
+def test_release_forgets_the_seed_and_the_draw_count():
     flat = torch.zeros(50)
     sp = SamplingParams(temperature=1.0, seed=5)
     s = Sampler(0)
     first = _draws(s, {"r": flat}, ["r"], {"r": sp}, 5)["r"]
     s.release("r")
     again = _draws(s, {"r": flat}, ["r"], {"r": sp}, 5)["r"]
-    assert first == again  # a fresh generator with the same seed
+    assert first == again  # the same seed, counted from the first draw again
 
 
 def _frequencies(logits_row, sp, n=4000, seed=0):
@@ -205,3 +205,23 @@ def test_half_precision_logits_at_a_tiny_temperature_sample_the_argmax():
     logits = (random_logits(3, vocab=1000, seed=9) * 7).half()
     out = Sampler(0)(logits, list("abc"), [SamplingParams(temperature=1e-4, seed=1)] * 3)
     assert out == logits.float().argmax(-1).tolist()
+
+
+def test_a_tokens_draw_depends_only_on_the_seed_and_its_index():
+    """The uniform of the token at index t is a function of (seed, t, stream): drawing other
+    indices first, in other batches, or skipping some changes nothing; streams and seeds
+    differ; the uniforms are uniform (a coarse check: 20,000 draws in 10 bins)."""
+    from sloserve.model.sampler import STREAM_ACCEPT, STREAM_SAMPLE, uniform
+    flat = torch.zeros(1000)
+    sp = SamplingParams(temperature=1.0, seed=77)
+    a = Sampler(0)(flat.expand(3, -1), ["r"] * 3, [sp] * 3, [10, 11, 12])
+    s = Sampler(9)
+    s(flat[None], ["r"], [sp], [3])                       # an earlier draw of another index
+    b = s(flat.expand(2, -1), ["x", "r"], [SamplingParams(temperature=1.0), sp], [5, 12])
+    assert b[1] == a[2] and s(flat[None], ["r"], [sp], [10]) == a[:1]
+    assert uniform(77, 12) != uniform(77, 12, STREAM_ACCEPT) != uniform(78, 12)
+    assert uniform(77, 12, STREAM_SAMPLE) == uniform(77, 12)
+    u = torch.tensor([uniform(5, i) for i in range(20000)])
+    counts = torch.histc(u, bins=10, min=0.0, max=1.0)
+    assert float(u.min()) >= 0 and float(u.max()) < 1
+    assert float(((counts - 2000) ** 2 / 2000).sum()) < 27.9  # chi-square, 9 dof, p > 0.001

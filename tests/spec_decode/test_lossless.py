@@ -215,22 +215,35 @@ def test_a_json_schema_request_drafts_within_its_grammar(llm):
     assert json.loads(on[0][2])["name"] == "The quick brown fox"
 
 
-@pytest.mark.parametrize("method", ["ngram", "layer_skip_probabilistic"])
-def test_a_seeded_request_repeats_itself_with_drafts(llm, method):
-    """A sampled request with a seed gives the same tokens run to run with drafts (it need not
-    equal its run without, as in vLLM): n-gram drafts verified by sample-and-match, and
-    probabilistic layer-skip drafts (each drawn from q at the request's temperature) verified by
-    rejection sampling, on the served model."""
-    raw = {"ngram": dict(METHODS["ngram"]),
+@pytest.mark.parametrize("method", ["ngram", "suffix", "layer_skip_probabilistic"])
+def test_a_seeded_request_with_drafts(llm, method):
+    """A sampled request with a seed draws the token at each index of its sequence with its
+    own uniform of that index (``sloserve.model.sampler.uniform``): with deterministic drafts
+    (n-gram, suffix: their drafts come from other requests' outputs too) it samples the tokens
+    it samples without drafts, whatever was drafted, accepted or batched beside it; with
+    probabilistic layer-skip drafts (each drawn from q, verified by rejection sampling on the
+    served model) it repeats itself run to run."""
+    raw = {"ngram": dict(METHODS["ngram"]), "suffix": dict(METHODS["suffix"]),
            "layer_skip_probabilistic": dict(METHODS["layer_skip"],
                                             draft_sample_method="probabilistic")}[method]
     spec = SpeculativeConfig.parse(dict(raw, num_speculative_tokens=4, min_acceptance_rate=0))
     md = model_drafter(llm, spec) if spec.uses_model else None
     sp = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=40, logprobs=1)
+    mates = [(f"{ROME} {i}", GREEDY) for i in range(3)]
     stats = llm.engine.summary.spec_decoding
     drafted = stats.num_draft_tokens
+    with drafts(llm, None):
+        off = run(llm, [(COPY, sp)])
     with drafts(llm, 4, spec, md):
         first = run(llm, [(COPY, sp)])
-        second = run(llm, [(COPY, sp)])
-    assert first == second and len(first[0][0]) > 0
-    assert stats.num_draft_tokens > drafted
+        second = run(llm, [(COPY, sp)] + mates)[:1]
+    assert stats.num_draft_tokens > drafted and len(first[0][0]) > 0
+    if method == "layer_skip_probabilistic":
+        assert first == run_again(llm, sp, spec, md)
+    else:
+        assert first == second == off
+
+
+def run_again(llm, sp, spec, md):
+    with drafts(llm, 4, spec, md):
+        return run(llm, [(COPY, sp)])
