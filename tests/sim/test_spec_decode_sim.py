@@ -35,7 +35,9 @@ QMAX = 16
 
 
 def _spec(**kw) -> SpeculativeConfig:
-    return SpeculativeConfig.parse({**NGRAM4, **kw})
+    base = {"method": "suffix", "num_speculative_tokens": 4} if kw.get("method") == "suffix" \
+        else NGRAM4
+    return SpeculativeConfig.parse({**base, **kw})
 
 
 def _cfg(spec=None, rate=0.0, **kw) -> SimConfig:
