@@ -13,12 +13,26 @@ import os
 import sys
 
 
-def write_draft_checkpoint(num_layers: int, folder: str) -> str:
+def write_draft_checkpoint(num_layers: int, folder: str, dtype: str = "float32",
+                           loaded=None) -> str:
+    """The embedded model's first ``num_layers`` layers in ``folder`` (weights in ``dtype``);
+    returns the folder. ``loaded``: (a loaded ``LlamaForCausalLM`` of the embedded model with
+    its dense weights, its ``Tokenizer``) to take them from instead of reading the GGUF again
+    (its fused Q/K/V and gate/up split back into Hugging Face's names).
+
+    Raises:
+        ValueError: a layer count outside the model's.
+    """
+    import torch
     import transformers
     from safetensors.torch import save_file
-    from sloserve.model.loader import load_weights
-    w = load_weights(None, "float32")
-    c = w.config
+    if loaded is None:
+        from sloserve.model.loader import load_weights
+        w = load_weights(None, dtype)
+        c, state, tokenizer = w.config, w.state_dict, w.tokenizer
+    else:
+        model, tokenizer = loaded
+        c, state = model.config, _hf_state_dict(model, getattr(torch, dtype))
     if not 1 <= num_layers <= c.num_hidden_layers:
         raise ValueError(f"N must be in [1, {c.num_hidden_layers}], got {num_layers}")
     os.makedirs(folder, exist_ok=True)
@@ -30,11 +44,33 @@ def write_draft_checkpoint(num_layers: int, folder: str) -> str:
         max_position_embeddings=c.max_position_embeddings,
         tie_word_embeddings=c.tie_word_embeddings, bos_token_id=c.bos_token_id,
         eos_token_id=c.eos_token_ids).save_pretrained(folder)
-    save_file({k: v.contiguous() for k, v in w.state_dict.items()
+    save_file({k: v.contiguous() for k, v in state.items()
                if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers},
               os.path.join(folder, "model.safetensors"))
-    w.tokenizer.hf.save_pretrained(folder)
+    tokenizer.hf.save_pretrained(folder)
     return folder
+
+
+def _hf_state_dict(model, dtype) -> dict:
+    """A loaded model's dense weights under Hugging Face's names (the fused Q/K/V and gate/up
+    split by their parts' sizes; no ``lm_head.weight`` when tied)."""
+    c = model.config
+    q = c.num_attention_heads * c.head_dim
+    kv = c.num_key_value_heads * c.head_dim
+    out = {}
+    for name, t in model.state_dict().items():
+        t = t.to(dtype)
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        if ".qkv_proj." in name:
+            for part, piece in zip(("q_proj", "k_proj", "v_proj"), t.split([q, kv, kv])):
+                out[name.replace("qkv_proj", part)] = piece
+        elif ".gate_up_proj." in name:
+            for part, piece in zip(("gate_proj", "up_proj"), t.chunk(2)):
+                out[name.replace("gate_up_proj", part)] = piece
+        elif "rotary" not in name:
+            out[name] = t
+    return out
 
 
 def main(argv=None) -> int:

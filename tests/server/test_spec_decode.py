@@ -1,7 +1,7 @@
 """Speculative decoding through the API (``--speculative-config`` ngram, k = 4): streamed and
-not, a stop string inside an accepted run, ``n = 2`` with logprobs, a JSON schema beside, and
+not, a stop string inside an accepted run, ``n = 2`` with logprobs, and
 vLLM's spec-decode counters in ``/metrics`` after a scripted run. (That the tokens equal those
-without drafts is tests/spec_decode/test_lossless.py's; this server is float32 under
+without drafts, a JSON-schema request's included, is tests/spec_decode/test_lossless.py's; this server is float32 under
 ``--batch-invariant`` so that the choices of ``n`` may be compared exactly.)"""
 from __future__ import annotations
 
@@ -71,17 +71,6 @@ def test_n2_choices_with_logprobs_are_the_same(spec_client, spec_server):
     assert a.text == b.text and a.logprobs.tokens == b.logprobs.tokens
     assert a.logprobs.token_logprobs == b.logprobs.token_logprobs
     assert len(a.logprobs.tokens) == r.usage.completion_tokens / 2
-
-
-def test_a_json_schema_request_beside_drafting_ones(spec_client, spec_server):
-    schema = {"type": "object", "properties": {"name": {"type": "string"}},
-              "required": ["name"]}
-    r = spec_client.chat.completions.create(
-        model=spec_server.model, max_tokens=40, temperature=0,
-        messages=[{"role": "user", "content": "Name a fox as JSON."}],
-        response_format={"type": "json_schema",
-                         "json_schema": {"name": "fox", "schema": schema}})
-    assert "name" in json.loads(r.choices[0].message.content)
 
 
 def test_the_spec_decode_counters_after_a_scripted_run(spec_client, spec_server):
