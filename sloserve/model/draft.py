@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from sloserve.model.runner import build_step_inputs
 from sloserve.model.sampler import STREAM_DRAFT, Sampler, draw
 from sloserve.sampling_params import SamplingParams
 from sloserve.step_io import DRAFT_PLACEHOLDER, ScheduledRequest, SchedulerOutput
@@ -57,7 +58,6 @@ class ModelDrafter:
     def __init__(self, model, kv_caches: list[torch.Tensor], num_layers: int | None,
                  attn_backend, block_size: int, sampler: Sampler, probabilistic: bool,
                  catch_up: bool):
-        from sloserve.model.runner import build_step_inputs  # noqa: F401 (import cycle check)
         self.model, self.kv_caches, self.num_layers = model, kv_caches, num_layers
         self.attn_backend, self.block_size = attn_backend, block_size
         self.sampler, self.probabilistic, self.catch_up = sampler, probabilistic, catch_up
@@ -70,7 +70,6 @@ class ModelDrafter:
     # ------------------------------------------------------------------ one step
     def draft(self, out: SchedulerOutput) -> Drafts:
         t0 = time.perf_counter()
-        from sloserve.model.runner import build_step_inputs
         n_req = len(out.scheduled)
         ks = [sum(1 for t in sr.spec_token_ids if t == DRAFT_PLACEHOLDER) for sr in out.scheduled]
         drafts: list[list[int]] = [[] for _ in range(n_req)]
@@ -97,7 +96,7 @@ class ModelDrafter:
             if k:
                 rows.append(i)
         if first:
-            logits = self._forward(SchedulerOutput(scheduled=first), build_step_inputs)
+            logits = self._forward(SchedulerOutput(scheduled=first))
             self._take(logits, rows, out, drafts, probs)
         for j in range(1, max(ks, default=0)):
             live = [i for i in rows if ks[i] > j]
@@ -105,7 +104,7 @@ class ModelDrafter:
                 break
             step = [self._one(out.scheduled[i], out.scheduled[i].num_computed_tokens + j,
                               drafts[i][-1]) for i in live]
-            logits = self._forward(SchedulerOutput(scheduled=step), build_step_inputs)
+            logits = self._forward(SchedulerOutput(scheduled=step))
             self._take(logits, live, out, drafts, probs)
         filled = []
         for sr, k, d in zip(out.scheduled, ks, drafts):
@@ -124,7 +123,6 @@ class ModelDrafter:
         of ``repeats``, interleaved, after a warm-up): what each draft token adds to a step
         (``WorkerInfo.draft_pass_cost``). Writes KV in the first blocks: call it before any
         request runs."""
-        from sloserve.model.runner import build_step_inputs
         bs = self.block_size
         context = min(context, runner.num_blocks * bs - 1)
         sr = ScheduledRequest("draft-cost", context, 1, [0], list(range(context // bs + 1)),
@@ -158,7 +156,7 @@ class ModelDrafter:
                                    spec_token_ids=[], prompt_logprob_targets=[],
                                    token_bitmask=[])
 
-    def _forward(self, step: SchedulerOutput, build_step_inputs) -> torch.Tensor:
+    def _forward(self, step: SchedulerOutput) -> torch.Tensor:
         inputs = build_step_inputs(step, self.block_size)
         meta = self.attn_backend.build_metadata(inputs)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.attn_backend,
