@@ -106,3 +106,28 @@ def parse_given(parser: argparse.ArgumentParser, argv: list[str],
         if dest not in given:
             setattr(ns, dest, value)
     return ns, given
+
+
+#: bandwidth units: bits or bytes per second, decimal prefixes (``tc``'s and NICs' spelling)
+_RATE_UNITS = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8,
+               "b": 1.0, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12}
+
+
+def parse_bandwidth(v: "str | float | int") -> float:
+    """A link rate in bytes/s: a number (bytes/s) or a number with a unit, ``0.4gbit``,
+    ``100mbit``, ``50MB`` (``/s`` optional; bit units are bits, the others bytes). Raises
+    ValueError naming the forms for anything else or a rate <= 0."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        x = float(v)
+    else:
+        s = str(v).strip().lower().removesuffix("/s").replace("ps", "")
+        num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = s[len(num):] or "b"
+        try:
+            x = float(num) * _RATE_UNITS[unit]
+        except (ValueError, KeyError):
+            raise ValueError(f"expected a rate such as 0.4gbit, 100mbit, 50MB/s or a number of "
+                             f"bytes/s, got {v!r}") from None
+    if not (x > 0 and math.isfinite(x)):
+        raise ValueError(f"a rate must be finite and > 0, got {v!r}")
+    return x

@@ -141,6 +141,8 @@ class EngineConfig:
         speculative_config: speculative decoding, vLLM's JSON (text or dict; None: off); see
             :class:`SpeculativeConfig` for the keys and ``sloserve.spec_decode.drafter``
             for what the engine does with them.
+        kv_transfer_config: prefill/decode disaggregation, vLLM's JSON (text or dict; None:
+            no KV connector); see :class:`KVTransferConfig`.
     """
 
     model: str | None = None
@@ -176,6 +178,13 @@ class EngineConfig:
     max_pending_compiles_per_client: int = DEFAULT_MAX_PENDING_COMPILES_PER_CLIENT
     batch_invariant: bool = False
     speculative_config: dict | str | None = None
+    kv_transfer_config: dict | str | None = None
+
+    @property
+    def kv_transfer(self) -> "KVTransferConfig | None":
+        """``kv_transfer_config`` parsed (:class:`KVTransferConfig`, or None: no KV connector).
+        Raises ValueError for a bad one."""
+        return KVTransferConfig.parse(self.kv_transfer_config)
 
     @property
     def speculative(self):
@@ -251,6 +260,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got "
                                  f"{getattr(self, name)!r}")
         spec = self.speculative  # raises for a bad one
+        self.kv_transfer  # raises for a bad one
         if spec is not None and spec.model is not None and not os.path.exists(spec.model):
             raise ValueError(f"speculative_config: the draft model does not exist: {spec.model}")
         if self.batch_invariant:
@@ -648,6 +658,14 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
                         'PATH), layer_skip ("num_draft_layers": N), each with '
                         'num_speculative_tokens (suffix: default 24); see docs/engine.md')
 
+    p.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help='prefill/decode disaggregation, vLLM\'s JSON: {"kv_role": '
+                        '"kv_producer"|"kv_consumer"|"kv_both", "kv_port": 14579, '
+                        '"kv_connector_extra_config": {"mode": "pull"|"push", "granularity": '
+                        '"layerwise"|"eager", "incremental": true, "timeout_s": 120, '
+                        '"max_bandwidth": "1gbit"}}; requests then take kv_transfer_params '
+                        '(see docs/disaggregation.md)')
+
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     """EngineConfig from parsed flags (the positional MODEL or --model)."""
@@ -657,3 +675,131 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     if kw.get("load_format") == "hf":
         kw["load_format"] = "safetensors"
     return EngineConfig(**kw)
+
+
+# ------------------------------------------------------------------ KV transfer
+# ``--kv-transfer-config``: vLLM's JSON (``KVTransferConfig``), checked once (plain data).
+#
+# * ``kv_role``: ``kv_producer`` (a prefill instance), ``kv_consumer`` (a decode instance) or
+#   ``kv_both`` (either, per request: what its ``kv_transfer_params`` say).
+# * ``kv_connector``: the connector class; ours, ``SloserveConnector`` (the default).
+# * ``engine_id``: this instance's name in ``kv_transfer_params`` (default ``kv_ip:kv_port``).
+# * ``kv_ip``, ``kv_port``: where this instance's connector listens for the other side's
+#   connections (default 127.0.0.1:14579; port 0: any free port, the start-up line says which).
+# * ``kv_load_failure_policy``: a decode instance's request whose KV does not arrive (the link
+#   failed, the prefill instance died, ``timeout_s`` passed) ``fail``s, or is prefilled here
+#   (``recompute``, the default, as vLLM).
+# * ``kv_connector_extra_config``: ``mode`` ``pull`` (default: the decode side connects to the
+#   prefill side and asks; the serial flow needs it) or ``push`` (the prefill side connects to
+#   the decode side named in its request); ``granularity`` ``layerwise`` (default: each layer's
+#   KV goes while later layers compute) or ``eager`` (all of it after the prefill's last step);
+#   ``incremental`` (default true: the decode side asks only for the blocks its prefix cache
+#   lacks; false: every block of the prompt); ``transport`` ``tcp`` (the only one yet);
+#   ``timeout_s`` (default 120: most seconds a transfer may take from the request's admission,
+#   and a prefill instance holds a finished request's blocks for a reader); ``max_bandwidth``
+#   (bytes/s or ``0.4gbit``-style; default: unthrottled): the sender's token bucket.
+
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_CONNECTORS = ("SloserveConnector",)
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+KV_TRANSFER_MODES = ("pull", "push")
+KV_TRANSFER_GRANULARITIES = ("layerwise", "eager")
+KV_TRANSPORTS = ("tcp",)
+DEFAULT_KV_PORT = 14579
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    kv_role: str
+    kv_connector: str = "SloserveConnector"
+    engine_id: str = ""
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = DEFAULT_KV_PORT
+    kv_load_failure_policy: str = "recompute"
+    mode: str = "pull"
+    granularity: str = "layerwise"
+    incremental: bool = True
+    transport: str = "tcp"
+    timeout_s: float = 120.0
+    #: bytes/s the sender may put on the link (None: unthrottled)
+    max_bandwidth: float | None = None
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    def describe(self) -> str:
+        bw = f", at most {self.max_bandwidth * 8 / 1e9:g} Gbit/s" if self.max_bandwidth else ""
+        return (f"KV connector {self.kv_connector} ({self.kv_role}, engine {self.engine_id}, "
+                f"{self.mode} {self.granularity}{', incremental' if self.incremental else ''}, "
+                f"{self.transport} on {self.kv_ip}:{{port}}{bw}, timeout {self.timeout_s:g} s, "
+                f"load failures {self.kv_load_failure_policy})")
+
+    @classmethod
+    def parse(cls, value: "str | dict | KVTransferConfig | None") -> "KVTransferConfig | None":
+        """From the JSON text, a dict or an instance (None stays None). Raises ValueError
+        naming the key, its value and what is allowed."""
+        from sloserve.argtypes import parse_bandwidth
+
+        if value is None or isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_transfer_config must be a JSON object, got {value!r}")
+        value = dict(value)
+        extra = value.pop("kv_connector_extra_config", None) or {}
+        if not isinstance(extra, dict):
+            raise ValueError(f"kv_transfer_config: kv_connector_extra_config must be an "
+                             f"object, got {extra!r}")
+        top = {"kv_role", "kv_connector", "engine_id", "kv_ip", "kv_port",
+               "kv_load_failure_policy"}
+        inner = {"mode", "granularity", "incremental", "transport", "timeout_s",
+                 "max_bandwidth"}
+        unknown = sorted(set(value) - top)
+        unknown += sorted(f"kv_connector_extra_config.{k}" for k in set(extra) - inner)
+        if unknown:
+            raise ValueError(f"kv_transfer_config: unknown key(s) {', '.join(unknown)} (known: "
+                             f"{', '.join(sorted(top))}, kv_connector_extra_config: "
+                             f"{', '.join(sorted(inner))})")
+        kw = {**value, **extra}
+        for name, choices in (("kv_role", KV_ROLES), ("kv_connector", KV_CONNECTORS),
+                              ("kv_load_failure_policy", KV_LOAD_FAILURE_POLICIES),
+                              ("mode", KV_TRANSFER_MODES),
+                              ("granularity", KV_TRANSFER_GRANULARITIES),
+                              ("transport", KV_TRANSPORTS)):
+            if name == "kv_role" and name not in kw:
+                raise ValueError(f"kv_transfer_config: kv_role is required (one of "
+                                 f"{', '.join(KV_ROLES)})")
+            if name in kw and kw[name] not in choices:
+                raise ValueError(f"kv_transfer_config: {name} must be one of "
+                                 f"{', '.join(choices)}, got {kw[name]!r}")
+        port = kw.get("kv_port", DEFAULT_KV_PORT)
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"kv_transfer_config: kv_port must be an integer in 0-65535, got "
+                             f"{port!r}")
+        if not isinstance(kw.get("incremental", True), bool):
+            raise ValueError(f"kv_transfer_config: incremental must be true or false, got "
+                             f"{kw['incremental']!r}")
+        t = kw.get("timeout_s", cls.timeout_s)
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
+            raise ValueError(f"kv_transfer_config: timeout_s must be a number of seconds > 0, "
+                             f"got {t!r}")
+        kw["timeout_s"] = float(t)
+        if kw.get("max_bandwidth") is not None:
+            try:
+                kw["max_bandwidth"] = parse_bandwidth(kw["max_bandwidth"])
+            except ValueError as e:
+                raise ValueError(f"kv_transfer_config: max_bandwidth: {e}") from None
+        for name in ("engine_id", "kv_ip"):
+            if name in kw and not isinstance(kw[name], str):
+                raise ValueError(f"kv_transfer_config: {name} must be a string, got "
+                                 f"{kw[name]!r}")
+        return cls(**kw)

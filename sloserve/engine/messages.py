@@ -24,22 +24,44 @@ from sloserve.sampling_params import SamplingParams
 
 
 class KVTransferParams(msgspec.Struct, omit_defaults=True):
-    """A request's part in prefill/decode disaggregation (vLLM's ``kv_transfer_params``, typed).
+    """A request's part in prefill/decode disaggregation (vLLM's ``kv_transfer_params``, typed;
+    the API's JSON object has these keys).
 
-    The KV itself moves outside the core (a KV connector's worker side; the simulator prices
-    the transfer with its link model): these fields only tell the scheduler where the request
+    With a KV connector (``--kv-transfer-config``; docs/disaggregation.md): a prefill instance's
+    request has ``do_remote_decode``, a decode instance's ``do_remote_prefill``; both name the
+    same ``transfer_id`` (the serial flow: the prefill instance's finished response carries the
+    parameters the decode instance's request takes). Without one (the simulator), the KV moves
+    outside the core and ``num_computed_tokens`` / ``output_token_ids`` say where the request
     stands.
 
     Attributes:
         do_remote_decode: on a prefill instance: checked with its whole ``max_tokens`` (the
-            decode instance will need that much), then run to its first token only.
-        num_computed_tokens: on a decode instance: tokens of the prompt and
-            ``output_token_ids`` whose KV arrived from the prefill instance; the scheduler
+            decode instance will need that much), then run to its first token only; its KV
+            (and that token) go to the decode instance.
+        do_remote_prefill: on a decode instance: the prompt's KV and the first token come
+            from the prefill instance; the request's first step here is that token's decode.
+        transfer_id: names the transfer on both instances (default on a prefill instance: its
+            request id, returned in its response).
+        remote_engine_id: the other instance's ``engine_id`` (informational).
+        remote_host, remote_port: the other instance's KV connector: on a decode instance in
+            pull mode, the prefill side to fetch from; on a prefill instance in push mode, the
+            decode side to send to.
+        remote_block_ids: the prefill instance's blocks holding the prompt (its response;
+            informational: the decode side asks by ``transfer_id``).
+        num_computed_tokens: without a connector, on a decode instance: tokens of the prompt
+            and ``output_token_ids`` whose KV arrived from the prefill instance; the scheduler
             computes from there (fewer than the prompt plus the output tokens).
-        output_token_ids: on a decode instance: the tokens the prefill instance sampled.
+        output_token_ids: without a connector, on a decode instance: the tokens the prefill
+            instance sampled.
     """
 
     do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    transfer_id: str | None = None
+    remote_engine_id: str | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_block_ids: list[int] = []
     num_computed_tokens: int = 0
     output_token_ids: list[int] = []
 
@@ -107,6 +129,10 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
             unless ``bad_request``).
         bad_request: the failure is the request's own (a structured-output spec that no
             string satisfies): the API answers 400.
+        kv_transfer_params: on a prefill instance's finished ``do_remote_decode`` request:
+            what the decode instance's request takes (the API returns it).
+        kv_transfer_s: on a decode instance's first output of a ``do_remote_prefill``
+            request: seconds from its admission until its KV and first token had arrived.
     """
 
     request_id: str
@@ -124,6 +150,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     parent_request_id: str | None = None
     error: str | None = None
     bad_request: bool = False
+    kv_transfer_params: KVTransferParams | None = None
+    kv_transfer_s: float = 0.0
 
     @property
     def finished(self) -> bool:
@@ -154,6 +182,12 @@ class SchedulerStats(msgspec.Struct):
         num_deferred_total: requests SLO-aware deferral moved back since start.
         num_grammar_compiles: structured-output grammars compiling or waiting to (0: no
             compile work left; a compile no request needs any more is stopped at once).
+        num_waiting_for_kv: requests holding blocks while their KV arrives (a decode
+            instance) or goes (a prefill instance's finished requests).
+        kv_transfer_bytes_sent_total, kv_transfer_bytes_received_total: KV payload bytes the
+            connector put on / took off its sockets since start.
+        kv_transfer_failures_total: transfers that failed or timed out since start (either
+            side).
     """
 
     num_running: int = 0
@@ -173,6 +207,10 @@ class SchedulerStats(msgspec.Struct):
     num_requests_received_total: int = 0
     num_deferred_total: int = 0
     num_grammar_compiles: int = 0
+    num_waiting_for_kv: int = 0
+    kv_transfer_bytes_sent_total: int = 0
+    kv_transfer_bytes_received_total: int = 0
+    kv_transfer_failures_total: int = 0
 
 
 class StepStats(msgspec.Struct):
@@ -235,6 +273,9 @@ class EngineInfo(msgspec.Struct):
         pid: the core process (0 in-process).
         scheduling_policy: "fcfs" or "priority" (a request's priority only counts under the latter).
         max_logprobs: most logprobs a request may ask for (``--max-logprobs``).
+        kv_role: the KV connector's role (``--kv-transfer-config``), None: no connector
+            (requests with ``kv_transfer_params`` are refused, except the simulator's).
+        kv_engine_id: the connector's ``engine_id`` (its ``kv_ip:kv_port`` by default).
     """
 
     model_name: str
@@ -251,6 +292,8 @@ class EngineInfo(msgspec.Struct):
     pid: int = 0
     scheduling_policy: str = "fcfs"
     max_logprobs: int = 20
+    kv_role: str | None = None
+    kv_engine_id: str | None = None
 
 
 class EngineCoreReady(msgspec.Struct, tag=True):
