@@ -276,6 +276,8 @@ class EngineInfo(msgspec.Struct):
         kv_role: the KV connector's role (``--kv-transfer-config``), None: no connector
             (requests with ``kv_transfer_params`` are refused, except the simulator's).
         kv_engine_id: the connector's ``engine_id`` (its ``kv_ip:kv_port`` by default).
+        kv_host, kv_port: where its connector listens (the port it got where 0 was asked).
+        kv_mode: ``pull`` or ``push`` (who connects to whom; docs/disaggregation.md).
     """
 
     model_name: str
@@ -294,6 +296,9 @@ class EngineInfo(msgspec.Struct):
     max_logprobs: int = 20
     kv_role: str | None = None
     kv_engine_id: str | None = None
+    kv_host: str | None = None
+    kv_port: int | None = None
+    kv_mode: str | None = None
 
 
 class EngineCoreReady(msgspec.Struct, tag=True):
