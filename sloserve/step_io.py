@@ -85,6 +85,102 @@ class ScheduledRequest:
 
 
 @dataclass
+class KVLoad:
+    """A decode instance's request whose prompt KV (and first token) comes from a prefill
+    instance (KV connector, ``sloserve.kv_transfer``).
+
+    Attributes:
+        transfer_id: names the transfer on both instances (the wire's key).
+        request_id: the request here.
+        block_ids: its blocks for positions [0, num_prompt_tokens).
+        first_block: blocks below this index hold prefix-cache hits here and are not asked
+            for (0: every block).
+        num_prompt_tokens: the prompt's length.
+        remote_host, remote_port: pull: the prefill instance's connector to connect to;
+            None: push (the prefill instance connects here).
+    """
+
+    transfer_id: str
+    request_id: str
+    block_ids: list[int]
+    first_block: int
+    num_prompt_tokens: int
+    remote_host: str | None = None
+    remote_port: int | None = None
+
+
+@dataclass
+class KVSave:
+    """A prefill instance's request whose prompt KV and first token go to a decode instance.
+
+    Attributes:
+        transfer_id, request_id, num_prompt_tokens: as in :class:`KVLoad`.
+        remote_host, remote_port: push: the decode instance's connector to connect to; None:
+            pull (the decode instance connects here and asks).
+    """
+
+    transfer_id: str
+    request_id: str
+    num_prompt_tokens: int
+    remote_host: str | None = None
+    remote_port: int | None = None
+
+
+@dataclass
+class KVConnectorMetadata:
+    """What the connector's scheduler side tells its worker side with a step (vLLM's
+    ``build_connector_meta``): transfers new since the previous step, and requests whose
+    transfer must stop (aborted, timed out, not needed); each stopped one is reported back in
+    :class:`KVConnectorOutput` before the scheduler frees its blocks."""
+
+    loads: list[KVLoad] = field(default_factory=list)
+    saves: list[KVSave] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.loads or self.saves or self.cancels)
+
+
+@dataclass
+class KVReceived:
+    """A decode instance's request whose KV has all arrived, with what the prefill instance
+    sampled after the prompt (its first output token) and the positions it computed."""
+
+    request_id: str
+    output_token_ids: list[int]
+    num_computed_tokens: int
+    seconds: float = 0.0
+
+
+@dataclass
+class KVConnectorOutput:
+    """What the connector's worker side reports (vLLM's ``get_finished`` and load errors).
+
+    Attributes:
+        finished_sending: prefill-side requests whose KV is sent or whose transfer stopped
+            (cancelled): their blocks may be freed.
+        finished_recving: decode-side requests whose KV and first token arrived.
+        failed: request id -> why, for transfers that failed or stopped on the decode side
+            (their blocks may be freed; the request fails or recomputes) or failed on the
+            prefill side (its blocks may be freed).
+        bytes_sent_total, bytes_received_total, failures_total: the connector's counters
+            since start.
+    """
+
+    finished_sending: list[str] = field(default_factory=list)
+    finished_recving: list[KVReceived] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    bytes_sent_total: int = 0
+    bytes_received_total: int = 0
+    failures_total: int = 0
+
+    @property
+    def has_news(self) -> bool:
+        return bool(self.finished_sending or self.finished_recving or self.failed)
+
+
+@dataclass
 class SchedulerOutput:
     """What one engine step runs.
 
@@ -93,11 +189,14 @@ class SchedulerOutput:
         preempted_request_ids: requests preempted (blocks freed) while scheduling this step.
         finished_request_ids: requests that finished or were aborted since the previous step:
             the runner drops what it keeps per request (sampling generators).
+        kv_connector_metadata: the KV connector's news for its worker side (None: no
+            connector).
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def num_batched_tokens(self) -> int:
@@ -146,6 +245,8 @@ class ModelRunnerOutput:
         draft_token_ids: per request, the draft tokens the worker proposed in place of
             :data:`DRAFT_PLACEHOLDER` entries (empty list: none in the step).
         draft_s: seconds the worker's drafter took (included in forward_s).
+        kv_connector_output: the KV connector's worker side's news after the step (None: no
+            connector).
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -157,6 +258,7 @@ class ModelRunnerOutput:
     prompt_logprobs: list[Logprobs | None] = field(default_factory=list)
     draft_token_ids: list[list[int]] = field(default_factory=list)
     draft_s: float = 0.0
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -92,6 +92,16 @@ class EngineCore:
         self.num_kv_blocks = num_blocks
         self.kv_cache_bytes = num_blocks * self.kv_cache_spec.page_size_bytes
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        #: prefill/decode disaggregation: the KV connector's scheduler half (its worker half
+        #: is in the workers, listening on the port they report)
+        self.kv_transfer = config.kv_transfer
+        self.kv_connector = None
+        if self.kv_transfer is not None:
+            from sloserve.kv_transfer.scheduler_side import SloserveConnectorScheduler
+            port = executor.collective_rpc("kv_connector_port")[0]
+            self.kv_connector = SloserveConnectorScheduler(
+                self.kv_transfer, config.block_size, self.kv_transfer.kv_ip, port)
+            logger.info("%s", self.kv_transfer.describe().format(port=port))
         #: structured outputs: compiles grammars in low-priority worker processes, started at
         #: the first request that asks for one; the scheduler uses it
         self.structured_output_manager = StructuredOutputManager(
@@ -99,7 +109,8 @@ class EngineCore:
             compile_timeout_s=config.structured_outputs_compile_timeout)
         self.scheduler = Scheduler(
             scheduler_config or SchedulerConfig.of(config, self.max_model_len), self.kv,
-            structured_output_manager=self.structured_output_manager)
+            structured_output_manager=self.structured_output_manager,
+            kv_connector=self.kv_connector)
         self.info = EngineInfo(
             model_name=winfo.model_name, model_path=winfo.model_path,
             max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
@@ -107,7 +118,8 @@ class EngineCore:
             block_size=config.block_size, max_num_batched_tokens=config.max_num_batched_tokens,
             dtype=winfo.dtype, kv_cache_dtype=winfo.kv_cache_dtype,
             dtype_reason=winfo.dtype_reason, pid=os.getpid(),
-            scheduling_policy=config.scheduling_policy, max_logprobs=config.max_logprobs)
+            scheduling_policy=config.scheduling_policy, max_logprobs=config.max_logprobs,
+            **self._kv_info())
         from sloserve.engine.metrics import StepTraceLogger
         self._trace = StepTraceLogger(step_trace) if step_trace else None
         self.num_steps = 0
@@ -166,6 +178,24 @@ class EngineCore:
     def weights_line(self) -> str:
         return self._worker.weights_line
 
+    def _kv_info(self) -> dict:
+        """EngineInfo's KV connector fields (empty without one)."""
+        c = self.kv_connector
+        if c is None:
+            return {}
+        return dict(kv_role=self.kv_transfer.kv_role, kv_engine_id=c.engine_id, kv_host=c.host,
+                    kv_port=c.port, kv_mode=self.kv_transfer.mode)
+
+    def set_wakeup(self, wake: Callable[[], None]) -> None:
+        """Have ``wake`` called (from any thread) when a KV transfer finishes or fails, so an
+        idle loop that waits only for transfers steps at once (the in-process workers')."""
+        if self.kv_connector is not None:
+            self.model_executor.collective_rpc("set_kv_wakeup", (wake,))
+
+    def waits_only_for_transfers(self) -> bool:
+        """Nothing can run until a KV transfer finishes or times out."""
+        return self.scheduler.waits_only_for_transfers()
+
     def _pacing_note(self) -> str:
         """The start-up line's words on prefill pacing (empty when it is off)."""
         s = self.scheduler.config
@@ -191,7 +221,13 @@ class EngineCore:
             eos_token_ids=tuple(req.eos_token_ids), parent_request_id=req.parent_request_id,
             priority=req.priority, cache_salt=req.cache_salt)
         kv = req.kv_transfer_params
-        if kv is not None:
+        if kv is not None and self.kv_connector is not None:
+            _check_connector_request(kv, self.kv_transfer)
+            request.kv_transfer_params = kv
+        elif kv is not None:
+            if kv.do_remote_prefill:
+                raise ValueError("kv_transfer_params: do_remote_prefill needs a KV connector "
+                                 "(--kv-transfer-config)")
             _apply_remote_prefill(request, kv)
         self.scheduler.add_request(request)
         if kv is not None and kv.do_remote_decode:  # checked whole above; runs to its first token
@@ -236,7 +272,12 @@ class EngineCore:
                               prefill_budget=s.prefill_budget(),
                               num_requests_received_total=s.num_requests_received,
                               num_deferred_total=s.num_deferred,
-                              num_grammar_compiles=self.structured_output_manager.num_compiles)
+                              num_grammar_compiles=self.structured_output_manager.num_compiles,
+                              num_waiting_for_kv=len(s.waiting_for_kv) + (
+                                  len(self.kv_connector.held) if self.kv_connector else 0),
+                              kv_transfer_bytes_sent_total=s.kv_transfer_totals[0],
+                              kv_transfer_bytes_received_total=s.kv_transfer_totals[1],
+                              kv_transfer_failures_total=s.kv_transfer_totals[2])
 
     # ------------------------------------------------------------------ the step
     def step(self) -> EngineCoreOutputs | None:
@@ -257,6 +298,9 @@ class EngineCore:
         # requests the scheduler finished without running them (a grammar that failed to compile)
         failed = self.scheduler.take_finished_outputs()
         if out.is_empty:
+            if self.kv_connector is not None:  # no step: the connector's news still goes
+                failed += self.scheduler.update_connector_output(
+                    self.model_executor.get_kv_connector_output(out), t0)
             return EngineCoreOutputs(failed, self.stats(), timestamp=t0) if failed else None
         kv_usage = self.kv.usage
         busy = self.structured_output_manager.cpus_busy
@@ -270,6 +314,9 @@ class EngineCore:
             runner_out = self.model_executor.execute_model(out)
             now = self.clock()
             outputs = self.scheduler.update_from_output(out, runner_out, now)
+            if runner_out.kv_connector_output is not None:  # after: finished requests hold
+                outputs += self.scheduler.update_connector_output(
+                    runner_out.kv_connector_output, now)
         except Exception as e:  # a bug must not kill the loop: fail this step's requests
             if self.raise_step_errors:
                 raise
@@ -330,6 +377,23 @@ class EngineCore:
         if self._trace is not None:
             self._trace.close()
             self._trace = None
+
+
+def _check_connector_request(kv: KVTransferParams, cfg) -> None:
+    """Raise ValueError for ``kv_transfer_params`` this instance's connector cannot serve."""
+    if kv.do_remote_decode == kv.do_remote_prefill:
+        raise ValueError("kv_transfer_params: exactly one of do_remote_decode and "
+                         "do_remote_prefill must be true")
+    if kv.do_remote_decode and not cfg.is_producer:
+        raise ValueError(f"kv_transfer_params: do_remote_decode on a {cfg.kv_role} instance")
+    if kv.do_remote_prefill and not cfg.is_consumer:
+        raise ValueError(f"kv_transfer_params: do_remote_prefill on a {cfg.kv_role} instance")
+    if kv.do_remote_prefill and not kv.transfer_id:
+        raise ValueError("kv_transfer_params: do_remote_prefill needs transfer_id (the "
+                         "prefill instance's response gives it)")
+    if kv.do_remote_prefill and cfg.mode == "pull" and not (kv.remote_host and kv.remote_port):
+        raise ValueError("kv_transfer_params: in pull mode do_remote_prefill needs "
+                         "remote_host and remote_port (the prefill instance's connector)")
 
 
 def _apply_remote_prefill(request: Request, kv: KVTransferParams) -> None:

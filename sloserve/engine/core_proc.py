@@ -134,18 +134,23 @@ HEARTBEAT_S = 0.5
 def _serve(core, inbox: queue.Queue, send, stop: threading.Event, parent_pid: int) -> None:
     """The busy loop: drain inputs (publishing the state they left at once: the front end's
     queue gauges and overload control read it), step while there is work, publish every step
-    (and a heartbeat while no step can run)."""
+    (and a heartbeat while no step can run). While only KV transfers are in flight it waits
+    on the inbox, which a finished transfer wakes (``EngineCore.set_wakeup``)."""
     pending: list[EngineCoreOutput] = []
     sent_at = time.monotonic()
+    core.set_wakeup(lambda: inbox.put(_WAKE))
+    wait_s = 0.0
     while not stop.is_set():
         if os.getppid() != parent_pid:
             logger.warning("the API process is gone; the engine core stops")
             return
         idle = not core.has_unfinished_requests()
-        if _drain(core, inbox, pending, block=idle) or pending:
+        if _drain(core, inbox, pending, block=idle or wait_s > 0,
+                  timeout=0.5 if idle else wait_s) or pending:
             sent_at = time.monotonic()
             send(EngineCoreOutputs(pending, core.stats(), None, sent_at))
             pending = []
+        wait_s = 0.0
         if core.has_unfinished_requests():
             outs = core.step()
             if outs is not None:
@@ -156,17 +161,30 @@ def _serve(core, inbox: queue.Queue, send, stop: threading.Event, parent_pid: in
                 if now - sent_at >= HEARTBEAT_S:
                     send(EngineCoreOutputs([], core.stats(), None, now))
                     sent_at = now
-                time.sleep(0.001)
+                if core.waits_only_for_transfers():
+                    wait_s = TRANSFER_POLL_S
+                else:
+                    time.sleep(0.001)
 
 
-def _drain(core, inbox: queue.Queue, pending: list[EngineCoreOutput], block: bool) -> bool:
-    """Apply every queued input; wait up to 0.5 s for one when ``block``. Returns whether any
-    input arrived (the state the front end sees changed)."""
+#: a finished KV transfer's wake-up call in the inbox (no message of the front end's)
+_WAKE = object()
+#: while only KV transfers are in flight the loop looks at least this often (s): deadlines
+TRANSFER_POLL_S = 0.05
+
+
+def _drain(core, inbox: queue.Queue, pending: list[EngineCoreOutput], block: bool,
+           timeout: float = 0.5) -> bool:
+    """Apply every queued input; wait up to ``timeout`` s for one when ``block``. Returns
+    whether any input arrived (the state the front end sees changed)."""
     try:
-        msg = inbox.get(timeout=0.5) if block else inbox.get_nowait()
+        msg = inbox.get(timeout=timeout) if block else inbox.get_nowait()
     except queue.Empty:
         return False
+    changed = False
     while True:
+        if msg is not _WAKE:
+            changed = True
         if isinstance(msg, EngineCoreRequest):
             try:
                 core.add_request(msg)
@@ -182,7 +200,7 @@ def _drain(core, inbox: queue.Queue, pending: list[EngineCoreOutput], block: boo
         try:
             msg = inbox.get_nowait()
         except queue.Empty:
-            return True
+            return changed
 
 
 def main(argv: list[str] | None = None) -> None:

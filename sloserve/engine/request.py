@@ -8,9 +8,12 @@ from sloserve.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
-    """Lifecycle: WAITING -> RUNNING (-> PREEMPTED -> RUNNING ...) -> one FINISHED_* state."""
+    """Lifecycle: WAITING -> RUNNING (-> PREEMPTED -> RUNNING ...) -> one FINISHED_* state; a
+    decode instance's remote-prefill request goes WAITING -> WAITING_FOR_REMOTE_KVS -> WAITING
+    (its KV and first token arrived: its next step is a decode) -> RUNNING."""
 
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # holds its blocks while its KV arrives
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"       # EOS, stop token id or stop string
@@ -65,6 +68,11 @@ class Request:
     #: structured output: the grammar state (``fill_bitmask(): bytes``, ``accept(token)``),
     #: or an object with ``ready`` False while it compiles (not admitted until then)
     grammar: object | None = None
+    #: prefill/decode disaggregation (``engine.messages.KVTransferParams``), None: served
+    #: here alone; cleared on a decode instance once the request's KV has arrived
+    kv_transfer_params: object | None = None
+    #: a prefill instance's finished request: the parameters its response carries
+    kv_transfer_out: object | None = None
     # timestamps filled by the engine (seconds)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

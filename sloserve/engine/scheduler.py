@@ -39,6 +39,14 @@ releases its grammar (``release()``, where the grammar has one), so that a compi
 waits for any more is stopped. Requests finish here and only here (stop strings, which need
 text, are checked by the front end's detokenizer, as in vLLM).
 
+KV connector (prefill/decode disaggregation, ``sloserve.kv_transfer``): a decode instance's
+``do_remote_prefill`` request takes the blocks of its whole prompt when it reaches the queue
+(before the admission pass, no token budget, no seat) and waits, holding them, until its KV and
+the prefill instance's first token have arrived (``update_connector_output``); then it rejoins
+the queue's front and its first step is that token's decode. A prefill instance's
+``do_remote_decode`` request runs to its first token; its blocks are freed once the connector
+has sent them. The connector's news reaches the worker in ``SchedulerOutput``.
+
 Every step schedules each running request past its prefill first, one token each (as long as
 max_num_seqs <= max_num_batched_tokens, the default). Plain Python: no torch, no xgrammar and no
 clock (the caller passes `now`), so the simulator drives it with a cost model; its output
@@ -53,7 +61,7 @@ from dataclasses import dataclass
 from sloserve.config import QUEUE_POLICIES, EngineConfig
 from sloserve.engine.admission import StepRates, estimate_ttft_s
 from sloserve.engine.kv_cache_manager import KVCacheManager
-from sloserve.engine.messages import EngineCoreOutput
+from sloserve.engine.messages import EngineCoreOutput, KVTransferParams
 from sloserve.engine.request import Request, RequestStatus
 from sloserve.engine.request_queue import RequestQueue, create_request_queue
 from sloserve.step_io import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -149,13 +157,21 @@ class Scheduler:
         structured_output_manager: gives each request with a structured-output spec its grammar
             (``grammar_for(spec)``, ``sloserve.engine.structured_output.StructuredOutputManager``);
             None: such requests are refused.
+        kv_connector: the KV connector's scheduler half
+            (``sloserve.kv_transfer.scheduler_side.SloserveConnectorScheduler``), None: no
+            prefill/decode disaggregation (see "KV connector" in the module docstring).
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 structured_output_manager=None):
+                 structured_output_manager=None, kv_connector=None):
         self.config = config
         self.kv = kv_cache_manager
         self.structured_output_manager = structured_output_manager
+        self.connector = kv_connector
+        #: remote-prefill requests holding their blocks while their KV arrives
+        self.waiting_for_kv: dict[str, Request] = {}
+        #: the connector's (bytes sent, bytes received, failures) since start
+        self.kv_transfer_totals = (0, 0, 0)
         #: waiting requests in admission order; the queue policy (fcfs or priority)
         self.waiting: RequestQueue = create_request_queue(config.queue_policy)
         self.running: list[Request] = []
@@ -231,13 +247,22 @@ class Scheduler:
             return None
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+            del self.waiting_for_kv[request_id]
         else:
             try:
                 self.waiting.remove_request(req)
             except ValueError:
                 pass
         req.status = status
-        self.kv.free(request_id)
+        free_later = False
+        if self.connector is not None and (req.kv_transfer_params is not None
+                                           or request_id in self.connector.loading):
+            free_later, params = self.connector.request_finished(
+                req, self.kv.get_block_table(request_id))
+            req.kv_transfer_out = KVTransferParams(**params) if params else None
+        if not free_later:  # else: freed once the connector's worker half is done with them
+            self.kv.free(request_id)
         self._finished_ids.append(request_id)
         self._grammar_pending.discard(request_id)
         release = getattr(req.grammar, "release", None)
@@ -283,7 +308,14 @@ class Scheduler:
         return len(self.requests)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Requests to run or wait for, or KV transfers whose blocks are held."""
+        return bool(self.requests) or (self.connector is not None
+                                       and self.connector.has_pending())
+
+    def waits_only_for_transfers(self) -> bool:
+        """Nothing can run until a KV transfer finishes (or times out)."""
+        return (self.connector is not None and not self.running and not len(self.waiting)
+                and self.has_unfinished())
 
     # ----------------------------------------------------------------- scheduling
     def draft_candidates(self, with_grammar: bool = True) -> list[tuple[Request, int]]:
@@ -383,6 +415,8 @@ class Scheduler:
             else budget
         out = SchedulerOutput()
         scheduled: dict[str, int] = {}  # request id -> query tokens this step
+        if self.connector is not None:
+            self._start_kv_loads(now)
 
         # 1. running decodes, one token each plus their draft tokens, in admission order
         for req in list(self.running):
@@ -488,6 +522,8 @@ class Scheduler:
         out.scheduled = items
         out.finished_request_ids, self._finished_ids = self._finished_ids, []
         self._fill_bitmasks(out)
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
     def _admit_short_prompts(self, budget: int, out: SchedulerOutput, scheduled: dict[str, int],
@@ -531,6 +567,9 @@ class Scheduler:
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
         self.running.append(req)
+        if self.connector is not None and self.connector.is_remote_decode(req):
+            self.connector.update_state_after_alloc(req, self.kv.get_block_table(req.request_id),
+                                                    0, now)
 
     def _fill_bitmasks(self, out: SchedulerOutput) -> None:
         """Set the token bitmask of every sampling request with a grammar, and note (in
@@ -591,6 +630,8 @@ class Scheduler:
         g = req.grammar
         if g is not None and not getattr(g, "ready", True):
             return True
+        if self.connector is not None and self.connector.is_remote_prefill(req):
+            return True  # its KV comes from elsewhere (_start_kv_loads)
         if (req.parent_request_id is None or not self.kv.enable_prefix_caching
                 or req.num_computed_tokens or req.num_output_tokens
                 or req.sampling_params.prompt_logprobs is not None):
@@ -721,8 +762,108 @@ class Scheduler:
                     o.stop_reason = new[-1]
                 if why is not None:
                     o.error, o.bad_request = why, bad_request
+                o.kv_transfer_params = req.kv_transfer_out
             outputs.append(o)
         return outputs
+
+    # ----------------------------------------------------------------- KV connector
+    def _start_kv_loads(self, now: float) -> None:
+        """Cancel transfers past their deadline; give each waiting remote-prefill request, in
+        queue order, the blocks of its whole prompt (its prefix-cache hits here first, with
+        ``incremental``) and register its load; stop at the first that does not fit (it
+        keeps its place). They take no seat and no token budget until their KV is here."""
+        self.connector.expired(now)
+        incremental = self.connector.config.incremental
+        for req in [r for r in self.waiting if self.connector.is_remote_prefill(r)]:
+            hits, n_hit = (self.kv.get_computed_blocks(req) if incremental else ([], 0))
+            n_ext, _ = self.connector.get_num_new_matched_tokens(req, n_hit)
+            if not self.kv.allocate_slots(req.request_id, req.num_prompt_tokens, hits):
+                break
+            self.kv.record_query(req.num_tokens, n_hit)
+            req.num_cached_tokens = req.num_computed_tokens = n_hit
+            self.waiting.remove_request(req)
+            req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            self.waiting_for_kv[req.request_id] = req
+            self.connector.update_state_after_alloc(
+                req, self.kv.get_block_table(req.request_id), n_ext, now)
+
+    def update_connector_output(self, kv_out, now: float) -> list[EngineCoreOutput]:
+        """Apply the connector's worker-half report (``step_io.KVConnectorOutput``): free the
+        blocks of finished transfers; a request whose KV arrived takes the first token(s) the
+        prefill instance sampled (an output now; it finishes if that token stops it, else its
+        next step is a decode); a failed load is prefilled here (``recompute``) or fails
+        (``fail``). Returns the outputs."""
+        c, outs = self.connector, []
+        self.kv_transfer_totals = (kv_out.bytes_sent_total, kv_out.bytes_received_total,
+                                   kv_out.failures_total + c.num_timeouts)
+        for rid in kv_out.finished_sending:
+            if c.sent(rid):
+                self.kv.free(rid)
+        for rec in kv_out.finished_recving:
+            if c.load_over(rec.request_id):
+                self.kv.free(rec.request_id)
+                continue
+            req = self.waiting_for_kv.pop(rec.request_id, None)
+            if req is not None:
+                outs.append(self._kv_arrived(req, rec, now))
+        for rid, why in kv_out.failed.items():
+            if rid in c.saving or rid in c.held and rid not in self.waiting_for_kv:
+                if c.sent(rid):  # a prefill-side transfer: nothing to do but free
+                    self.kv.free(rid)
+                continue
+            c.load_over(rid)
+            req = self.waiting_for_kv.pop(rid, None)
+            if req is None:
+                continue
+            self.kv.free(rid)
+            if c.config.kv_load_failure_policy == "recompute":
+                logger.warning("%s: its KV did not arrive (%s); prefilling it here", rid, why)
+                req.kv_transfer_params = None
+                req.num_computed_tokens = 0
+                req.status = RequestStatus.WAITING
+                self.waiting.prepend_request(req)
+                continue
+            self.requests.pop(rid, None)
+            req.status = RequestStatus.FINISHED_ABORTED
+            self._finished_ids.append(rid)
+            outs.append(EngineCoreOutput(request_id=rid, finish_reason="abort",
+                                         first_scheduled_time=req.first_scheduled_time,
+                                         parent_request_id=req.parent_request_id,
+                                         error=f"KV transfer failed: {why}"))
+        return outs
+
+    def _kv_arrived(self, req: Request, rec, now: float) -> EngineCoreOutput:
+        """``req``'s prompt KV and first token(s) are here."""
+        req.kv_transfer_params = None
+        req.num_computed_tokens = rec.num_computed_tokens
+        self.kv.cache_blocks(req)
+        status = None
+        new = []
+        for tok in rec.output_token_ids:
+            req.output_token_ids.append(tok)
+            new.append(tok)
+            status = self._check_stop(req, tok)
+            if status is not None:
+                break
+        req.first_token_time = req.last_token_time = now
+        o = EngineCoreOutput(request_id=req.request_id, new_token_ids=new,
+                             num_output_tokens=req.num_output_tokens,
+                             num_cached_tokens=req.num_cached_tokens,
+                             parent_request_id=req.parent_request_id, kv_transfer_s=rec.seconds)
+        if status is not None:
+            req.status = RequestStatus.WAITING  # finish_request takes it from the queue's view
+            self.finish_request(req.request_id, status)
+            req.finished_time = now
+            o.finish_reason = status.finish_reason
+            o.first_scheduled_time = req.first_scheduled_time
+            if status is RequestStatus.FINISHED_STOPPED:
+                o.stop_reason = new[-1]
+        else:
+            req.status = RequestStatus.WAITING
+            self.waiting.prepend_request(req)
+        return o
 
     @staticmethod
     def _new_prompt_logprobs(req: Request, sr: ScheduledRequest, plp):

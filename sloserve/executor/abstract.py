@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from sloserve.config import EngineConfig
 from sloserve.kv_cache_spec import KVCacheSpec
-from sloserve.step_io import ModelRunnerOutput, SchedulerOutput, WorkerInfo
+from sloserve.step_io import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput, WorkerInfo
 
 
 class Executor(abc.ABC):
@@ -71,6 +71,11 @@ class Executor(abc.ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every worker; the sampled tokens (the first worker's)."""
         return self.collective_rpc("execute_model", (scheduler_output,))[0]
+
+    def get_kv_connector_output(self, scheduler_output: SchedulerOutput) -> KVConnectorOutput:
+        """A step without a forward (nothing to run): hand the KV connector's worker half the
+        scheduler output's news and take its report (the first worker's)."""
+        return self.collective_rpc("get_kv_connector_output", (scheduler_output,))[0]
 
     def reserve_cpus(self, cpus: int) -> None:
         """Leave ``cpus`` CPUs of each worker's host to the engine's own background work

@@ -109,9 +109,12 @@ class LlamaModel(nn.Module):
         self.kernels = None  # set where the whole-layer kernel call is used
 
     def forward(self, input_ids, positions, kv_caches, attn_backend, attn_meta,
-                logits_indices, plan: StepPlan, num_layers: int | None = None) -> torch.Tensor:
+                logits_indices, plan: StepPlan, num_layers: int | None = None,
+                layer_hooks=None) -> torch.Tensor:
         """The final norm's output at ``logits_indices``, [S, hidden], after the first
-        ``num_layers`` layers (None: all; ``layer_skip`` drafts stop early)."""
+        ``num_layers`` layers (None: all; ``layer_skip`` drafts stop early). ``layer_hooks``
+        (a KV connector's worker half) is told before each layer's attention reads the cache
+        (``wait_for_layer_load(i)``) and after it wrote the layer's KV (``save_kv_layer(i)``)."""
         act, fdt = plan.act_dtype, plan.float_dtype
         hidden = self.embed_tokens(input_ids)
         residual = None
@@ -123,7 +126,7 @@ class LlamaModel(nn.Module):
                     torch.empty(T, self.layers[0].mlp.down_proj.input_size))
             run_layer = self.kernels.run_x16_layer
         layers = self.layers if num_layers is None else self.layers[:num_layers]
-        for layer, cache in zip(layers, kv_caches):
+        for i, (layer, cache) in enumerate(zip(layers, kv_caches)):
             attn = layer.self_attn
             if qkv is None:
                 hidden, residual = layer.input_layernorm(hidden, residual, act)
@@ -131,7 +134,11 @@ class LlamaModel(nn.Module):
                 q, k = self.rotary_emb.rotate(q, k, tables)
             else:
                 q, k, v = attn.split(qkv)
+            if layer_hooks is not None:
+                layer_hooks.wait_for_layer_load(i)
             o = attn.attn(q, k, v, cache, attn_backend, attn_meta).to(fdt).contiguous()
+            if layer_hooks is not None:
+                layer_hooks.save_kv_layer(i)
             if plan.fused:
                 out = run_layer(layer.fused, o, residual, bufs, *tables)
                 qkv, hidden = (out, None) if layer.fused.nxt else (None, out)
@@ -250,7 +257,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_backend, attn_meta: Any,
-                logits_indices: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
+                logits_indices: torch.Tensor, num_layers: int | None = None,
+                layer_hooks=None) -> torch.Tensor:
         """One step over a flattened batch.
 
         Args:
@@ -263,6 +271,8 @@ class LlamaForCausalLM(nn.Module):
             num_layers: run only the first this many decoder layers, then the final norm and
                 the LM head (``layer_skip`` speculative drafts; None: all). They write their
                 layers' KV as a full step does (the verify step then overwrites it).
+            layer_hooks: a KV connector's worker half, told around each layer's attention
+                (``LlamaModel.forward``); None: none.
 
         Returns:
             [S, vocab_size] float32 logits.
@@ -271,5 +281,5 @@ class LlamaForCausalLM(nn.Module):
         if num_layers is not None and plan.fused:  # a whole-layer call makes the next layer's Q/K/V
             plan = dataclasses.replace(plan, fused=False)
         x = self.model(input_ids, positions, kv_caches, attn_backend, attn_meta,
-                       logits_indices, plan, num_layers)
+                       logits_indices, plan, num_layers, layer_hooks)
         return self.lm_head(x, torch.float32).float()

@@ -128,6 +128,8 @@ class ModelRunner:
         self.kv_bytes_per_token = spec.bytes_per_token
         #: speculative decoding's model drafts (``sloserve.model.draft.ModelDrafter``), or None
         self.drafter = None
+        #: the KV connector's worker half (``sloserve.kv_transfer.worker_side``), or None
+        self.kv_connector = None
 
     @staticmethod
     def allocate_kv(config: ModelConfig, num_blocks: int, block_size: int,
@@ -198,12 +200,23 @@ class ModelRunner:
             out = drafts.out
         inputs = build_step_inputs(out, self.block_size)
         meta = self.attn_backend.build_metadata(inputs)
+        conn = self.kv_connector
+        hooks = None
+        if conn is not None:
+            conn.bind_connector_metadata(out)
+            conn.start_load_kv()
+            hooks = conn if conn.has_layer_work else None
         t1 = time.perf_counter()
         logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, self.attn_backend,
-                         meta, inputs.logits_indices)
+                         meta, inputs.logits_indices,
+                         **({"layer_hooks": hooks} if hooks is not None else {}))
+        if conn is not None:
+            conn.wait_for_save()
         t2 = time.perf_counter()
         sampled, logprobs, prompt_logprobs = self._sample(
             out, logits, drafts.probs if drafts is not None else None)
+        if conn is not None:
+            conn.after_sample(out, sampled)
         if drafts is not None:
             for sr, kept in zip(out.scheduled, sampled):
                 self.drafter.after_verify(sr, kept)
@@ -214,7 +227,9 @@ class ModelRunner:
                                  prompt_logprobs=prompt_logprobs, prepare_s=t1 - t0 - draft_s,
                                  forward_s=t2 - t1 + draft_s, sample_s=t3 - t2,
                                  draft_token_ids=drafts.token_ids if drafts is not None else [],
-                                 draft_s=draft_s)
+                                 draft_s=draft_s,
+                                 kv_connector_output=(conn.build_connector_output()
+                                                      if conn is not None else None))
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor,
                 draft_probs: list[torch.Tensor | None] | None = None):

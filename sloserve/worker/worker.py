@@ -176,6 +176,11 @@ class Worker:
                                         self.kv_cache_dtype,
                                         Sampler(cfg.seed, batch_invariant=cfg.batch_invariant),
                                         self.attn_backend, logprobs_mode=cfg.logprobs_mode)
+        kvt = cfg.kv_transfer
+        if kvt is not None:  # the KV connector's worker half, over these cache tensors
+            from sloserve.kv_transfer.worker_side import SloserveConnectorWorker
+            self.model_runner.kv_connector = SloserveConnectorWorker(
+                kvt, self.model_runner.kv_caches, self.attn_backend, cfg.block_size)
         spec = cfg.speculative
         if spec is not None:  # what draft rows cost here: the drafter's k per batch size
             self.verify_cost = self.model_runner.measure_verify_cost()
@@ -208,6 +213,20 @@ class Worker:
             self.thread_governor.after_step(started)
         return out
 
+    def kv_connector_port(self) -> int:
+        """The port the KV connector's worker half listens on."""
+        return self.model_runner.kv_connector.port
+
+    def set_kv_wakeup(self, wake) -> None:
+        """Call ``wake`` when a KV transfer finishes or fails (in-process executors only)."""
+        self.model_runner.kv_connector.wake = wake
+
+    def get_kv_connector_output(self, scheduler_output: SchedulerOutput):
+        """A step without a forward: the KV connector takes its news and reports."""
+        conn = self.model_runner.kv_connector
+        conn.bind_connector_metadata(scheduler_output)
+        return conn.build_connector_output()
+
     def reserve_cpus(self, cpus: int) -> None:
         """One compute thread fewer per CPU the engine's grammar compiles hold
         (``ThreadGovernor.reserve``); none under ``--num-threads`` / ``OMP_NUM_THREADS``."""
@@ -223,5 +242,9 @@ class Worker:
         self.model_runner.import_kv(block_ids, data, layer)
 
     def shutdown(self) -> None:
-        """Release what outlives the worker object: nothing in-process (the model and the KV
-        cache are freed with it; tests and benchmarks may still read them after ``close``)."""
+        """Release what outlives the worker object: the KV connector's socket and transfers
+        (the model and the KV cache are freed with it; tests and benchmarks may still read
+        them after ``close``)."""
+        conn = getattr(self.model_runner, "kv_connector", None)
+        if conn is not None:
+            conn.close()

@@ -1,0 +1,441 @@
+"""The KV connector's worker half (vLLM's ``KVConnectorBase_V1`` worker-side methods): it
+moves a prompt's KV between the KV cache tensors of a prefill instance and a decode instance
+over TCP (``sloserve.kv_transfer.transport``), beside the step loop.
+
+Each instance listens on ``kv_ip:kv_port``; a transfer is one connection, opened by the
+prefill side (push) or the decode side (pull), named by its ``transfer_id``.
+
+Prefill side (a :class:`~sloserve.step_io.KVSave`): the blocks of the prompt go layer by layer.
+``layerwise``: after each layer's attention has written its KV in a step
+(:meth:`save_kv_layer`, called from inside the model's forward), that layer's blocks completed
+by the step are queued; ``eager``: every layer's blocks are queued after the step that ends the
+prompt (:meth:`wait_for_save`). Blocks computed before (prefix-cache hits here, or a recompute
+after preemption) are queued at the step's start. The forward only queues (block ids, no copy):
+a sender thread per transfer copies each queued layer's blocks out of the cache and sends them
+(through a token bucket shared by all transfers when ``max_bandwidth`` is set), skipping the
+blocks the decode side said it has (``need``), then the first token sampled after the prompt
+(``done``). The scheduler holds the request's blocks until the transfer is reported finished or
+failed, so the blocks a sender reads are never reused meanwhile.
+
+Decode side (a :class:`~sloserve.step_io.KVLoad`): a receiver thread per transfer writes each
+arriving layer's blocks into the request's blocks (which no step reads until the transfer is
+reported finished: the request waits in the scheduler), so arriving KV never stalls a step and
+:meth:`wait_for_layer_load` has nothing to wait for.
+
+Cancelled transfers (``KVConnectorMetadata.cancels``) stop before the next copy in or out and
+are reported like failed ones; only then does the scheduler free their blocks.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from sloserve.config import KVTransferConfig
+from sloserve.kv_transfer.transport import (TokenBucket, TransferError, connect, expect,
+                                            recv_msg, recv_payload, send_msg, send_payload)
+from sloserve.step_io import (KVConnectorMetadata, KVConnectorOutput, KVLoad, KVReceived,
+                              KVSave, SchedulerOutput)
+
+logger = logging.getLogger(__name__)
+
+#: a queued "the first token" item of a send transfer
+_DONE = "done"
+
+
+@dataclass(eq=False)
+class _Transfer:
+    transfer_id: str
+    request_id: str
+    num_prompt_tokens: int
+    #: open, done, failed, cancelled
+    state: str = "open"
+    #: guards reading or writing the request's blocks against a cancel
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    sock: socket.socket | None = None
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass(eq=False)
+class _Send(_Transfer):
+    remote: tuple[str, int] | None = None
+    #: (layer, b0, b1, block ids) or (_DONE, tokens, num_computed)
+    frames: collections.deque = field(default_factory=collections.deque)
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    #: blocks of the prompt queued so far (in order from 0)
+    covered: int = 0
+    attached: bool = False
+
+
+@dataclass(eq=False)
+class _Recv(_Transfer):
+    load: KVLoad | None = None
+
+
+class SloserveConnectorWorker:
+    """The worker half of ``SloserveConnector``.
+
+    Args:
+        config: the KV transfer settings.
+        kv_caches: the worker's KV cache tensors, one per layer (the backend's layout).
+        attn_backend: exports and imports blocks of one layer (it owns the layout).
+        block_size: tokens per block.
+
+    Raises (constructor): OSError when ``kv_ip:kv_port`` cannot be listened on.
+    """
+
+    def __init__(self, config: KVTransferConfig, kv_caches: list[torch.Tensor], attn_backend,
+                 block_size: int):
+        self.config = config
+        self.kv_caches = kv_caches
+        self.backend = attn_backend
+        self.block_size = block_size
+        empty = attn_backend.export_blocks(kv_caches[0], torch.empty(0, dtype=torch.long))
+        #: one layer's export shape with the block dimension, and its bytes per block
+        self._shape = list(empty.shape)
+        self._block_dim = self._shape.index(0)
+        per_block = math.prod(d for i, d in enumerate(self._shape) if i != self._block_dim)
+        self.layer_block_bytes = per_block * empty.element_size()
+        self._dtype = kv_caches[0].dtype
+        self._lock = threading.Condition()  # the registries below and the reports
+        self._sends: dict[str, _Send] = {}
+        self._recvs: dict[str, _Recv] = {}
+        self._by_request: dict[str, _Transfer] = {}
+        self._finished_sending: list[str] = []
+        self._finished_recving: list[KVReceived] = []
+        self._failed: dict[str, str] = {}
+        self._load_error_blocks: set[int] = set()
+        self.bytes_sent = self.bytes_received = self.failures = 0
+        self.bucket = TokenBucket(config.max_bandwidth)
+        #: this step's saves: (transfer, first block the step completes, blocks ready after it)
+        self._active: list[tuple[_Send, int, int, list[int], bool]] = []
+        #: called (from any thread) when a transfer finishes or fails: wakes an idle core loop
+        self.wake = None
+        #: tests: called with each received payload (a writable bytearray) before it is written
+        self.on_receive = None
+        self._closed = False
+        self._server = socket.create_server((config.kv_ip, config.kv_port), backlog=64)
+        self.port = self._server.getsockname()[1]
+        threading.Thread(target=self._accept, name="sloserve-kv-accept", daemon=True).start()
+
+    # ------------------------------------------------------------------ registry
+    def bind_connector_metadata(self, out: SchedulerOutput) -> None:
+        """Take a step's news: new transfers, cancels, preempted requests (their queued blocks
+        are dropped: recomputed blocks are queued again), and which saves this step's chunks
+        advance."""
+        meta = out.kv_connector_metadata or KVConnectorMetadata()
+        for rid in meta.cancels:
+            self._stop(rid, "cancelled")
+        for s in meta.saves:
+            t = _Send(s.transfer_id, s.request_id, s.num_prompt_tokens,
+                      remote=(s.remote_host, s.remote_port) if s.remote_host else None)
+            self._register(t, self._sends)
+            if t.remote is not None:  # push: open the connection now, while the prompt computes
+                threading.Thread(target=self._open_push, args=(t,), daemon=True,
+                                 name="sloserve-kv-push").start()
+        for ld in meta.loads:
+            r = _Recv(ld.transfer_id, ld.request_id, ld.num_prompt_tokens, load=ld)
+            self._register(r, self._recvs)
+            if ld.remote_host:  # pull: ask the prefill side
+                threading.Thread(target=self._open_pull, args=(r,), daemon=True,
+                                 name="sloserve-kv-pull").start()
+        for rid in out.preempted_request_ids:
+            t = self._by_request.get(rid)
+            if isinstance(t, _Send):
+                with t.cond:
+                    t.frames.clear()
+                    t.covered = 0
+        self._active = []
+        bs = self.block_size
+        for sr in out.scheduled:
+            t = self._by_request.get(sr.request_id)
+            if not isinstance(t, _Send) or t.state != "open":
+                continue
+            L = t.num_prompt_tokens
+            end = min(sr.end_pos, L)
+            ready = -(-L // bs) if end >= L else end // bs
+            first = sr.num_computed_tokens // bs
+            if self.config.granularity == "layerwise" and t.covered < min(first, ready):
+                # computed before this step (hits, a recompute): every layer now
+                self._queue(t, [(i, t.covered, min(first, ready), sr.block_ids)
+                                for i in range(len(self.kv_caches))])
+                t.covered = min(first, ready)
+            self._active.append((t, t.covered, ready, sr.block_ids, end >= L))
+
+    def _register(self, t: _Transfer, table: dict) -> None:
+        with self._lock:  # a connection that came first waits for this (_serve_conn)
+            table[t.transfer_id] = t
+            self._by_request[t.request_id] = t
+            self._lock.notify_all()
+
+    def _queue(self, t: _Send, items: list) -> None:
+        with t.cond:
+            t.frames.extend(items)
+            t.cond.notify()
+
+    # ------------------------------------------------------------------ the step's hooks
+    def start_load_kv(self) -> None:
+        """Loads run on their own threads from registration on: nothing to start per step."""
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        """No step reads a loading request's blocks: nothing to wait for."""
+
+    def save_kv_layer(self, layer: int) -> None:
+        """``layer``'s attention has written this step's KV: queue its blocks the step
+        completed, for each save this step advances (``layerwise`` only)."""
+        if self.config.granularity != "layerwise":
+            return
+        for t, b0, b1, ids, _ in self._active:
+            if b1 > b0:
+                self._queue(t, [(layer, b0, b1, ids)])
+
+    @property
+    def has_layer_work(self) -> bool:
+        """This step advances a layer-wise save (the forward must call the layer hooks)."""
+        return bool(self._active) and self.config.granularity == "layerwise"
+
+    def wait_for_save(self) -> None:
+        """After the forward: ``eager`` saves whose prompt this step ended queue every layer's
+        blocks; ``layerwise`` ones note what the step's layer hooks queued."""
+        for t, b0, b1, ids, ends in self._active:
+            if self.config.granularity == "eager":
+                if ends:
+                    self._queue(t, [(i, 0, b1, ids) for i in range(len(self.kv_caches))])
+            t.covered = max(t.covered, b1)
+
+    def after_sample(self, out: SchedulerOutput, sampled: list[list[int]]) -> None:
+        """Queue the first token of each save whose prompt this step ended (the transfer's
+        last message)."""
+        for t, _, _, _, ends in self._active:
+            if not ends:
+                continue
+            for sr, toks in zip(out.scheduled, sampled):
+                if sr.request_id == t.request_id:
+                    self._queue(t, [(_DONE, list(toks), t.num_prompt_tokens)])
+        self._active = []
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """vLLM's: (requests whose sending finished, requests whose receiving finished) since
+        the last call; :meth:`build_connector_output` returns these with the failures."""
+        out = self.build_connector_output()
+        return set(out.finished_sending), {r.request_id for r in out.finished_recving}
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of transfers that failed on this (decode) side since the last call."""
+        with self._lock:
+            ids, self._load_error_blocks = self._load_error_blocks, set()
+        return ids
+
+    def build_connector_output(self) -> KVConnectorOutput:
+        """The finished and failed transfers since the last call, and the counters."""
+        with self._lock:
+            out = KVConnectorOutput(self._finished_sending, self._finished_recving,
+                                    self._failed, self.bytes_sent, self.bytes_received,
+                                    self.failures)
+            self._finished_sending, self._finished_recving, self._failed = [], [], {}
+        return out
+
+    # ------------------------------------------------------------------ ends
+    def _finish(self, t: _Transfer, state: str, why: str = "",
+                received: KVReceived | None = None) -> None:
+        """Report ``t`` once: finished (``done``), failed or cancelled."""
+        with t.lock:
+            if t.state != "open":
+                return
+            t.state = state
+        if t.sock is not None:
+            try:
+                t.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            t.sock.close()
+        if isinstance(t, _Send):
+            with t.cond:
+                t.frames.clear()
+                t.cond.notify_all()
+        with self._lock:
+            table = self._sends if isinstance(t, _Send) else self._recvs
+            if table.get(t.transfer_id) is t:
+                del table[t.transfer_id]
+            if self._by_request.get(t.request_id) is t:
+                del self._by_request[t.request_id]
+            if state == "done":
+                if received is not None:
+                    self._finished_recving.append(received)
+                else:
+                    self._finished_sending.append(t.request_id)
+            else:
+                if state == "failed":
+                    self.failures += 1
+                    logger.warning("KV transfer %s of %s failed: %s", t.transfer_id,
+                                   t.request_id, why)
+                if isinstance(t, _Recv):
+                    self._failed[t.request_id] = why
+                    self._load_error_blocks.update(t.load.block_ids[t.load.first_block:])
+                elif state == "cancelled":
+                    self._finished_sending.append(t.request_id)
+                else:
+                    self._failed[t.request_id] = why
+            self._lock.notify_all()
+        if self.wake is not None:
+            self.wake()
+
+    def _stop(self, request_id: str, why: str) -> None:
+        t = self._by_request.get(request_id)
+        if t is None:  # already reported (finished or failed): nothing in flight
+            return
+        self._finish(t, "cancelled", why)
+
+    def close(self) -> None:
+        """Stop listening and end every transfer (as failed)."""
+        self._closed = True
+        try:
+            self._server.close()
+        except OSError:
+            pass
+        for t in list(self._by_request.values()):
+            self._finish(t, "failed", "the connector closed")
+
+    # ------------------------------------------------------------------ connections
+    def _deadline(self) -> float:
+        return time.monotonic() + self.config.timeout_s
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve_conn, args=(sock,), daemon=True,
+                             name="sloserve-kv-conn").start()
+
+    def _serve_conn(self, sock: socket.socket) -> None:
+        """An opened connection: find its transfer (waiting up to ``timeout_s`` for this side's
+        scheduler to register it), then send or receive."""
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(self.config.timeout_s)
+        try:
+            hello = expect(recv_msg(sock), "hello")
+            tid, kind = str(hello["transfer_id"]), hello["kind"]
+            table = self._recvs if kind == "push" else self._sends
+            deadline = self._deadline()
+            with self._lock:
+                while tid not in table and time.monotonic() < deadline and not self._closed:
+                    self._lock.wait(0.2)
+                t = table.get(tid)
+                if t is None or t.sock is not None:
+                    raise TransferError(f"no transfer {tid!r} here")
+                t.sock = sock
+        except (OSError, TransferError, KeyError) as e:
+            try:
+                send_msg(sock, {"t": "error", "message": str(e)})
+            except OSError:
+                pass
+            sock.close()
+            return
+        self._run(t, sock)
+
+    def _open_push(self, t: _Send) -> None:
+        self._open(t, "push")
+
+    def _open_pull(self, r: _Recv) -> None:
+        self._open(r, "pull")
+
+    def _open(self, t: _Transfer, kind: str) -> None:
+        host, port = (t.remote if isinstance(t, _Send)
+                      else (t.load.remote_host, t.load.remote_port))
+        try:
+            sock = connect(host, port, self._deadline())
+            sock.settimeout(self.config.timeout_s)
+            with t.lock:
+                if t.state != "open":
+                    sock.close()
+                    return
+                t.sock = sock
+            send_msg(sock, {"t": "hello", "transfer_id": t.transfer_id, "kind": kind})
+        except (OSError, TransferError) as e:
+            self._finish(t, "failed", str(e))
+            return
+        self._run(t, sock)
+
+    def _run(self, t: _Transfer, sock: socket.socket) -> None:
+        try:
+            if isinstance(t, _Send):
+                self._send_loop(t, sock)
+            else:
+                self._recv_loop(t, sock)
+        except (OSError, TransferError, ValueError, KeyError) as e:
+            self._finish(t, "failed", f"{type(e).__name__}: {e}")
+
+    # ------------------------------------------------------------------ sending
+    def _send_loop(self, t: _Send, sock: socket.socket) -> None:
+        first = int(expect(recv_msg(sock), "need")["first_block"])
+        while True:
+            with t.cond:
+                while not t.frames and t.state == "open":
+                    t.cond.wait(0.5)
+                if t.state != "open":
+                    return
+                item = t.frames.popleft()
+            if item[0] == _DONE:
+                send_msg(sock, {"t": "done", "output_token_ids": item[1],
+                                "num_computed_tokens": item[2]})
+                self._finish(t, "done")
+                return
+            layer, b0, b1, ids = item
+            b0 = max(b0, first)
+            if b0 >= b1:
+                continue
+            with t.lock:  # a cancel waits for the copy; after it the blocks may be reused
+                if t.state != "open":
+                    return
+                data = self.backend.export_blocks(
+                    self.kv_caches[layer], torch.tensor(ids[b0:b1], dtype=torch.long))
+            raw = memoryview(data.contiguous().view(torch.uint8).numpy()).cast("B")
+            send_msg(sock, {"t": "kv", "layer": layer, "b0": b0, "b1": b1, "nbytes": len(raw)})
+            send_payload(sock, raw, self.bucket)
+            with self._lock:
+                self.bytes_sent += len(raw)
+
+    # ------------------------------------------------------------------ receiving
+    def _recv_loop(self, r: _Recv, sock: socket.socket) -> None:
+        ld = r.load
+        ids = torch.tensor(ld.block_ids, dtype=torch.long)
+        send_msg(sock, {"t": "need", "first_block": ld.first_block})
+        while True:
+            msg = recv_msg(sock)
+            if msg.get("t") == "done":
+                n = int(msg["num_computed_tokens"])
+                if n != ld.num_prompt_tokens:
+                    raise TransferError(f"the prefill side computed {n} tokens, the prompt "
+                                        f"here has {ld.num_prompt_tokens}")
+                self._finish(r, "done", received=KVReceived(
+                    r.request_id, [int(x) for x in msg["output_token_ids"]], n,
+                    time.monotonic() - r.started))
+                return
+            expect(msg, "kv")
+            layer, b0, b1, nbytes = (int(msg[k]) for k in ("layer", "b0", "b1", "nbytes"))
+            if not (0 <= layer < len(self.kv_caches) and ld.first_block <= b0 < b1
+                    <= len(ld.block_ids)) or nbytes != (b1 - b0) * self.layer_block_bytes:
+                raise TransferError(f"a KV frame for layer {layer} blocks [{b0}, {b1}) of "
+                                    f"{nbytes} bytes does not fit {len(ld.block_ids)} blocks "
+                                    f"from {ld.first_block}")
+            buf = bytearray(nbytes)
+            recv_payload(sock, memoryview(buf))
+            with self._lock:
+                self.bytes_received += nbytes
+            if self.on_receive is not None:
+                self.on_receive(buf)
+            shape = list(self._shape)
+            shape[self._block_dim] = b1 - b0
+            data = torch.frombuffer(buf, dtype=torch.uint8).view(self._dtype).view(shape)
+            with r.lock:
+                if r.state != "open":
+                    return
+                self.backend.import_blocks(self.kv_caches[layer], ids[b0:b1], data)
