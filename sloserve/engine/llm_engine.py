@@ -12,7 +12,7 @@ import time
 
 from sloserve.config import EngineConfig
 from sloserve.engine.core import EngineCore
-from sloserve.engine.messages import EngineCoreRequest
+from sloserve.engine.messages import EngineCoreRequest, KVTransferParams
 from sloserve.engine.metrics import EngineSummary, SpecDecodingLogger, StatLogger, log_stats
 from sloserve.engine.output_processor import OutputProcessor
 from sloserve.engine.outputs import RequestOutput
@@ -108,9 +108,13 @@ class LLMEngine:
             raise
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """make_request + add; returns the request id."""
-        req = self.make_request(prompt, params or SamplingParams(), request_id)
+                    request_id: str | None = None,
+                    kv_transfer_params: KVTransferParams | None = None) -> str:
+        """make_request + add; returns the request id. ``kv_transfer_params``: one half of a
+        disaggregated request (needs a KV connector; its finished output carries what the
+        other half takes)."""
+        req = self.make_request(prompt, params or SamplingParams(), request_id,
+                                kv_transfer_params=kv_transfer_params)
         self.add(req)
         return req.request_id
 

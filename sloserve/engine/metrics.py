@@ -27,6 +27,9 @@ class IterationStats:
         step_s: wall time of the step; forward_s: of the model forward alone.
         start_time: ``time.monotonic()`` when the step was scheduled (s).
         spec_decoding: the step's draft counts (None: no request had drafts).
+        kv_transfer_s: KV-transfer times of the decode requests whose KV and first token
+            arrived (``EngineCoreOutput.kv_transfer_s``) with this step or the messages
+            without a step before it.
     """
 
     num_running: int = 0
@@ -42,6 +45,7 @@ class IterationStats:
     forward_s: float = 0.0
     start_time: float = 0.0
     spec_decoding: "SpecDecodingStats | None" = None
+    kv_transfer_s: list[float] = field(default_factory=list)
 
 
 @dataclass

@@ -7,7 +7,9 @@ that completed the stop string (tokens the core made after it are dropped). Stop
 the one finish outside the core's scheduler (which finishes requests on stop tokens, EOS,
 lengths and grammars): matching them needs the text, so they stay here, as in vLLM's
 ``OutputProcessor``. TTFT and ITL are measured when outputs reach the front end, so they include
-the trip from the core.
+the trip from the core. A finished output passes on the core's ``kv_transfer_params`` (a prefill
+instance's, for the decode request) and each decode request's KV-transfer time goes to the
+next step's stats.
 """
 from __future__ import annotations
 
@@ -71,6 +73,9 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._states: dict[str, RequestState] = {}
         self._lock = threading.Lock()
+        #: KV-transfer times that came with messages without a step, for the next step's stats
+        #: (only the thread that processes outputs touches it)
+        self._kv_transfer_s: list[float] = []
 
     def add_request(self, req: EngineCoreRequest, sink: Any = None) -> None:
         """Track a request about to be sent to the core. Raises ValueError for a duplicate id."""
@@ -123,6 +128,7 @@ class OutputProcessor:
         finished: list[FinishedRequestStats] = []
         ttfts: list[float] = []
         itls: list[float] = []
+        self._kv_transfer_s += [o.kv_transfer_s for o in outs.outputs if o.kv_transfer_s > 0]
         for o in outs.outputs:
             with self._lock:
                 st = self._states.get(o.request_id)
@@ -156,6 +162,8 @@ class OutputProcessor:
                 finished.append(self._finished_stats(st, reason, now, o.first_scheduled_time))
             out = self._output(st, delta, new_ids, reason is not None, reason, error,
                                o.bad_request and error is not None)
+            if reason is not None:
+                out.kv_transfer_params = o.kv_transfer_params
             if o.new_logprobs is not None:
                 out.new_logprobs = o.new_logprobs.slice(0, len(new_ids))
             results.append((st.sink, out))
@@ -168,7 +176,9 @@ class OutputProcessor:
                                 num_generation_tokens=s.num_generation_tokens,
                                 num_batched_tokens=s.num_batched_tokens,
                                 num_preemptions=s.num_preemptions, ttfts=ttfts, itls=itls,
-                                step_s=s.step_s, forward_s=s.forward_s, start_time=s.start_time)
+                                step_s=s.step_s, forward_s=s.forward_s, start_time=s.start_time,
+                                kv_transfer_s=self._kv_transfer_s)
+            self._kv_transfer_s = []
             if s.num_draft_tokens:
                 it.spec_decoding = SpecDecodingStats()
                 for o in outs.outputs:

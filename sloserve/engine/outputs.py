@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sloserve.engine.messages import KVTransferParams
 from sloserve.logprobs import Logprobs
 
 
@@ -28,6 +29,8 @@ class RequestOutput:
         prompt_logprobs: logprobs of prompt tokens 1.. (token 0 has none), when it asked for
             ``prompt_logprobs``: all of them, in its first output with tokens (or its last).
         prompt_token_ids: the prompt, in that same output (for ``echo``).
+        kv_transfer_params: in the finished output of a prefill instance's
+            ``do_remote_decode`` request: what its decode request takes (the API returns it).
     """
 
     request_id: str
@@ -45,3 +48,4 @@ class RequestOutput:
     new_logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
     prompt_token_ids: list[int] | None = None
+    kv_transfer_params: KVTransferParams | None = None

@@ -9,8 +9,40 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from sloserve.engine.messages import EngineCoreRequest, EngineInfo
+from sloserve.engine.messages import EngineCoreRequest, EngineInfo, KVTransferParams
 from sloserve.sampling_params import ParamError, SamplingParams, require_unicode
+
+
+def check_kv_transfer(kv: KVTransferParams, info: EngineInfo) -> None:
+    """Whether an engine described by ``info`` serves a request with ``kv``: it needs a KV
+    connector (``info.kv_role``), a prefill request (``do_remote_decode``) a ``kv_producer``
+    or ``kv_both`` one, a decode request (``do_remote_prefill``) a ``kv_consumer`` or
+    ``kv_both`` one and, in pull mode, the prefill instance's ``remote_host`` and
+    ``remote_port`` to fetch from; and a request is not both.
+
+    Raises:
+        ParamError: param ``kv_transfer_params``.
+    """
+    role = info.kv_role
+    if role is None:
+        raise ParamError("kv_transfer_params needs a server started with --kv-transfer-config",
+                         "kv_transfer_params")
+    if kv.do_remote_decode and kv.do_remote_prefill:
+        raise ParamError("kv_transfer_params: do_remote_decode and do_remote_prefill cannot "
+                         "both be true", "kv_transfer_params")
+    if kv.do_remote_decode and role == "kv_consumer":
+        raise ParamError("kv_transfer_params.do_remote_decode (a prefill request) needs a "
+                         "kv_producer or kv_both server; this one is kv_consumer",
+                         "kv_transfer_params")
+    if kv.do_remote_prefill and role == "kv_producer":
+        raise ParamError("kv_transfer_params.do_remote_prefill (a decode request) needs a "
+                         "kv_consumer or kv_both server; this one is kv_producer",
+                         "kv_transfer_params")
+    if kv.do_remote_prefill and info.kv_mode == "pull" and not (kv.remote_host
+                                                                 and kv.remote_port):
+        raise ParamError("kv_transfer_params.do_remote_prefill needs remote_host and "
+                         "remote_port (the prefill instance's KV connector) in pull mode",
+                         "kv_transfer_params")
 
 
 class Processor:
@@ -44,16 +76,20 @@ class Processor:
     def make_request(self, prompt: str | list[int], params: SamplingParams,
                      request_id: str | None = None, arrival_time: float | None = None,
                      parent_request_id: str | None = None, priority: int = 0,
-                     cache_salt: str | None = None) -> EngineCoreRequest:
+                     cache_salt: str | None = None,
+                     kv_transfer_params: KVTransferParams | None = None) -> EngineCoreRequest:
         """Tokenize and validate (thread-safe; touches no engine state).
 
         max_tokens=None becomes "up to max_model_len".
 
         Raises:
             ParamError: empty prompt, token id out of the vocabulary, prompt + max_tokens over
-                max_model_len or over the KV cache (the message names the numbers and the limit).
+                max_model_len or over the KV cache (the message names the numbers and the limit),
+                ``kv_transfer_params`` this engine does not serve (:func:`check_kv_transfer`).
         """
         info = self.info
+        if kv_transfer_params is not None:
+            check_kv_transfer(kv_transfer_params, info)
         if priority and info.scheduling_policy != "priority":
             raise ParamError(f"priority {priority} needs --scheduling-policy priority (the server "
                              f"runs {info.scheduling_policy})", "priority")
@@ -101,4 +137,4 @@ class Processor:
             request_id=request_id, prompt_token_ids=ids, sampling_params=params,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             eos_token_ids=list(self.eos_token_ids), parent_request_id=parent_request_id,
-            priority=priority, cache_salt=cache_salt)
+            priority=priority, cache_salt=cache_salt, kv_transfer_params=kv_transfer_params)

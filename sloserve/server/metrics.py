@@ -20,7 +20,13 @@ Metric names, types and histogram buckets follow vLLM (v1) so existing Grafana d
 * sloserve's own: counters ``sloserve:engine_steps``, ``sloserve:requests_rejected`` (HTTP
   429s), histogram ``sloserve:batched_tokens_per_step`` (tokens), gauges
   ``sloserve:kv_cache_usage_peak_perc`` (fraction 0..1), ``sloserve:grammar_compiles``
-  (structured-output grammars compiling or waiting to).
+  (structured-output grammars compiling or waiting to);
+* prefill/decode disaggregation (zero without a KV connector): counters
+  ``sloserve:kv_transfer_bytes`` (label ``direction``: ``sent`` / ``received``; KV payload
+  bytes) and ``sloserve:kv_transfer_failures``, advanced to the core's totals at scrape time;
+  gauge ``sloserve:num_requests_waiting_for_kv`` (requests holding blocks while their KV
+  arrives or goes); histogram ``sloserve:kv_transfer_seconds`` (a decode request's wait from
+  admission until its KV and first token had arrived).
 
 Each instance owns its ``CollectorRegistry`` (several apps may live in one process).
 ``record`` is called from the engine thread; prometheus_client metrics are thread-safe.
@@ -180,6 +186,20 @@ class PrometheusStatLogger:
         self.g_grammar_compiles = gauge(
             "sloserve:grammar_compiles",
             "Structured-output grammars compiling or waiting to compile.")
+        self._kv_transfer_bytes = Counter("sloserve:kv_transfer_bytes",
+                                          "KV payload bytes the KV connector sent / received.",
+                                          ["model_name", "direction"], registry=r)
+        self.c_kv_bytes = {d: self._kv_transfer_bytes.labels(name, d)
+                           for d in ("sent", "received")}
+        self.c_kv_failures = counter("sloserve:kv_transfer_failures",
+                                     "KV transfers that failed or timed out.")
+        self._kv_seen = (0, 0, 0)
+        self.g_waiting_for_kv = gauge(
+            "sloserve:num_requests_waiting_for_kv",
+            "Requests holding KV blocks while their KV is transferred.")
+        self.h_kv_transfer = hist("sloserve:kv_transfer_seconds",
+                                  "Histogram of a decode request's wait for its KV transfer "
+                                  "in seconds.", TTFT_BUCKETS)
 
     # ------------------------------------------------------------------------------ recording
     def record(self, it: IterationStats | None, finished: list[FinishedRequestStats]) -> None:
@@ -214,6 +234,8 @@ class PrometheusStatLogger:
                 self._spec_per_pos.labels(self.model_name, str(pos)).inc(n)
         for t in it.ttfts:
             self.h_ttft.observe(t)
+        for t in it.kv_transfer_s:
+            self.h_kv_transfer.observe(t)
         for t in it.itls:
             self.h_itl.observe(t)
 
@@ -270,6 +292,22 @@ class PrometheusStatLogger:
             self.c_prefix_queries.inc(queries - q0)
             self.c_prefix_hits.inc(hits - h0)
         self._prefix_seen = (queries, hits)
+
+    def set_kv_transfer(self, num_waiting_for_kv: int, bytes_sent: int, bytes_received: int,
+                        failures: int) -> None:
+        """Refresh the gauge of requests waiting for KV and advance the KV-transfer counters to
+        the core's totals (since its start; totals below the last ones seen, a new core, only
+        become the new base)."""
+        if not self._bound:
+            self.bind()
+        self.g_waiting_for_kv.set(num_waiting_for_kv)
+        now = (bytes_sent, bytes_received, failures)
+        if all(n >= seen for n, seen in zip(now, self._kv_seen)):
+            sent0, received0, failures0 = self._kv_seen
+            self.c_kv_bytes["sent"].inc(bytes_sent - sent0)
+            self.c_kv_bytes["received"].inc(bytes_received - received0)
+            self.c_kv_failures.inc(failures - failures0)
+        self._kv_seen = now
 
     def render(self) -> bytes:
         """The registry in Prometheus text exposition format (content type CONTENT_TYPE_LATEST)."""

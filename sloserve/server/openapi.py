@@ -33,6 +33,29 @@ def _constrain(prop: dict[str, Any], **by_type: dict[str, Any]) -> None:
             _constrain(b["items"], **by_type["items"])
 
 
+def kv_transfer_object(info) -> dict[str, Any]:
+    """The object branch of ``kv_transfer_params``: its keys, their types and the flag this
+    server's KV role serves; unsatisfiable (only null is valid) without a KV connector."""
+    role = info.kv_role
+    if role is None:
+        return {"not": {}}
+    opt = ({"type": "string", "minLength": 1}, {"type": "null"})
+    props: dict[str, Any] = {
+        "do_remote_decode": {"type": "boolean"},
+        "do_remote_prefill": {"type": "boolean"},
+        **{k: {"anyOf": list(opt)} for k in ("transfer_id", "remote_engine_id", "remote_host")},
+        "remote_port": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 65535},
+                                  {"type": "null"}]},
+        "remote_block_ids": {"type": "array",
+                             "items": {"type": "integer", "minimum": 0, "maximum": _INT64 - 1}},
+    }
+    if role == "kv_consumer":
+        props["do_remote_decode"] = {"const": False}
+    elif role == "kv_producer":
+        props["do_remote_prefill"] = {"const": False}
+    return {"properties": props, "additionalProperties": False}
+
+
 def constraints(engine) -> dict[str, dict[str, dict[str, Any]]]:
     """{schema name: {property: constraints by JSON type}} for ``engine``'s limits."""
     info = engine.info
@@ -56,6 +79,7 @@ def constraints(engine) -> dict[str, dict[str, dict[str, Any]]]:
                    "integer": {"minimum": off, "maximum": off}})
            for name, off in OFF_VALUES.items()},
         "max_tokens": {"integer": {"minimum": 1, "maximum": max_len - 1}},
+        "kv_transfer_params": {"object": kv_transfer_object(info)},
     }
     return {
         "CompletionRequest": {

@@ -5,6 +5,10 @@ Field names, defaults and extensions follow the OpenAI API and vLLM's OpenAI ser
 Unknown fields are ignored (like vLLM); known-but-unsupported ones are rejected by
 :meth:`CompletionRequest.unsupported` / :meth:`ChatCompletionRequest.unsupported` so a client never
 silently gets different semantics than it asked for.
+
+``kv_transfer_params`` (vLLM's field for prefill/decode disaggregation) is a JSON object on the
+wire, typed by :func:`kv_transfer_params_from_json`; a response carries the finished prefill
+request's parameters top-level (:func:`kv_transfer_params_to_json`).
 """
 from __future__ import annotations
 
@@ -13,9 +17,11 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, field_validator,
-                      model_serializer)
+import msgspec
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr,
+                      field_validator, model_serializer, model_validator)
 
+from sloserve.engine.messages import KVTransferParams
 from sloserve.sampling_params import (ParamError, SamplingParams, StructuredOutputsParams,
                                       require_unicode)
 
@@ -41,6 +47,63 @@ def random_id(prefix: str) -> str:
 def now_s() -> int:
     """Current Unix time in whole seconds (the ``created`` field)."""
     return int(time.time())
+
+
+# ----------------------------------------------------------------------- kv_transfer_params
+#: keys of KVTransferParams an API client may not send: the simulator's, set by the engine
+KV_TRANSFER_ENGINE_KEYS = ("num_computed_tokens", "output_token_ids")
+#: keys an API client may send, and their types
+KV_TRANSFER_KEYS = {f.name: f.type for f in msgspec.structs.fields(KVTransferParams)
+                    if f.name not in KV_TRANSFER_ENGINE_KEYS}
+_BLOCK_ID_LIMIT = 2 ** 63
+
+
+def _kv_value(key: str, value: Any) -> Any:
+    """One key of ``kv_transfer_params``, checked against its type (JSON true is not 1, no
+    string is coerced) and its range. Raises ParamError naming the key."""
+    where = f"kv_transfer_params.{key}"
+    try:
+        value = msgspec.convert(value, KV_TRANSFER_KEYS[key], strict=True)
+    except msgspec.ValidationError as e:
+        raise ParamError(f"{where}: {e}", "kv_transfer_params") from None
+    if isinstance(value, str):
+        if not value:
+            raise ParamError(f"{where} must be a non-empty string", "kv_transfer_params")
+        require_unicode(value, where, "kv_transfer_params")
+    if key == "remote_port" and value is not None and not 1 <= value <= 65535:
+        raise ParamError(f"{where} must be in [1, 65535], got {value}", "kv_transfer_params")
+    if key == "remote_block_ids" and any(not 0 <= b < _BLOCK_ID_LIMIT for b in value):
+        raise ParamError(f"{where} must be integers in [0, 2**63)", "kv_transfer_params")
+    return value
+
+
+def kv_transfer_params_from_json(obj: dict[str, Any]) -> KVTransferParams:
+    """The request field ``kv_transfer_params`` (a JSON object) as :class:`KVTransferParams`.
+
+    Raises:
+        ParamError (param ``kv_transfer_params``, the message naming the key): a key that is
+            not one of :data:`KV_TRANSFER_KEYS` (``num_computed_tokens`` and
+            ``output_token_ids`` are the engine's, never a client's), a value of the wrong
+            type or out of range, or both ``do_remote_decode`` and ``do_remote_prefill``.
+    """
+    for key in obj:
+        if key in KV_TRANSFER_ENGINE_KEYS:
+            raise ParamError(f"kv_transfer_params.{key} is set by the engine, not by API "
+                             f"clients", "kv_transfer_params")
+        if key not in KV_TRANSFER_KEYS:
+            raise ParamError(f"kv_transfer_params: unknown key {key!r} (known: "
+                             f"{', '.join(KV_TRANSFER_KEYS)})", "kv_transfer_params")
+    kv = KVTransferParams(**{k: _kv_value(k, v) for k, v in obj.items()})
+    if kv.do_remote_decode and kv.do_remote_prefill:
+        raise ParamError("kv_transfer_params: do_remote_decode and do_remote_prefill cannot "
+                         "both be true", "kv_transfer_params")
+    return kv
+
+
+def kv_transfer_params_to_json(kv: KVTransferParams | None) -> dict[str, Any] | None:
+    """A response's top-level ``kv_transfer_params``: the fields of ``kv`` that differ from
+    their defaults (None: the request has none to return)."""
+    return None if kv is None else msgspec.to_builtins(kv)
 
 
 # ---------------------------------------------------------------------------------------- errors
@@ -151,6 +214,46 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float | None = None   # extension (vLLM's); off at 1
     min_p: float | None = None                # extension (vLLM's); off at 0
     min_tokens: Int | None = None             # extension (vLLM's); off at 0
+    #: extension (vLLM's): prefill/decode disaggregation (:func:`kv_transfer_params_from_json`)
+    kv_transfer_params: dict[str, Any] | None = None
+    #: vLLM's old ``guided_*`` fields the request gave (not null); ignored, but refused with
+    #: kv_transfer_params
+    _guided: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_guided(cls, data: Any, handler):
+        m = handler(data)
+        if isinstance(data, dict):
+            m._guided = tuple(k for k, v in data.items()
+                              if isinstance(k, str) and k.startswith("guided_") and v is not None)
+        return m
+
+    def kv_transfer(self) -> KVTransferParams | None:
+        """``kv_transfer_params`` typed (None: not given).
+
+        Raises:
+            ParamError: the object is invalid (:func:`kv_transfer_params_from_json`), or the
+                request asks for what disaggregated serving does not serve yet
+                (:meth:`_kv_transfer_unsupported`; the message names the field).
+        """
+        if self.kv_transfer_params is None:
+            return None
+        kv = kv_transfer_params_from_json(self.kv_transfer_params)
+        self._kv_transfer_unsupported()
+        return kv
+
+    def _kv_transfer_unsupported(self) -> None:
+        """Fields refused together with kv_transfer_params: ``n`` other than 1, structured
+        outputs (``response_format`` other than text, ``structured_outputs``, ``guided_*``)."""
+        if self.n not in (None, 1):
+            raise ParamError(f"n must be 1 with kv_transfer_params, got {self.n}", "n")
+        if self.response_format is not None and self.response_format.type != "text":
+            _kv_refuse("response_format")
+        if self.structured_outputs is not None:
+            _kv_refuse("structured_outputs")
+        for name in self._guided:
+            _kv_refuse(name)
 
     def _common_unsupported(self) -> None:
         if self.priority is None:
@@ -222,6 +325,23 @@ class _SamplingFields(BaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
+def _kv_refuse(name: str) -> None:
+    raise ParamError(f"{name} is not supported with kv_transfer_params (disaggregated "
+                     f"prefill/decode) yet", name)
+
+
+class _KVTransferChunk(BaseModel):
+    """A streamed chunk's top-level ``kv_transfer_params`` (its subclasses' field): on the
+    last chunk of a request that has them to return, left out of the JSON otherwise."""
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_kv_transfer(self, handler):
+        d = handler(self)
+        if d.get("kv_transfer_params") is None:
+            d.pop("kv_transfer_params", None)
+        return d
+
+
 # ------------------------------------------------------------------------------------ completions
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions`` body.
@@ -270,6 +390,20 @@ class CompletionRequest(_SamplingFields):
             raise ParamError(f"best_of must equal n ({self.n}), got {self.best_of}", "best_of")
         if self.suffix:
             raise ParamError("suffix is not supported", "suffix")
+        self.kv_transfer()
+
+    def _kv_transfer_unsupported(self) -> None:
+        """As for both endpoints, and one prompt, no ``logprobs``, ``prompt_logprobs`` or
+        ``echo``."""
+        super()._kv_transfer_unsupported()
+        p = self.prompt
+        if isinstance(p, list) and len(p) > 1 and isinstance(p[0], (str, list)):
+            raise ParamError(f"kv_transfer_params takes one prompt, got {len(p)}", "prompt")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _kv_refuse(name)
+        if self.echo:
+            _kv_refuse("echo")
 
     def to_sampling_params(self) -> SamplingParams:
         """Raises ParamError for out-of-range values. ``echo`` with ``logprobs`` asks for the
@@ -316,15 +450,18 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
+    #: vLLM's: a prefill request's parameters for its decode request (null otherwise)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
-class CompletionStreamResponse(BaseModel):
+class CompletionStreamResponse(_KVTransferChunk):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 # ------------------------------------------------------------------------------------------- chat
@@ -389,6 +526,13 @@ class ChatCompletionRequest(_SamplingFields):
             raise ParamError("top_logprobs needs logprobs: true", "top_logprobs")
         if self.tools:
             raise ParamError("tools are not supported", "tools")
+        self.kv_transfer()
+
+    def _kv_transfer_unsupported(self) -> None:
+        """As for both endpoints, and no ``logprobs``."""
+        super()._kv_transfer_unsupported()
+        if self.logprobs:
+            _kv_refuse("logprobs")
 
     def to_sampling_params(self) -> SamplingParams:
         """Raises ParamError for out-of-range values."""
@@ -438,6 +582,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    #: vLLM's: a prefill request's parameters for its decode request (null otherwise)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -458,13 +604,14 @@ class ChatCompletionStreamChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionStreamResponse(BaseModel):
+class ChatCompletionStreamResponse(_KVTransferChunk):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 # ----------------------------------------------------------------------------------------- models
@@ -480,3 +627,15 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ---------------------------------------------------------------------------------- kv_transfer
+class KVTransferInfo(BaseModel):
+    """``GET /kv_transfer``: the KV connector of this server (``--kv-transfer-config``), for a
+    router that pairs prefill and decode instances."""
+
+    kv_role: str                  # kv_producer, kv_consumer or kv_both
+    engine_id: str | None = None
+    kv_host: str | None = None    # where the connector listens
+    kv_port: int | None = None
+    mode: str | None = None       # pull or push

@@ -9,6 +9,11 @@
     POST /reset_prefix_cache    forget every cached prefix block (vLLM's endpoint)
     POST /tokenize, /detokenize, GET /tokenizer_info   vLLM's tokenizer endpoints
                                 (``sloserve.server.tokenization``)
+    GET  /kv_transfer           where this server's KV connector listens (404 without one)
+
+Both completion endpoints take vLLM's ``kv_transfer_params`` (prefill/decode disaggregation):
+the object is typed and checked in ``protocol`` (keys, types, fields not served with it yet),
+the engine's role in ``Processor`` (a connector, the half its role runs); all 400s.
 """
 from __future__ import annotations
 
@@ -25,8 +30,8 @@ from sloserve.sampling_params import ParamError, child_seed
 from sloserve.server.errors import APIError, error_response
 from sloserve.server.logprobs_format import LogprobsFormatter
 from sloserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
-from sloserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
-                                      ModelList, now_s, random_id)
+from sloserve.server.protocol import (ChatCompletionRequest, CompletionRequest, KVTransferInfo,
+                                      ModelCard, ModelList, now_s, random_id)
 from sloserve.server.spec_check import SpecChecker
 from sloserve.server.serving import (ChatBuilder, Choice, CompletionBuilder, stream_response,
                                      whole_response)
@@ -75,9 +80,11 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
         and, with a seed, seeds ``seed + i`` (n different but reproducible samples). Only the
         first choice asks for the prompt's logprobs: they are computed once per prompt and
         every choice answers with them (``serving.PromptLogprobsShare``); its siblings then
-        start from its cached prompt blocks."""
+        start from its cached prompt blocks. ``kv_transfer_params`` go with the request (its
+        only choice)."""
         try:
             body.unsupported()
+            kv = body.kv_transfer()
             sp = body.to_sampling_params()
             if sp.structured_outputs is not None:
                 try:
@@ -93,7 +100,7 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
                 parent = None if n == 1 else f"{base_id}-{p}"
                 req = engine.make_request(prompt, sp, base_id if single else f"{base_id}-{p}-0",
                                           priority=body.priority, cache_salt=body.cache_salt,
-                                          parent_request_id=parent)
+                                          parent_request_id=parent, kv_transfer_params=kv)
                 echo_text = None
                 if echo:  # token ids are decoded as the output is (vLLM: the request's
                     # skip_special_tokens), so the default echo shows no <|im_start|>
@@ -151,6 +158,8 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
         metrics.set_kv_usage(s.kv_cache_usage)
         metrics.set_prefix_cache_totals(s.prefix_cache_queries_total, s.prefix_cache_hits_total)
         metrics.set_grammar_compiles(s.num_grammar_compiles)
+        metrics.set_kv_transfer(s.num_waiting_for_kv, s.kv_transfer_bytes_sent_total,
+                                s.kv_transfer_bytes_received_total, s.kv_transfer_failures_total)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @r.post("/reset_prefix_cache")
@@ -161,6 +170,18 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
             raise APIError(503, "engine is not running")
         engine.reset_prefix_cache()
         return Response(status_code=200)
+
+    @r.get("/kv_transfer", response_model=KVTransferInfo)
+    async def kv_transfer_info() -> KVTransferInfo:
+        """Where this server's KV connector listens (``--kv-transfer-config``): its role,
+        engine id, host, port and mode, for a router pairing prefill and decode instances.
+        404 when the server has none."""
+        info = engine.info
+        if info.kv_role is None:
+            raise APIError(404, "this server has no KV connector (start it with "
+                                "--kv-transfer-config)")
+        return KVTransferInfo(kv_role=info.kv_role, engine_id=info.kv_engine_id,
+                              kv_host=info.kv_host, kv_port=info.kv_port, mode=info.kv_mode)
 
     @r.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:

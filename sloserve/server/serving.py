@@ -30,7 +30,7 @@ from sloserve.server.protocol import (ChatCompletionChoice, ChatCompletionRespon
                                       ChatCompletionStreamChoice, ChatCompletionStreamResponse,
                                       ChatLogProbs, ChatResponseMessage, CompletionChoice,
                                       CompletionResponse, CompletionStreamResponse, DeltaMessage,
-                                      UsageInfo)
+                                      UsageInfo, kv_transfer_params_to_json)
 from sloserve.server.sse import DONE, SSEResponse, sse
 
 logger = logging.getLogger(__name__)
@@ -129,6 +129,20 @@ def usage_of(states: list[ChoiceState]) -> UsageInfo:
                         sum(c for _, c in prompts.values()))
 
 
+def kv_transfer_of(states: list[ChoiceState]) -> dict | None:
+    """The response's ``kv_transfer_params``: the first finished choice's that has them (a
+    request with them has one choice), None when none has."""
+    for st in states:
+        if st.final is not None and st.final.kv_transfer_params is not None:
+            return kv_transfer_params_to_json(st.final.kv_transfer_params)
+    return None
+
+
+def _chunk_kv_transfer(out: RequestOutput) -> dict | None:
+    """A streamed chunk's ``kv_transfer_params``: the finished output's, None before."""
+    return kv_transfer_params_to_json(out.kv_transfer_params) if out.finished else None
+
+
 @dataclass
 class CompletionBuilder:
     """JSON shapes of ``/v1/completions``."""
@@ -174,7 +188,8 @@ class CompletionBuilder:
             id=self.id, created=self.created, model=self.model,
             choices=[CompletionChoice(index=st.index, text=text, logprobs=lp,
                                       finish_reason=out.finish_reason if out.finished else None,
-                                      prompt_logprobs=self._prompt_logprobs(st, first))]))
+                                      prompt_logprobs=self._prompt_logprobs(st, first))],
+            kv_transfer_params=_chunk_kv_transfer(out)))
 
     def usage_chunk(self, usage: UsageInfo) -> str:
         return sse(CompletionStreamResponse(id=self.id, created=self.created, model=self.model,
@@ -190,7 +205,8 @@ class CompletionBuilder:
                 finish_reason=st.final.finish_reason,
                 prompt_logprobs=self._prompt_logprobs(st, True)))
         return CompletionResponse(id=self.id, created=self.created, model=self.model,
-                                  choices=choices, usage=usage_of(states))
+                                  choices=choices, usage=usage_of(states),
+                                  kv_transfer_params=kv_transfer_of(states))
 
 
 @dataclass
@@ -226,7 +242,8 @@ class ChatBuilder:
             id=self.id, created=self.created, model=self.model,
             choices=[ChatCompletionStreamChoice(
                 index=st.index, delta=delta, logprobs=lp,
-                finish_reason=out.finish_reason if out.finished else None)]))
+                finish_reason=out.finish_reason if out.finished else None)],
+            kv_transfer_params=_chunk_kv_transfer(out)))
 
     def usage_chunk(self, usage: UsageInfo) -> str:
         return sse(ChatCompletionStreamResponse(id=self.id, created=self.created,
@@ -239,7 +256,7 @@ class ChatBuilder:
                 index=st.index, message=ChatResponseMessage(content="".join(st.text)),
                 logprobs=self._logprobs(st.logprobs), finish_reason=st.final.finish_reason)
                 for st in states],
-            usage=usage_of(states))
+            usage=usage_of(states), kv_transfer_params=kv_transfer_of(states))
 
 
 ResponseBuilder = CompletionBuilder | ChatBuilder
