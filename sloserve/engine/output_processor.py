@@ -76,6 +76,8 @@ class OutputProcessor:
         #: KV-transfer times that came with messages without a step, for the next step's stats
         #: (only the thread that processes outputs touches it)
         self._kv_transfer_s: list[float] = []
+        self._pending_ttfts: list[float] = []
+        self._pending_itls: list[float] = []
 
     def add_request(self, req: EngineCoreRequest, sink: Any = None) -> None:
         """Track a request about to be sent to the core. Raises ValueError for a duplicate id."""
@@ -126,8 +128,9 @@ class OutputProcessor:
         results: list[tuple[Any, RequestOutput]] = []
         to_abort: list[str] = []
         finished: list[FinishedRequestStats] = []
-        ttfts: list[float] = []
-        itls: list[float] = []
+        # latencies of a message without a step (a decode instance's first token, arrived
+        # with its KV) wait for the next step's stats
+        ttfts, itls = self._pending_ttfts, self._pending_itls
         self._kv_transfer_s += [o.kv_transfer_s for o in outs.outputs if o.kv_transfer_s > 0]
         for o in outs.outputs:
             with self._lock:
@@ -178,7 +181,7 @@ class OutputProcessor:
                                 num_preemptions=s.num_preemptions, ttfts=ttfts, itls=itls,
                                 step_s=s.step_s, forward_s=s.forward_s, start_time=s.start_time,
                                 kv_transfer_s=self._kv_transfer_s)
-            self._kv_transfer_s = []
+            self._kv_transfer_s, self._pending_ttfts, self._pending_itls = [], [], []
             if s.num_draft_tokens:
                 it.spec_decoding = SpecDecodingStats()
                 for o in outs.outputs:

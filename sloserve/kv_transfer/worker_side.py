@@ -119,6 +119,10 @@ class SloserveConnectorWorker:
         self.wake = None
         #: tests: called with each received payload (a writable bytearray) before it is written
         self.on_receive = None
+        #: benchmarks: a list to append (time.monotonic(), event, bytes) to: "forward_start"
+        #: and "forward_end" of steps that advance a save, "received" per KV frame written
+        #: (cumulative bytes), "done" per finished load; None: not recorded
+        self.events: list | None = None
         self._closed = False
         self._server = socket.create_server((config.kv_ip, config.kv_port), backlog=64)
         self.port = self._server.getsockname()[1]
@@ -153,6 +157,9 @@ class SloserveConnectorWorker:
                     t.covered = 0
         self._active = []
         bs = self.block_size
+        if self.events is not None and any(sr.request_id in self._by_request
+                                           for sr in out.scheduled):
+            self.events.append((time.monotonic(), "forward_start", 0))
         for sr in out.scheduled:
             t = self._by_request.get(sr.request_id)
             if not isinstance(t, _Send) or t.state != "open":
@@ -203,6 +210,8 @@ class SloserveConnectorWorker:
     def wait_for_save(self) -> None:
         """After the forward: ``eager`` saves whose prompt this step ended queue every layer's
         blocks; ``layerwise`` ones note what the step's layer hooks queued."""
+        if self.events is not None and self._active:
+            self.events.append((time.monotonic(), "forward_end", 0))
         for t, b0, b1, ids, ends in self._active:
             if self.config.granularity == "eager":
                 if ends:
@@ -415,6 +424,8 @@ class SloserveConnectorWorker:
                 if n != ld.num_prompt_tokens:
                     raise TransferError(f"the prefill side computed {n} tokens, the prompt "
                                         f"here has {ld.num_prompt_tokens}")
+                if self.events is not None:
+                    self.events.append((time.monotonic(), "done", self.bytes_received))
                 self._finish(r, "done", received=KVReceived(
                     r.request_id, [int(x) for x in msg["output_token_ids"]], n,
                     time.monotonic() - r.started))
@@ -439,3 +450,5 @@ class SloserveConnectorWorker:
                 if r.state != "open":
                     return
                 self.backend.import_blocks(self.kv_caches[layer], ids[b0:b1], data)
+            if self.events is not None:
+                self.events.append((time.monotonic(), "received", self.bytes_received))
