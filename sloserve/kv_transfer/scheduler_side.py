@@ -98,7 +98,8 @@ class SloserveConnectorScheduler:
         """A request finished (or was aborted): (keep its blocks until the worker half reports,
         the ``kv_transfer_params`` of its response, as a dict). A decode-side request still loading is
         cancelled; a prefill-side one stays until sent (its response names this instance and
-        the transfer, for the decode instance's request: the serial flow)."""
+        the transfer, for the decode instance's request: the serial flow), unless it was
+        aborted or, in the serial flow, its first token ended it (then no decode side asks)."""
         rid = request.request_id
         if rid in self.loading:
             del self.loading[rid]
@@ -111,11 +112,13 @@ class SloserveConnectorScheduler:
             del self.saving[rid]
             return False, None
         self.held.add(rid)
-        if request.status.value == "abort":
+        kv = request.kv_transfer_params
+        # aborted, or (the serial flow) its first token ended it: no decode side will ask
+        if request.status.value == "abort" or (request.status.value == "stop"
+                                               and kv.transfer_id is None):
             del self.saving[rid]
             self._cancel(rid)
             return True, None
-        kv = request.kv_transfer_params
         return True, dict(
             do_remote_prefill=True, transfer_id=kv.transfer_id or rid,
             remote_engine_id=self.engine_id, remote_host=self.host, remote_port=self.port,

@@ -239,6 +239,20 @@ def test_decode_side_gone_and_nobody_pulling_free_the_prefill_sides_blocks(tiny_
         p.close()
 
 
+def test_serial_prefill_ended_by_its_first_token_is_not_held(tiny_llama_dir, reference):
+    p = EngineCore(_config(tiny_llama_dir, "kv_producer"))
+    try:
+        stop = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=reference[:1])
+        p.add_request(EngineCoreRequest("s", PROMPT, stop, 0.0,
+                                        kv_transfer_params=KVTransferParams(do_remote_decode=True)))
+        outs = _drive([p])  # ends at once: nothing held for 20 s
+        assert outs["s"][-1].finish_reason == "stop"
+        assert outs["s"][-1].kv_transfer_params is None
+        _all_free(p)
+    finally:
+        p.close()
+
+
 def test_abort_while_loading_frees_after_the_worker_stops(tiny_llama_dir):
     p, d = _pair(tiny_llama_dir, "pull", "layerwise", False)
     try:
