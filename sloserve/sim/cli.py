@@ -59,7 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--num-prefill-instances", type=pos_int, default=None)
     d.add_argument("--num-decode-instances", type=pos_int, default=None)
     d.add_argument("--kv-transfer-link", default="nic-200g",
-                   help="nic-100g / nic-200g / nic-400g, or nvlink (the --hardware's own link)")
+                   help="nic-100g / nic-200g / nic-400g, nvlink (the --hardware's own link), or "
+                        "a rate such as 0.4gbit: each instance's NIC, one direction, shared by "
+                        "the transfers on it")
     d.add_argument("--kv-transfer-mode", choices=["eager", "layerwise"], default="layerwise")
     d.add_argument("--kv-transfer-latency-ms", type=float, default=0.0)
     d.add_argument("--kv-transfer-model", default=None,

@@ -128,6 +128,9 @@ class CostModelExecutor(Executor):
         kv_cache_spec: the KV layout the blocks stand for (default: the embedded SmolLM2 in
             bf16, :func:`default_kv_cache_spec`).
         on_step: called with (end time, composition) after each step is priced.
+        on_execute: called with (scheduler output, start time, end time) of each step, before
+            the core's update sees its tokens (and frees the blocks of the requests it
+            finishes): the simulator's look at which requests a step computes.
         spec_acceptance_rate: the chance that a draft token is accepted given that every draft
             before it in the step was (0 to 1; speculative decoding, see the module docstring).
         seed: seeds the acceptance draws.
@@ -140,14 +143,15 @@ class CostModelExecutor(Executor):
     def __init__(self, config: EngineConfig, cost: CostModel, clock: VirtualClock,
                  max_model_len: int, kv_cache_spec: KVCacheSpec | None = None,
                  on_step: Callable[[float, StepComposition], None] | None = None,
-                 spec_acceptance_rate: float = 0.0, seed: int = 0):
+                 spec_acceptance_rate: float = 0.0, seed: int = 0,
+                 on_execute: Callable[[SchedulerOutput, float, float], None] | None = None):
         if config.num_kv_blocks is None:
             raise ValueError("the cost-model executor needs num_kv_blocks")
         if not (isinstance(spec_acceptance_rate, (int, float))
                 and math.isfinite(spec_acceptance_rate) and 0 <= spec_acceptance_rate <= 1):
             raise ValueError(f"the draft acceptance rate must be in [0, 1], got "
                              f"{spec_acceptance_rate!r}")
-        self.cost, self.clock, self.on_step = cost, clock, on_step
+        self.cost, self.clock, self.on_step, self.on_execute = cost, clock, on_step, on_execute
         self.spec_acceptance_rate = float(spec_acceptance_rate)
         self.rng = random.Random(seed)
         self.max_model_len = max_model_len
@@ -200,6 +204,8 @@ class CostModelExecutor(Executor):
         end = self.clock.advance(dt)
         if self.on_step is not None:
             self.on_step(end, comp)
+        if self.on_execute is not None:
+            self.on_execute(scheduler_output, end - dt, end)
         scheduled = scheduler_output.scheduled
         return ModelRunnerOutput(
             req_ids=[sr.request_id for sr in scheduled],

@@ -38,10 +38,31 @@ def cost_model_from_args(a: argparse.Namespace):
             f"overlap (decode {a.decode_step_ms:g} ms, prefill {a.prefill_tokens_per_s:g} tok/s)")
 
 
+def kv_link_from_args(a: argparse.Namespace) -> float:
+    """--kv-transfer-link's bytes/s (one direction): a link of the roofline's table (a NIC
+    preset, or nvlink: the --hardware's own link), else a rate
+    (:func:`sloserve.argtypes.parse_bandwidth`). ValueError: neither (naming both forms), or
+    nvlink on hardware without one."""
+    from sloserve.argtypes import parse_bandwidth
+    from sloserve.roofline.hardware import get_hardware, get_link
+    hw = get_hardware(a.hardware)
+    if a.kv_transfer_link in ("nvlink", "scale-up") and hw.link is None:
+        raise ValueError(f"--hardware {a.hardware} has no scale-up link for --kv-transfer-link "
+                         f"{a.kv_transfer_link}; use a NIC (nic-100g, nic-200g, nic-400g)")
+    try:
+        return get_link(a.kv_transfer_link, hw).bandwidth
+    except KeyError as e:
+        unknown = e.args[0]
+    try:
+        return parse_bandwidth(a.kv_transfer_link)
+    except ValueError as e:
+        raise ValueError(f"--kv-transfer-link: {unknown}; as a rate: {e}") from None
+
+
 def disaggregation_from_args(a: argparse.Namespace):
     """The P/D setup of the flags, or None. KV size and layers from --kv-transfer-model, else
     --roofline-model, else SmolLM2-135M (the embedded model); KV per token split over --tp GPUs,
-    each sending its share over its own link."""
+    each sending its share over its own link (:func:`kv_link_from_args`)."""
     p, d = a.num_prefill_instances, a.num_decode_instances
     if p is None and d is None:
         return None
@@ -51,21 +72,13 @@ def disaggregation_from_args(a: argparse.Namespace):
     if a.num_replicas != 1:
         raise ValueError("--num-replicas is for colocated replicas; with disaggregation give "
                          "--num-prefill-instances and --num-decode-instances")
-    from sloserve.roofline.hardware import get_hardware, get_link
     from sloserve.roofline.kv import kv_bytes_per_token
     from sloserve.roofline.models import get_model
     from sloserve.sim.kv_transfer import Disaggregation, KVTransferModel
     spec = get_model(a.kv_transfer_model or a.roofline_model or "SmolLM2-135M")
-    hw = get_hardware(a.hardware)
-    if a.kv_transfer_link in ("nvlink", "scale-up") and hw.link is None:
-        raise ValueError(f"--hardware {a.hardware} has no scale-up link for --kv-transfer-link "
-                         f"{a.kv_transfer_link}; use a NIC (nic-100g, nic-200g, nic-400g)")
-    try:
-        link = get_link(a.kv_transfer_link, hw)
-    except KeyError as e:
-        raise ValueError(str(e.args[0])) from None
+    bandwidth = kv_link_from_args(a)
     kv = kv_bytes_per_token(spec, a.dtype)
-    return Disaggregation(p, d, KVTransferModel(kv / a.tp, link.bandwidth, spec.num_layers,
+    return Disaggregation(p, d, KVTransferModel(kv / a.tp, bandwidth, spec.num_layers,
                                                 a.kv_transfer_mode, a.kv_transfer_latency_ms / 1e3))
 
 
@@ -167,9 +180,13 @@ class SimSetup:
 
     def describe(self, cfg=None) -> str:
         a, cfg = self.a, cfg or self.cfg
-        where = (f"{self.dis.num_prefill} prefill + {self.dis.num_decode} decode instances "
-                 f"(KV over {a.kv_transfer_link}, {a.kv_transfer_mode})" if self.dis else
-                 f"{a.num_replicas} replica(s) ({a.router})")
+        if self.dis:
+            from sloserve.roofline.units import fmt_bandwidth
+            where = (f"{self.dis.num_prefill} prefill + {self.dis.num_decode} decode instances "
+                     f"(KV over {a.kv_transfer_link} at {fmt_bandwidth(self.dis.link.bandwidth)} "
+                     f"per NIC, shared, {a.kv_transfer_mode})")
+        else:
+            where = f"{a.num_replicas} replica(s) ({a.router})"
         spec = ""
         if cfg.speculative is not None:
             spec = (f", {cfg.speculative.describe()}, modelled: draft acceptance "

@@ -38,7 +38,7 @@ from sloserve.sampling_params import SamplingParams
 from sloserve.sim.cost_model import CostModel, StepComposition
 from sloserve.sim.executor import (MAX_STEP_S, SAMPLED_TOKEN_ID, CostModelExecutor, SimDrafter,
                                    VirtualClock, verify_cost)
-from sloserve.sim.kv_transfer import Disaggregation
+from sloserve.sim.kv_transfer import Disaggregation, KVNetwork
 from sloserve.workload import PREFIX_GROUP_TAG, RequestRecord, SampleRequest
 
 __all__ = ["MAX_STEP_S", "ROUTERS", "Replica", "SimConfig", "SimResult", "find_capacity",
@@ -121,8 +121,10 @@ class SimResult:
         replica_of: the replica each request was routed to, in input order (with
             disaggregation: its prefill instance; decode instances are numbered after them).
         mean_in_flight: requests sent and not finished, averaged over ``duration`` (Little's L).
-        kv_transfer_s: exposed KV-transfer seconds of each request, in input order (0 for one
-            that finished on its prefill instance; empty without disaggregation).
+        kv_transfer_s: exposed KV-transfer seconds of each request, in input order: from the
+            end of its prefill until its KV is at the decode instance, sharing the link
+            included (0 for one that finished on its prefill instance; empty without
+            disaggregation).
         num_drafts, num_draft_tokens, num_accepted_tokens: speculative decoding over the run,
             as the server's ``/metrics`` counts them (verify steps of a request, draft tokens,
             accepted draft tokens).
@@ -156,6 +158,15 @@ class Replica:
 
     ``role``: ``both`` (colocated), ``prefill`` (runs a request until its first token, then
     hands it off) or ``decode`` (takes requests whose prompt KV arrived over the link).
+
+    A prefill instance keeps a handed-off request's KV blocks until its transfer has finished
+    (:meth:`release`), with no change to the engine: in the step that samples the request's
+    first token, before the core's update finishes it and frees its blocks, the executor's
+    ``on_execute`` lets the replica add one reference to each of them (the pool's ``incref``,
+    as a second holder of a shared prefix block does), so the scheduler's free leaves them
+    held, still serving prefix-cache hits, and the scheduler sees that many fewer free
+    blocks; :meth:`release` drops the reference. A prefill instance whose waiting requests
+    find no free blocks then idles (``stalled``) until a transfer ends.
     """
 
     def __init__(self, index: int, cfg: SimConfig, cost: CostModel, requests: Sequence[SampleRequest],
@@ -167,7 +178,8 @@ class Replica:
         executor = CostModelExecutor(cfg.engine_config(), cost, self.clock, cfg.max_model_len,
                                      on_step=self._record_step if record_steps else None,
                                      spec_acceptance_rate=cfg.spec_acceptance_rate,
-                                     seed=cfg.seed * 1_000_003 + index)
+                                     seed=cfg.seed * 1_000_003 + index,
+                                     on_execute=self._on_execute if role == "prefill" else None)
         self.core = EngineCore(executor.config, executor, scheduler_config=cfg, clock=self.clock,
                                raise_step_errors=True)
         if cfg.speculative is not None:
@@ -182,9 +194,34 @@ class Replica:
         self.num_finishing = 0  # requests the step in flight finishes
         self.preemptions = 0
         self.limits = AdmissionLimits(cfg.max_waiting_requests, cfg.ttft_slo_s, cfg.slo_reject)
+        #: prefill: the blocks held for each request whose KV is on its way (request -> blocks)
+        self.held: dict[int, list[int]] = {}
+        #: prefill: the prompt chunks of the step in flight of the requests it hands off:
+        #: (request, tokens computed before, tokens computed after, step start, step end)
+        self.chunks: list[tuple[int, int, int, float, float]] = []
+        #: prefill: requests wait for blocks that transfers hold (retried at a release or an
+        #: arrival, not at every event)
+        self.stalled = False
 
     def _record_step(self, end: float, comp: StepComposition) -> None:
         self.steps.append((end, comp))
+
+    def _on_execute(self, out, start: float, end: float) -> None:
+        """A prefill step is priced: note its chunks of requests that will be handed off and
+        hold the blocks of those it finishes (see the class docstring)."""
+        for sr in out.scheduled:
+            i = int(sr.request_id)
+            if sr.is_decode or self.requests[i].expected_output_len <= 1:
+                continue
+            self.chunks.append((i, sr.num_computed_tokens, sr.end_pos, start, end))
+            if sr.samples:  # its first token: the update finishes it
+                self.core.kv.pool.incref(sr.block_ids)
+                self.held[i] = list(sr.block_ids)
+
+    def release(self, i: int) -> None:
+        """Request ``i``'s KV has reached its decode instance: its blocks here are let go."""
+        self.core.kv.pool.free(reversed(self.held.pop(i)))
+        self.stalled = False
 
     @staticmethod
     def token_ids(r: SampleRequest, index: int) -> list[int]:
@@ -238,21 +275,27 @@ class Replica:
             except ValueError as e:  # the core checks the whole request, here as on a server
                 self.recs[i].error = f"HTTP 400: {e}"
                 rejected.append(i)
+        self.stalled = self.stalled and not self.inbox
         self.inbox.clear()
         return rejected
 
     def start(self, t: float) -> float | None:
         """Have the core take a step at ``t``; returns the step's end time, or None when there
-        is nothing to run.
+        is nothing to run (or, on a prefill instance, nothing fits beside the blocks its
+        transfers hold: ``stalled`` until one ends or a request arrives).
 
         Raises:
-            RuntimeError: work is pending but the scheduler scheduled nothing.
+            RuntimeError: work is pending but the scheduler scheduled nothing (and no
+                transfer holds blocks here).
             ValueError: the cost model priced the step out of range (``MAX_STEP_S``).
         """
-        if not self.core.has_unfinished_requests():
+        if not self.core.has_unfinished_requests() or self.stalled:
             return None
         self.clock.set(t)
         outs = self.core.step()
+        if (outs is None or outs.step is None) and self.held:  # blocks held for transfers
+            self.stalled = True
+            return None
         if outs is None or outs.step is None:
             raise RuntimeError(f"replica {self.index}: the scheduler scheduled nothing at "
                                f"t={t:.6f} s with {self.core.scheduler.num_unfinished} requests "
@@ -262,12 +305,12 @@ class Replica:
         self.num_finishing = sum(1 for o in outs.outputs if o.finished)
         return outs.timestamp
 
-    def complete(self) -> list[tuple[int, float]]:
+    def complete(self) -> list[int]:
         """End the step in flight: stamp the tokens it made (the client has each
         ``token_out_s`` after the step's end).
 
         Returns:
-            (request index, its first scheduled time) of each request that finished here.
+            The index of each request that finished here.
         """
         outs, self.running, self.num_finishing = self.running, None, 0
         t = outs.timestamp + self.token_out_s
@@ -280,7 +323,7 @@ class Replica:
                 self.num_drafts += 1
                 self.num_draft_tokens += o.num_draft_tokens
                 self.num_accepted += o.num_accepted_draft_tokens
-        return [(int(o.request_id), o.first_scheduled_time) for o in outs.outputs if o.finished]
+        return [int(o.request_id) for o in outs.outputs if o.finished]
 
     def close(self) -> None:
         self.core.close()
@@ -338,10 +381,14 @@ def simulate_cluster(requests: Sequence[SampleRequest], arrivals: Sequence[float
 
     ``disaggregation`` replaces the replicas by P prefill and D decode instances: a request is
     routed (``router``) to a prefill instance and runs there until its first token (TTFT), then
-    its prompt KV crosses the link (:class:`~sloserve.sim.kv_transfer.KVTransferModel`) to the
-    least-outstanding decode instance, which admits it with the KV in place and decodes the
-    rest; the transfer shows as the first inter-token gap. The prefill instance frees the
-    blocks at once (the copy out of them is not charged to its memory).
+    its prompt KV crosses the link to the least-outstanding decode instance (chosen when the
+    transfer starts: at the prefill's end for ``eager``, at its first chunk for
+    ``layerwise``), which admits it with the KV in place when the last byte has arrived (plus
+    the link's latency) and decodes the rest; the transfer shows as the first inter-token gap.
+    Transfers share the instances' NICs (:class:`~sloserve.sim.kv_transfer.KVNetwork`:
+    processor sharing, max-min fair). The prefill instance holds the request's KV blocks until
+    the KV has arrived (:class:`Replica`), so a slow link fills its cache and delays its
+    admissions; the decode instance takes blocks for it when it admits it, at arrival.
 
     Raises:
         ValueError: lengths differ, num_replicas < 1, unknown router, max_concurrency < 1, a
@@ -390,6 +437,9 @@ class _Cluster:
         self.replica_of = [0] * n
         self.sent = [float(a) for a in arrivals]
         self.transfer_s = [0.0] * n if dis is not None else []
+        self.net = KVNetwork(dis) if dis is not None else None
+        self.dest: dict[int, Replica] = {}   # decode instance of each transfer started
+        self.prefill_end: dict[int, float] = {}
         self.k = 0           # requests sent so far (in arrival order)
         self.in_flight = 0   # sent and not yet fully received by the client
         self.now = 0.0
@@ -410,12 +460,16 @@ class _Cluster:
                 t_send = max(float(self.arrivals[self.order[self.k]]), self.now) \
                     if self._may_send() else inf
                 t_ev = self.heap[0].time if self.heap else inf
-                if t_send == inf and t_ev == inf:
+                t_net = self.net.next_time() if self.net is not None else inf
+                t = min(t_send, t_ev, t_net)
+                if t == inf:
                     break
-                t = min(t_send, t_ev)
                 self.area += self.in_flight * (t - self.now)
                 self.now = t
-                if t_ev < t_send:
+                if self.net is not None:
+                    for i, sent in self.net.advance(t):
+                        self._kv_sent(i, sent)
+                if t_ev < t_send and t_ev == t:
                     self._handle(heapq.heappop(self.heap))
                 self._send_due()
                 self._start_idle()
@@ -431,13 +485,15 @@ class _Cluster:
             r = self.reps[ev.replica]
             r.incoming -= 1
             r.inbox.append(ev.request)
+            if r.role == "decode":  # its KV arrived: the prefill instance lets it go
+                self.front[self.replica_of[ev.request]].release(ev.request)
         else:
             self._step_end(self.reps[ev.replica])
 
     def _step_end(self, r: Replica) -> None:
         """A replica's step ended: its finished requests leave it (to the client, or with
         disaggregation from a prefill instance over the KV link to a decode instance)."""
-        for i, first_sched in r.complete():
+        for i in r.complete():
             if r.role != "prefill" or self.requests[i].expected_output_len <= 1:
                 if self.cfg.token_out_s > 0:
                     self._push(self.now + self.cfg.token_out_s, EventKind.CLIENT_HAS_LAST,
@@ -445,11 +501,37 @@ class _Cluster:
                 else:
                     self.in_flight -= 1
                 continue
-            d = min(self.back, key=lambda b: (b.outstanding, b.index))
-            x = self.dis.link.exposed_s(self.requests[i].prompt_len, self.now - first_sched)
-            self.transfer_s[i] = x
-            d.incoming += 1
-            self._push(self.now + x, EventKind.REACHES_ENGINE, d.index, i)
+            if i not in self.dest:  # eager: the transfer starts now
+                self._start_transfer(r, i)
+            self.prefill_end[i] = self.now
+            self.net.prefill_done(i)
+
+    def _start_transfer(self, r: Replica, i: int) -> None:
+        """Request ``i``'s KV starts from prefill instance ``r`` to the least-outstanding
+        decode instance."""
+        d = min(self.back, key=lambda b: (b.outstanding, b.index))
+        d.incoming += 1
+        self.dest[i] = d
+        self.net.start(i, r.index, d.index - len(self.front), self.requests[i].prompt_len)
+
+    def _prefill_chunks(self, r: Replica) -> None:
+        """``layerwise``: the KV of the chunks of the step prefill instance ``r`` just started
+        is sent as it is computed (a prompt's transfer starts at its first chunk, with its
+        prefix-cache hits sendable at once)."""
+        chunks, r.chunks = r.chunks, []
+        if self.dis.link.mode != "layerwise":
+            return
+        for i, before, after, start, end in chunks:
+            if i not in self.dest:
+                self._start_transfer(r, i)
+            self.net.produced(i, before, after, start, end)
+
+    def _kv_sent(self, i: int, t: float) -> None:
+        """Request ``i``'s last byte left at ``t``: its KV is at the decode instance after the
+        link's latency."""
+        arrival = t + self.dis.link.latency_s
+        self.transfer_s[i] = arrival - self.prefill_end.pop(i)
+        self._push(arrival, EventKind.REACHES_ENGINE, self.dest.pop(i).index, i)
 
     def _send_due(self) -> None:
         """Send what is due (arrivals at or before now, while the concurrency limit allows)."""
@@ -474,6 +556,8 @@ class _Cluster:
                 end = r.start(self.now)
                 if end is not None:
                     self._push(end, EventKind.STEP_END, r.index)
+                    if r.chunks:
+                        self._prefill_chunks(r)
 
     def _result(self) -> SimResult:
         for i, rec in enumerate(self.recs):

@@ -41,6 +41,9 @@ def test_sim_writes_a_bench_format_result_and_is_deterministic(tmp_path, capsys)
      "needs both --num-prefill-instances"),
     (["--decode-step-ms", "22", "--prefill-tokens-per-s", "1000", "--num-prefill-instances", "1",
       "--num-decode-instances", "1", "--kv-transfer-link", "carrier-pigeon"], "unknown link"),
+    (["--decode-step-ms", "22", "--prefill-tokens-per-s", "1000", "--num-prefill-instances", "1",
+      "--num-decode-instances", "1", "--kv-transfer-link", "fast"],
+     "known: nic-100g, nic-200g, nic-400g, nvlink; as a rate: expected a rate such as 0.4gbit"),
     (["--decode-step-ms", "22", "--prefill-tokens-per-s", "1000", "--find-capacity",
       "--slo-attainment", "0.9"], "needs the per-request limits in --goodput"),
     (["--decode-step-ms", "22", "--prefill-tokens-per-s", "1000", "--find-capacity",
@@ -170,8 +173,13 @@ def test_closed_loop_and_disaggregation_from_the_cli(capsys):
                      "--kv-transfer-model", "Llama-3-8B", "--kv-transfer-link", "nic-100g",
                      "--kv-transfer-mode", "eager"]) == 0
     err = capsys.readouterr().err
-    assert "1 prefill + 2 decode instances (KV over nic-100g, eager)" in err
+    assert "1 prefill + 2 decode instances (KV over nic-100g at 12.50 GB/s per NIC, shared, " \
+           "eager)" in err
     assert "KV transfer exposed mean" in err
+    assert sim_main([*LECTURE, "--num-prompts", "5", "--request-rate", "4",
+                     "--num-prefill-instances", "1", "--num-decode-instances", "1",
+                     "--kv-transfer-link", "0.4gbit"]) == 0
+    assert "(KV over 0.4gbit at 50.00 MB/s per NIC, shared, layerwise)" in capsys.readouterr().err
 
 
 def test_a_five_coefficient_profile_gets_a_zero_per_chunk_term(tmp_path):
