@@ -162,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--d-host", default="127.0.0.1", help="D's address as P reaches it")
     ap.add_argument("--d-bind", default="127.0.0.1", help="the address D listens on")
     ap.add_argument("--kv-port", type=int, default=0)
+    ap.add_argument("--tc-dev", default=None,
+                    help="throttle this device with tc tbf at the link rate (in --tc-netns); "
+                         "implies --no-token-bucket")
+    ap.add_argument("--tc-netns", default=None)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(args)
@@ -173,6 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     fwd = sorted(r["forward_s"] for r in runs["none"])[len(runs["none"]) // 2]
     kv_bytes = runs["none"][0]["kv_bytes_per_token"] * a.prompt_tokens
     rate = parse_bandwidth(a.rate) if a.rate else kv_bytes / (a.link_share * fwd)
+    if a.tc_dev:
+        a.no_token_bucket = True
+        ns = ["ip", "netns", "exec", a.tc_netns] if a.tc_netns else []
+        subprocess.run(ns + ["tc", "qdisc", "replace", "dev", a.tc_dev, "root", "tbf", "rate",
+                             f"{int(rate * 8)}bit", "burst", "64kb", "latency", "200ms"],
+                       check=True)
     bucket = None if a.no_token_bucket else rate
     for _ in range(a.repeats):  # interleaved: drift hits both alike
         for g in ("eager", "layerwise"):
