@@ -52,10 +52,16 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 def _run(core, req) -> None:
+    """Step ``req`` to its end; while nothing can run (KV in flight) sleep until the connector
+    wakes the loop, as the server's core loop does (no busy polling beside P's prefill)."""
+    import threading
+    woken = threading.Event()
+    core.set_wakeup(woken.set)
     core.add_request(req)
     while core.has_unfinished_requests():
         if core.step() is None:
-            time.sleep(0.0005)
+            woken.wait(0.05)
+            woken.clear()
 
 
 def role_d(spec: dict) -> None:
@@ -121,15 +127,18 @@ def _last_json(proc: subprocess.Popen) -> dict:
 def measure(granularity: str, a, rate: float | None) -> dict:
     spec = {"prompt_tokens": a.prompt_tokens, "granularity": granularity, "rate": rate,
             "kv_ip": a.d_bind, "kv_port": a.kv_port, "d_host": a.d_host}
-    if granularity == "none":
-        p = _spawn("p", spec, 0, a.p_netns)
-        res = _last_json(p)
-        p.wait()
-        return res
+    # D runs beside P in every case (also ``none``, waiting for a transfer that never comes):
+    # the two CPUs may share a core's caches and memory bandwidth
     d = _spawn("d", spec, 1, a.d_netns)
     spec["d_port"] = _last_json(d)["port"]
     p = _spawn("p", spec, 0, a.p_netns)
-    pres, dres = _last_json(p), _last_json(d)
+    pres = _last_json(p)
+    if granularity == "none":
+        p.wait()
+        d.kill()
+        d.wait()
+        return pres
+    dres = _last_json(d)
     p.wait()
     d.wait()
     ev_p = {name: t for t, name, _ in pres["events"]}
@@ -172,10 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     from sloserve.argtypes import parse_bandwidth
 
     runs = {"none": [], "eager": [], "layerwise": []}
-    for _ in range(a.repeats):
-        runs["none"].append(measure("none", a, None))
-    fwd = sorted(r["forward_s"] for r in runs["none"])[len(runs["none"]) // 2]
-    kv_bytes = runs["none"][0]["kv_bytes_per_token"] * a.prompt_tokens
+    first = measure("none", a, None)  # sizes the link; not in the figures
+    fwd = first["forward_s"]
+    kv_bytes = first["kv_bytes_per_token"] * a.prompt_tokens
     rate = parse_bandwidth(a.rate) if a.rate else kv_bytes / (a.link_share * fwd)
     if a.tc_dev:
         a.no_token_bucket = True
@@ -184,9 +192,10 @@ def main(argv: list[str] | None = None) -> int:
                              f"{int(rate * 8)}bit", "burst", "64kb", "latency", "200ms"],
                        check=True)
     bucket = None if a.no_token_bucket else rate
-    for _ in range(a.repeats):  # interleaved: drift hits both alike
-        for g in ("eager", "layerwise"):
+    for _ in range(a.repeats):  # interleaved: drift hits all alike
+        for g in ("none", "eager", "layerwise"):
             runs[g].append(measure(g, a, bucket))
+    fwd = sorted(r["forward_s"] for r in runs["none"])[len(runs["none"]) // 2]
 
     def med(g, k):
         v = sorted(r[k] for r in runs[g])
