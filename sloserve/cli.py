@@ -1,7 +1,7 @@
 """The `sloserve` command: `serve` (OpenAI-compatible server), `generate` (one prompt offline),
 `bench` (SLO load tester, `bench sweep`), `sim` (the engine's scheduler on a cost model),
 `profile` (fit the sim's cost model), `compare` (two result files), `roofline` (roofline /
-KV-cache / capacity calculator)."""
+KV-cache / capacity calculator), `router` (an OpenAI front over several servers)."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +13,7 @@ from sloserve.argtypes import port, pos_int
 from sloserve.config import (DEFAULT_ENGINE_STALL_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES,
                              DEFAULT_MAX_PENDING_COMPILES_PER_CLIENT, EngineConfig,
                              add_engine_args, engine_config_from_args)
+from sloserve.router.args import add_router_args
 
 
 #: signals that arrived while the server's modules imported (see _stop_before_start)
@@ -59,6 +60,13 @@ def _generate(a: argparse.Namespace) -> int:
     print(out.text)
     print(f"[{out.num_prompt_tokens} prompt tokens, {out.num_output_tokens} output tokens, "
           f"finish_reason={out.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def _router(a: argparse.Namespace) -> int:
+    from sloserve.router.args import config_from_args
+    from sloserve.router.server import run_router
+    run_router(config_from_args(a))
     return 0
 
 
@@ -121,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--stop", action="append")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.set_defaults(func=_generate)
+
+    rt = sub.add_parser("router", help="OpenAI front over replicas or prefill/decode servers "
+                                       "(docs/router.md)", allow_abbrev=False)
+    add_router_args(rt)
+    rt.set_defaults(func=_router)
 
     sub.add_parser("roofline", add_help=False,
                    help="roofline, KV-cache and capacity calculator (its own --help)")

@@ -143,6 +143,9 @@ class EngineConfig:
             for what the engine does with them.
         kv_transfer_config: prefill/decode disaggregation, vLLM's JSON (text or dict; None:
             no KV connector); see :class:`KVTransferConfig`.
+        kv_events_config: publish the prefix cache's block events (vLLM's JSON:
+            ``enable_kv_cache_events``, ``endpoint``, ...; ``sloserve.engine.kv_events``)
+            for a prefix-aware router; checked when the engine core starts.
     """
 
     model: str | None = None
@@ -179,6 +182,7 @@ class EngineConfig:
     batch_invariant: bool = False
     speculative_config: dict | str | None = None
     kv_transfer_config: dict | str | None = None
+    kv_events_config: dict | str | None = None
 
     @property
     def kv_transfer(self) -> "KVTransferConfig | None":
@@ -665,6 +669,11 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
                         '"layerwise"|"eager", "incremental": true, "timeout_s": 120, '
                         '"max_bandwidth": "1gbit"}}; requests then take kv_transfer_params '
                         '(see docs/disaggregation.md)')
+
+    p.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help='publish prefix-cache block events over ZeroMQ for a prefix-aware '
+                        'router, vLLM\'s JSON: {"enable_kv_cache_events": true, "endpoint": '
+                        '"tcp://*:5557"} (docs/router.md)')
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:

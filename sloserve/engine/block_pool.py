@@ -9,6 +9,17 @@ A block is *free* when no request references it (ref count 0). A free block may 
 cached full block (it keeps its hash): it sits in the free queue in the order it was freed and is
 evicted only when ``allocate`` takes it for new tokens, oldest first. A hit on a free cached block
 takes it out of the queue again (``touch``).
+
+KV cache events (``enable_kv_events``; vLLM's ``--kv-events-config``): the pool can record what
+its prefix cache gains and loses, for ``sloserve.engine.kv_events`` to publish. Records are plain
+tuples (turned into vLLM's event structs off the step loop, by the publisher):
+
+    ("BlockStored", block_hash, parent_hash | None, token_ids | None, block_size)
+                                a held block got its hash (``cache_block``)
+    ("BlockRemoved", block_hash)    a cached block's hash was evicted (``allocate`` reused it)
+    ("AllBlocksCleared",)           every cached hash was forgotten (``reset_cache``)
+
+Off (the default), recording costs one ``is None`` test where a block is cached or evicted.
 """
 from __future__ import annotations
 
@@ -37,6 +48,8 @@ class BlockPool:
         self._hash: list[BlockHash | None] = [None] * num_blocks
         self._cached: dict[BlockHash, int] = {}
         self.num_evictions = 0
+        #: KV cache event records since the last ``take_events`` (None: not recording)
+        self._events: list[tuple] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -51,6 +64,24 @@ class BlockPool:
     def usage(self) -> float:
         """Fraction of blocks in use, in [0, 1]."""
         return 1.0 - len(self._free) / self.num_blocks
+
+    # ------------------------------------------------------------------ KV cache events
+    def enable_kv_events(self) -> None:
+        """Record KV cache events from now on (see the module docstring)."""
+        if self._events is None:
+            self._events = []
+
+    @property
+    def kv_events_enabled(self) -> bool:
+        return self._events is not None
+
+    def take_events(self) -> list[tuple]:
+        """The event records since the last call, oldest first (empty when not recording)."""
+        ev = self._events
+        if not ev:
+            return []
+        self._events = []
+        return ev
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_cnt[block_id]
@@ -73,6 +104,8 @@ class BlockPool:
                 self._hash[b] = None
                 if self._cached.get(h) == b:
                     del self._cached[h]
+                    if self._events is not None:
+                        self._events.append(("BlockRemoved", h))
                 self.num_evictions += 1
             self._ref_cnt[b] = 1
             out.append(b)
@@ -124,15 +157,24 @@ class BlockPool:
                 self._free[b] = None
 
     # ------------------------------------------------------------------ prefix cache
-    def cache_block(self, block_id: int, block_hash: BlockHash) -> None:
+    def cache_block(self, block_id: int, block_hash: BlockHash, *,
+                    parent_hash: BlockHash | None = None, token_ids=None) -> None:
         """Record that held block `block_id` holds the full block named `block_hash` (a second
-        block with the same content stays uncached: the first one serves hits)."""
+        block with the same content stays uncached: the first one serves hits).
+
+        ``parent_hash`` (the previous block's hash) and ``token_ids`` (the block's tokens) only
+        go into the ``BlockStored`` event when events are recorded; without them the event has
+        no parent and no tokens."""
         if self._ref_cnt[block_id] <= 0:
             raise BlockPoolError(f"caching free block {block_id}")
         if self._hash[block_id] is not None or block_hash in self._cached:
             return
         self._hash[block_id] = block_hash
         self._cached[block_hash] = block_id
+        if self._events is not None:
+            self._events.append(("BlockStored", block_hash, parent_hash,
+                                 None if token_ids is None else list(token_ids),
+                                 self.block_size))
 
     def lookup(self, block_hash: BlockHash) -> int | None:
         """The block holding `block_hash`, or None."""
@@ -144,4 +186,6 @@ class BlockPool:
         n = len(self._cached)
         self._cached.clear()
         self._hash = [None] * self.num_blocks
+        if self._events is not None:
+            self._events.append(("AllBlocksCleared",))
         return n

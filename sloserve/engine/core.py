@@ -92,6 +92,17 @@ class EngineCore:
         self.num_kv_blocks = num_blocks
         self.kv_cache_bytes = num_blocks * self.kv_cache_spec.page_size_bytes
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        #: prefix-cache block events for a router (``--kv-events-config``; the core process
+        #: publishes what the pool records)
+        self.kv_events_config = None
+        if config.kv_events_config:
+            from sloserve.engine.kv_events import KVEventsConfig
+            self.kv_events_config = KVEventsConfig.of(config.kv_events_config)
+            if self.kv_events_config.enabled:
+                if not config.enable_prefix_caching:
+                    raise ValueError("--kv-events-config needs prefix caching (the events are "
+                                     "the prefix cache's); drop --no-enable-prefix-caching")
+                self.kv.pool.enable_kv_events()
         #: prefill/decode disaggregation: the KV connector's scheduler half (its worker half
         #: is in the workers, listening on the port they report)
         self.kv_transfer = config.kv_transfer

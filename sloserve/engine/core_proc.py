@@ -65,8 +65,12 @@ def run_engine_core(config: EngineConfig, step_trace: str | None, input_addr: st
         out_sock.send(encoder.encode(msg), copy=False)
 
     from sloserve.engine.core import EngineCore
+    publisher = None
     try:
         core = EngineCore(config, step_trace=step_trace)
+        if core.kv_events_config is not None and core.kv_events_config.enabled:
+            from sloserve.engine.kv_events import KVEventPublisher
+            publisher = KVEventPublisher(core.kv_events_config)
     except (FileNotFoundError, ValueError, OSError) as e:
         send(EngineCoreReady(error=str(e), error_type=type(e).__name__))
         _close(ctx, in_sock, out_sock)
@@ -94,9 +98,11 @@ def run_engine_core(config: EngineConfig, step_trace: str | None, input_addr: st
     reader = threading.Thread(target=receive, name="sloserve-core-input", daemon=True)
     reader.start()
     try:
-        _serve(core, inbox, send, stop, parent_pid)
+        _serve(core, inbox, send, stop, parent_pid, publisher)
     finally:
         stop.set()
+        if publisher is not None:
+            publisher.close()
         core.close()
         reader.join(timeout=1)
         _close(ctx, in_sock, out_sock)
@@ -131,11 +137,13 @@ def _watch_parent(parent_pid: int, input_addr: str) -> None:
 HEARTBEAT_S = 0.5
 
 
-def _serve(core, inbox: queue.Queue, send, stop: threading.Event, parent_pid: int) -> None:
+def _serve(core, inbox: queue.Queue, send, stop: threading.Event, parent_pid: int,
+           publisher=None) -> None:
     """The busy loop: drain inputs (publishing the state they left at once: the front end's
     queue gauges and overload control read it), step while there is work, publish every step
     (and a heartbeat while no step can run). While only KV transfers are in flight it waits
-    on the inbox, which a finished transfer wakes (``EngineCore.set_wakeup``)."""
+    on the inbox, which a finished transfer wakes (``EngineCore.set_wakeup``). With a KV event
+    ``publisher``, the prefix cache's block events go out after each round."""
     pending: list[EngineCoreOutput] = []
     sent_at = time.monotonic()
     core.set_wakeup(lambda: inbox.put(_WAKE))
@@ -165,6 +173,8 @@ def _serve(core, inbox: queue.Queue, send, stop: threading.Event, parent_pid: in
                     wait_s = TRANSFER_POLL_S
                 else:
                     time.sleep(0.001)
+        if publisher is not None:
+            publisher.publish(core.kv.pool.take_events())
 
 
 #: a finished KV transfer's wake-up call in the inbox (no message of the front end's)

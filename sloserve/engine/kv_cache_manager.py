@@ -91,8 +91,15 @@ class KVCacheManager:
         hashes = extend_block_hashes(request.block_hashes,
                                      request.token_ids_range(0, n_full * self.block_size),
                                      self.block_size, request.cache_salt)
+        events = self.pool.kv_events_enabled
+        bs = self.block_size
         for i in range(done, n_full):
-            self.pool.cache_block(table[i], hashes[i])
+            if events:  # the BlockStored event names its parent and its tokens
+                self.pool.cache_block(table[i], hashes[i],
+                                      parent_hash=hashes[i - 1] if i else None,
+                                      token_ids=request.token_ids_range(i * bs, (i + 1) * bs))
+            else:
+                self.pool.cache_block(table[i], hashes[i])
         self._num_registered[request.request_id] = n_full
 
     def reset_prefix_cache(self) -> int:

@@ -1,0 +1,192 @@
+"""The router's OpenAI front (FastAPI):
+
+    POST /v1/completions, /v1/chat/completions   proxied to a worker (streamed or not); with
+                                                 --prefill/--decode, in two halves (disagg)
+    GET  /v1/models                              a healthy worker's answer
+    GET  /health                                 200 while at least one worker of each role it
+                                                 needs is healthy, else 503; JSON either way:
+                                                 {"status", "policy", "workers": [...]}
+    GET  /metrics                                Prometheus text (``metrics``)
+
+Errors are OpenAI's ``{"error": {"message", "type", "param", "code"}}``: 400 for a body that is
+not a JSON object, 502 when a worker failed the request, 503 when no worker can take it; a
+worker's own errors pass through as it gave them.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from sloserve.router.config import RouterConfig
+from sloserve.router.disagg import Disaggregated
+from sloserve.router.errors import RouterError, error_response
+from sloserve.router.kv_subscriber import KVEventSubscriber
+from sloserve.router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
+from sloserve.router.policies import LeastOutstanding, RouteContext, make_policy
+from sloserve.router.prefix_index import PrefixIndex
+from sloserve.router.prompt import PromptTokenizer
+from sloserve.router.proxy import Proxy, forward_headers
+from sloserve.router.workers import Worker, WorkerPool
+
+logger = logging.getLogger("sloserve.router")
+
+
+class Router:
+    """Everything the app serves from: the workers and their health polls, the KV event
+    subscriptions, the policies and the forwarding.
+
+    Args:
+        config: the settings (validated here).
+        transport: an httpx transport for every request to the workers (tests).
+    """
+
+    def __init__(self, config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None):
+        cfg = self.config = config.validate()
+        self.metrics = RouterMetrics()
+        if cfg.disaggregated:
+            workers = ([Worker(u, "prefill", i) for i, u in enumerate(cfg.prefill)]
+                       + [Worker(u, "decode", i) for i, u in enumerate(cfg.decode)])
+            self.roles = ("prefill", "decode")
+        else:
+            workers = [Worker(u, "replica", i) for i, u in enumerate(cfg.replicas)]
+            self.roles = ("replica",)
+        self.routed_role = self.roles[0]
+        timeout = httpx.Timeout(connect=cfg.connect_timeout, read=None, write=60.0, pool=None)
+        self.client = httpx.AsyncClient(
+            transport=transport, timeout=timeout, trust_env=False,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        self.health_client = httpx.AsyncClient(transport=transport, trust_env=False,
+                                               timeout=cfg.health_check_timeout)
+        self.index = PrefixIndex(cfg.speculative_ttl) if cfg.events_wanted else None
+        self.pool = WorkerPool(
+            workers, self.health_client, cfg.health_check_interval, cfg.health_check_timeout,
+            want_kv_info=cfg.disaggregated and cfg.kv_transfer_flow == "concurrent",
+            on_down=self._on_down)
+        self.tokenizer = (PromptTokenizer(self.client, cfg.tokenizer)
+                          if cfg.policy == "prefix-aware" else None)
+        self.policy = make_policy(cfg.policy, self.index, cfg, self.metrics)
+        self.proxy = Proxy(self.pool, self.client, self.metrics)
+        self.disagg = (Disaggregated(self.proxy, self.policy, LeastOutstanding(self.metrics),
+                                     cfg.kv_transfer_flow, self.tokenizer)
+                       if cfg.disaggregated else None)
+        self._zmq_ctx = None
+        self.subscribers: list[KVEventSubscriber] = []
+
+    def _on_down(self, w: Worker) -> None:
+        if self.index is not None:
+            self.index.clear(w.url)
+
+    async def start(self) -> None:
+        if self.index is not None:
+            import zmq.asyncio
+            self._zmq_ctx = zmq.asyncio.Context()
+            topic = self.config.kv_events_config.topic if self.config.kv_events_config else ""
+            for url, (ep, replay) in zip(self.config.routed, self.config.events_endpoints()):
+                s = KVEventSubscriber(self._zmq_ctx, url, ep, topic, replay, self.index)
+                s.start()
+                self.subscribers.append(s)
+        await self.pool.start()
+        logger.info("router: %s, policy %s%s", ", ".join(
+            f"{len(self.pool.role(r))} {r}" for r in self.roles), self.config.policy,
+            f", {self.config.kv_transfer_flow} KV transfer flow" if self.disagg else "")
+
+    async def close(self) -> None:
+        await asyncio.gather(*(s.close() for s in self.subscribers))
+        await self.pool.close()
+        await self.client.aclose()
+        await self.health_client.aclose()
+        if self._zmq_ctx is not None:
+            self._zmq_ctx.term()
+
+    # ------------------------------------------------------------------ requests
+    async def generate(self, request: Request, path: str, chat: bool) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            return error_response(400, f"the body is not JSON: {e}")
+        if not isinstance(body, dict):
+            return error_response(400, "the body must be a JSON object")
+        headers = forward_headers(request)
+        if self.disagg is not None:
+            return await self.disagg.handle(body, path, chat, headers)
+        ctx = RouteContext(body, chat, self.tokenizer)
+        try:
+            up = await self.proxy.open("replica", self.policy, ctx, path, raw, headers)
+        except RouterError as e:
+            return e.response()
+        return await self.proxy.respond(up, bool(body.get("stream")))
+
+    async def models(self) -> Response:
+        role = "decode" if self.disagg is not None else "replica"
+        for w in self.pool.available(role) + self.pool.available("prefill"):
+            try:
+                r = await self.client.get(w.url + "/v1/models", timeout=5.0)
+            except httpx.HTTPError:
+                continue
+            return Response(r.content, status_code=r.status_code,
+                            media_type=r.headers.get("content-type", "application/json"))
+        return error_response(503, "no healthy worker to ask for its models")
+
+    def health(self) -> tuple[bool, dict]:
+        ready = all(self.pool.available(r) for r in self.roles)
+        workers = []
+        for w in self.pool.workers:
+            d = w.describe()
+            if self.index is not None and w.role == self.routed_role:
+                d["cached_blocks"] = self.index.num_blocks(w.url)
+            workers.append(d)
+        return ready, {"status": "ok" if ready else "unavailable",
+                       "policy": self.config.policy, "workers": workers}
+
+
+def build_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """The router's app; its lifespan starts and stops the :class:`Router` (``app.state.router``)."""
+    router = Router(config, transport)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.close()
+
+    app = FastAPI(title="sloserve router", lifespan=lifespan)
+    app.state.router = router
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await router.generate(request, "/v1/completions", chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await router.generate(request, "/v1/chat/completions", chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return await router.models()
+
+    @app.get("/health")
+    @app.head("/health", operation_id="health_head")
+    async def health() -> Response:
+        ready, body = router.health()
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.render(router.pool.workers),
+                        media_type=CONTENT_TYPE_LATEST)
+
+    return app
