@@ -813,6 +813,8 @@ class Scheduler:
                 if c.sent(rid):  # a prefill-side transfer: nothing to do but free
                     self.kv.free(rid)
                 continue
+            if rid in c.timed_out:
+                why = f"no KV within timeout_s={c.config.timeout_s:g}"
             c.load_over(rid)
             req = self.waiting_for_kv.pop(rid, None)
             if req is None:

@@ -46,6 +46,8 @@ class SloserveConnectorScheduler:
         self.held: set[str] = set()
         #: transfers cancelled for passing timeout_s (each also counts as a failure)
         self.num_timeouts = 0
+        #: decode-side requests whose load timed out, until the worker half confirms
+        self.timed_out: set[str] = set()
 
     # ------------------------------------------------------------------ vLLM's methods
     @staticmethod
@@ -145,6 +147,7 @@ class SloserveConnectorScheduler:
                 del self.loading[rid]
                 self._meta.cancels.append(rid)
                 self.num_timeouts += 1
+                self.timed_out.add(rid)
                 late.append(rid)
         return late
 
@@ -162,6 +165,7 @@ class SloserveConnectorScheduler:
         """The worker half is done with a load (arrived, failed or cancelled). Returns whether
         the request was finished meanwhile and holds blocks to free."""
         self.loading.pop(rid, None)
+        self.timed_out.discard(rid)
         if rid in self.held:
             self.held.discard(rid)
             return True

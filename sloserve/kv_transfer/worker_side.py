@@ -124,7 +124,12 @@ class SloserveConnectorWorker:
         #: (cumulative bytes), "done" per finished load; None: not recorded
         self.events: list | None = None
         self._closed = False
-        self._server = socket.create_server((config.kv_ip, config.kv_port), backlog=64)
+        try:
+            self._server = socket.create_server((config.kv_ip, config.kv_port), backlog=64)
+        except OSError as e:
+            raise OSError(f"kv_transfer_config: the KV connector cannot listen on "
+                          f"{config.kv_ip}:{config.kv_port}: {e.strerror or e} (another "
+                          f"instance's kv_port? each needs its own)") from None
         self.port = self._server.getsockname()[1]
         threading.Thread(target=self._accept, name="sloserve-kv-accept", daemon=True).start()
 

@@ -253,6 +253,28 @@ def test_serial_prefill_ended_by_its_first_token_is_not_held(tiny_llama_dir, ref
         p.close()
 
 
+def test_a_load_past_timeout_fails_with_the_limit_named(tiny_llama_dir):
+    """P never registers the transfer (no such request there): D's load is cancelled after
+    timeout_s and, under ``fail``, the request fails naming the limit."""
+    p, d = _pair(tiny_llama_dir, "pull", "layerwise", False, policy="fail", timeout_s=1)
+    try:
+        _, dk = _params(p, d, "pull", tid="nobody")
+        d.add_request(EngineCoreRequest("d", PROMPT, SP, 0.0, kv_transfer_params=dk))
+        outs = _drive([d])
+        assert outs["d"][-1].finish_reason == "abort"
+        assert outs["d"][-1].error == "KV transfer failed: no KV within timeout_s=1"
+        assert d.stats().kv_transfer_failures_total >= 1
+        _all_free(d)
+        with pytest.raises(OSError, match="cannot listen on 127.0.0.1:"):
+            port = p.info.kv_port  # taken by P
+            cfg = _config(tiny_llama_dir, "kv_consumer")
+            cfg.kv_transfer_config["kv_port"] = port
+            EngineCore(cfg)
+    finally:
+        p.close()
+        d.close()
+
+
 def test_abort_while_loading_frees_after_the_worker_stops(tiny_llama_dir):
     p, d = _pair(tiny_llama_dir, "pull", "layerwise", False)
     try:
