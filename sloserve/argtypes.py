@@ -131,3 +131,18 @@ def parse_bandwidth(v: "str | float | int") -> float:
     if not (x > 0 and math.isfinite(x)):
         raise ValueError(f"a rate must be finite and > 0, got {v!r}")
     return x
+
+
+def json_object(value: "str | dict", name: str) -> dict:
+    """A JSON-object setting (``--speculative-config``-style flags): the text parsed, or the
+    dict, as a new dict. Raises ValueError naming ``name`` for invalid JSON or a non-object."""
+    import json
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {value!r}")
+    return dict(value)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import json
 from dataclasses import asdict, dataclass, fields
+
+from sloserve.argtypes import json_object, parse_bandwidth
 
 #: batching modes (the scheduler's SchedulingPolicy): chunked prefill (default), no chunking
 #: (``--no-enable-chunked-prefill``), static batches (``--static-batching``)
@@ -409,14 +410,7 @@ class SpeculativeConfig:
         naming the key, its value and what is allowed."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
-        value = dict(value)
+        value = json_object(value, "speculative_config")
         known = {f.name for f in fields(cls)} | {"disable_by_batch_size"}
         unknown = sorted(set(value) - known)
         if unknown:
@@ -752,18 +746,9 @@ class KVTransferConfig:
     def parse(cls, value: "str | dict | KVTransferConfig | None") -> "KVTransferConfig | None":
         """From the JSON text, a dict or an instance (None stays None). Raises ValueError
         naming the key, its value and what is allowed."""
-        from sloserve.argtypes import parse_bandwidth
-
         if value is None or isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a JSON object, got {value!r}")
-        value = dict(value)
+        value = json_object(value, "kv_transfer_config")
         extra = value.pop("kv_connector_extra_config", None) or {}
         if not isinstance(extra, dict):
             raise ValueError(f"kv_transfer_config: kv_connector_extra_config must be an "

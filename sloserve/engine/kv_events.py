@@ -40,7 +40,6 @@ The engine core process wires it (``--kv-events-config``)::
 """
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -49,6 +48,8 @@ from collections import deque
 from typing import Any, Iterable, Union
 
 import msgspec
+
+from sloserve.argtypes import json_object
 
 logger = logging.getLogger(__name__)
 
@@ -244,13 +245,7 @@ class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True):
         """
         if isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--kv-events-config is not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("--kv-events-config must be a JSON object")
+        value = json_object(value, "--kv-events-config")
         try:
             return msgspec.convert(value, cls)
         except msgspec.ValidationError as e:
