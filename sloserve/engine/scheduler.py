@@ -754,15 +754,9 @@ class Scheduler:
                                  new_logprobs=None if lp is None else lp.slice(0, len(new)),
                                  new_prompt_logprobs=plp)
             if status is not None:
-                self.finish_request(req.request_id, status)
-                req.finished_time = now
-                o.finish_reason = status.finish_reason
-                o.first_scheduled_time = req.first_scheduled_time
-                if status is RequestStatus.FINISHED_STOPPED:
-                    o.stop_reason = new[-1]
+                self._finish_output(req, status, o, now)
                 if why is not None:
                     o.error, o.bad_request = why, bad_request
-                o.kv_transfer_params = req.kv_transfer_out
             outputs.append(o)
         return outputs
 
@@ -856,16 +850,23 @@ class Scheduler:
                              parent_request_id=req.parent_request_id, kv_transfer_s=rec.seconds)
         if status is not None:
             req.status = RequestStatus.WAITING  # finish_request takes it from the queue's view
-            self.finish_request(req.request_id, status)
-            req.finished_time = now
-            o.finish_reason = status.finish_reason
-            o.first_scheduled_time = req.first_scheduled_time
-            if status is RequestStatus.FINISHED_STOPPED:
-                o.stop_reason = new[-1]
+            self._finish_output(req, status, o, now)
         else:
             req.status = RequestStatus.WAITING
             self.waiting.prepend_request(req)
         return o
+
+    def _finish_output(self, req: Request, status: RequestStatus, o: EngineCoreOutput,
+                       now: float) -> None:
+        """Finish ``req`` (its blocks freed or, for a KV transfer, held) and say so in its
+        output ``o``: the reason, the stop token, a prefill instance's ``kv_transfer_params``."""
+        self.finish_request(req.request_id, status)
+        req.finished_time = now
+        o.finish_reason = status.finish_reason
+        o.first_scheduled_time = req.first_scheduled_time
+        if status is RequestStatus.FINISHED_STOPPED:
+            o.stop_reason = o.new_token_ids[-1]
+        o.kv_transfer_params = req.kv_transfer_out
 
     @staticmethod
     def _new_prompt_logprobs(req: Request, sr: ScheduledRequest, plp):
