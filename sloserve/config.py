@@ -18,6 +18,8 @@ from sloserve.argtypes import json_object, parse_bandwidth
 #: batching modes (the scheduler's SchedulingPolicy): chunked prefill (default), no chunking
 #: (``--no-enable-chunked-prefill``), static batches (``--static-batching``)
 POLICIES = ("chunked", "naive", "static")
+#: ``--distributed-executor-backend`` (vLLM's): where the worker runs
+DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "ray")
 #: ``--scheduling-policy`` (vLLM's): the waiting queue's order
 QUEUE_POLICIES = ("fcfs", "priority")
 SLO_ADMISSION = ("reject", "defer")
@@ -144,6 +146,12 @@ class EngineConfig:
             for what the engine does with them.
         kv_transfer_config: prefill/decode disaggregation, vLLM's JSON (text or dict; None:
             no KV connector); see :class:`KVTransferConfig`.
+        distributed_executor_backend: where the worker runs: ``uni`` (in the engine core's
+            process, the default) or ``ray`` (in a Ray actor: ``sloserve.executor.ray``).
+        ray_address: the Ray cluster to join (``ray``; default: a local one, or the one
+            ``RAY_ADDRESS`` names).
+        ray_node_ip: place the worker actor on the Ray node with this address (default: where
+            Ray puts it).
         kv_events_config: publish the prefix cache's block events (vLLM's JSON:
             ``enable_kv_cache_events``, ``endpoint``, ...; ``sloserve.engine.kv_events``)
             for a prefix-aware router; checked when the engine core starts.
@@ -184,6 +192,9 @@ class EngineConfig:
     speculative_config: dict | str | None = None
     kv_transfer_config: dict | str | None = None
     kv_events_config: dict | str | None = None
+    distributed_executor_backend: str = "uni"
+    ray_address: str | None = None
+    ray_node_ip: str | None = None
 
     @property
     def kv_transfer(self) -> "KVTransferConfig | None":
@@ -264,6 +275,10 @@ class EngineConfig:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got "
                                  f"{getattr(self, name)!r}")
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of "
+                             f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, got "
+                             f"{self.distributed_executor_backend!r}")
         spec = self.speculative  # raises for a bad one
         self.kv_transfer  # raises for a bad one
         if spec is not None and spec.model is not None and not os.path.exists(spec.model):
@@ -664,6 +679,16 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
                         '"max_bandwidth": "1gbit"}}; requests then take kv_transfer_params '
                         '(see docs/disaggregation.md)')
 
+    p.add_argument("--distributed-executor-backend", choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+                   default=_D.distributed_executor_backend,
+                   help="where the worker (model, KV cache, KV connector) runs: in the engine "
+                        "core's process (uni, default) or in a Ray actor (ray; restarted by Ray "
+                        "if it dies)")
+    p.add_argument("--ray-address", default=None,
+                   help="with --distributed-executor-backend ray: the Ray cluster to join "
+                        "(default: a local one, or RAY_ADDRESS)")
+    p.add_argument("--ray-node-ip", default=None,
+                   help="with --distributed-executor-backend ray: the node to put the worker on")
     p.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help='publish prefix-cache block events over ZeroMQ for a prefix-aware '
                         'router, vLLM\'s JSON: {"enable_kv_cache_events": true, "endpoint": '

@@ -29,7 +29,7 @@ from sloserve.engine.messages import (EngineCoreOutput, EngineCoreOutputs, Engin
 from sloserve.engine.request import Request, RequestStatus
 from sloserve.engine.scheduler import Scheduler, SchedulerConfig
 from sloserve.executor import get_executor_class
-from sloserve.executor.abstract import Executor
+from sloserve.executor.abstract import Executor, WorkerLostError
 from sloserve.step_io import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -109,9 +109,9 @@ class EngineCore:
         self.kv_connector = None
         if self.kv_transfer is not None:
             from sloserve.kv_transfer.scheduler_side import SloserveConnectorScheduler
-            port = executor.collective_rpc("kv_connector_port")[0]
+            host, port = executor.collective_rpc("kv_connector_address")[0]
             self.kv_connector = SloserveConnectorScheduler(
-                self.kv_transfer, config.block_size, self.kv_transfer.kv_ip, port)
+                self.kv_transfer, config.block_size, host, port)
             logger.info("%s", self.kv_transfer.describe().format(port=port))
         #: structured outputs: compiles grammars in low-priority worker processes, started at
         #: the first request that asks for one; the scheduler uses it
@@ -201,7 +201,7 @@ class EngineCore:
         """Have ``wake`` called (from any thread) when a KV transfer finishes or fails, so an
         idle loop that waits only for transfers steps at once (the in-process workers')."""
         if self.kv_connector is not None:
-            self.model_executor.collective_rpc("set_kv_wakeup", (wake,))
+            self.model_executor.set_kv_wakeup(wake)
 
     def waits_only_for_transfers(self) -> bool:
         """Nothing can run until a KV transfer finishes or times out."""
@@ -328,6 +328,14 @@ class EngineCore:
             if runner_out.kv_connector_output is not None:  # after: finished requests hold
                 outputs += self.scheduler.update_connector_output(
                     runner_out.kv_connector_output, now)
+        except WorkerLostError as e:  # every KV the worker held is gone: every request fails
+            logger.error("%s", e)
+            msg = f"engine step failed: {e}"
+            lost = self._fail(out, msg) + self.abort_requests(list(self.scheduler.requests))
+            for o in lost:
+                o.error = o.error or msg
+            self.kv.reset_prefix_cache()
+            return EngineCoreOutputs(failed + lost, self.stats(), timestamp=self.clock())
         except Exception as e:  # a bug must not kill the loop: fail this step's requests
             if self.raise_step_errors:
                 raise

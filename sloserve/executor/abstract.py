@@ -19,6 +19,11 @@ from sloserve.kv_cache_spec import KVCacheSpec
 from sloserve.step_io import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput, WorkerInfo
 
 
+class WorkerLostError(RuntimeError):
+    """A worker died and was replaced (a Ray actor restarted): the model and an empty KV cache
+    are back, every request's KV and every cached prefix are gone."""
+
+
 class Executor(abc.ABC):
     """Starts the workers (device setup and model load) in its constructor.
 
@@ -76,6 +81,11 @@ class Executor(abc.ABC):
         """A step without a forward (nothing to run): hand the KV connector's worker half the
         scheduler output's news and take its report (the first worker's)."""
         return self.collective_rpc("get_kv_connector_output", (scheduler_output,))[0]
+
+    def set_kv_wakeup(self, wake: Callable[[], None]) -> None:
+        """Have ``wake`` called when the KV connector's worker half finishes or fails a
+        transfer (the in-process workers call it themselves)."""
+        self.collective_rpc("set_kv_wakeup", (wake,))
 
     def reserve_cpus(self, cpus: int) -> None:
         """Leave ``cpus`` CPUs of each worker's host to the engine's own background work

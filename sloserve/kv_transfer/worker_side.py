@@ -302,7 +302,9 @@ class SloserveConnectorWorker:
 
     def _stop(self, request_id: str, why: str) -> None:
         t = self._by_request.get(request_id)
-        if t is None:  # already reported (finished or failed): nothing in flight
+        if t is None:  # nothing in flight here (reported already, or this worker restarted):
+            with self._lock:  # say so, so that the scheduler frees what it holds for it
+                self._failed[request_id] = why
             return
         self._finish(t, "cancelled", why)
 

@@ -213,9 +213,19 @@ class Worker:
             self.thread_governor.after_step(started)
         return out
 
-    def kv_connector_port(self) -> int:
-        """The port the KV connector's worker half listens on."""
-        return self.model_runner.kv_connector.port
+    def kv_connector_address(self) -> tuple[str, int]:
+        """Where the KV connector's worker half listens, as another host reaches it: its
+        ``kv_ip``, or this host's address where that is a wildcard (0.0.0.0)."""
+        import socket
+        host = self.config.kv_transfer.kv_ip
+        if host in ("0.0.0.0", "", "::"):
+            try:
+                import ray
+                host = ray.util.get_node_ip_address() if ray.is_initialized() else None
+            except ImportError:
+                host = None
+            host = host or socket.gethostbyname(socket.gethostname())
+        return host, self.model_runner.kv_connector.port
 
     def set_kv_wakeup(self, wake) -> None:
         """Call ``wake`` when a KV transfer finishes or fails (in-process executors only)."""
