@@ -77,8 +77,15 @@ class RayExecutor(Executor):
 
         cfg = self.config
         if not ray.is_initialized():
+            import signal
+            import threading as th
+            main = th.current_thread() is th.main_thread()
+            handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)} \
+                if main else {}
             ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=False,
                      configure_logging=False)
+            for sig, h in handlers.items():  # Ray's own would end the engine core abruptly
+                signal.signal(sig, h)
         opts: dict = dict(num_cpus=0, max_restarts=MAX_RESTARTS, max_concurrency=2)
         if cfg.ray_node_ip:
             nodes = [n for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == cfg.ray_node_ip]
