@@ -31,6 +31,8 @@ def _stop_before_start(sig, frame):
 
 
 def _serve(a: argparse.Namespace) -> int:
+    if a.data_parallel_size > 1:
+        return _data_parallel(a)
     import signal
     for s in (signal.SIGTERM, signal.SIGINT):  # run_server installs its own before the load
         signal.signal(s, _stop_before_start)
@@ -61,6 +63,24 @@ def _generate(a: argparse.Namespace) -> int:
     print(f"[{out.num_prompt_tokens} prompt tokens, {out.num_output_tokens} output tokens, "
           f"finish_reason={out.finish_reason}]", file=sys.stderr)
     return 0
+
+
+def _data_parallel(a: argparse.Namespace) -> int:
+    """``serve --data-parallel-size N``: N replicas (their workers in Ray actors with the ray
+    backend), the router in front on --host/--port."""
+    from sloserve.router.cluster import run_cluster, strip_flags
+    serve_argv = strip_flags(a.argv[1:], {"--data-parallel-size", "--data-parallel-backend",
+                                          "--host", "--port"})
+    return run_cluster(["replica"] * a.data_parallel_size, serve_argv, a.host, a.port,
+                       a.ray_address, None, ["--log-level", a.log_level],
+                       use_ray=a.data_parallel_backend == "ray")
+
+
+def _cluster(a: argparse.Namespace, serve_argv: list[str]) -> int:
+    from sloserve.router.cluster import run_cluster
+    roles = ["prefill"] * a.num_prefill_instances + ["decode"] * a.num_decode_instances
+    return run_cluster(roles, serve_argv, a.host, a.port, a.ray_address, a.kv_transfer_config,
+                       ["--kv-transfer-flow", a.kv_transfer_flow, "--log-level", a.log_level])
 
 
 def _router(a: argparse.Namespace) -> int:
@@ -114,6 +134,12 @@ def main(argv: list[str] | None = None) -> int:
                         "that client, do not count; a grammar counts until its first request "
                         "starts or ends (default "
                         f"{DEFAULT_MAX_PENDING_COMPILES_PER_CLIENT}; 0: no cap)")
+    s.add_argument("--data-parallel-size", type=pos_int, default=1, metavar="N",
+                   help="N replicas of the engine behind one router on --host/--port "
+                        "(docs/router.md)")
+    s.add_argument("--data-parallel-backend", choices=("mp", "ray"), default="mp",
+                   help="data parallel: the replicas' workers in their engine cores' processes "
+                        "on this host (mp), or in Ray actors over the cluster's nodes (ray)")
     s.add_argument("--step-trace", default=None, metavar="FILE.jsonl",
                    help="write one JSON line per engine step (composition and times), for "
                         "`sloserve profile --from-trace`")
@@ -129,6 +155,23 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--stop", action="append")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.set_defaults(func=_generate)
+
+    cl = sub.add_parser("cluster", help="prefill and decode instances over a Ray cluster, "
+                                        "the router in front; other flags go to each "
+                                        "instance's `serve` (docs/disaggregation.md)",
+                        allow_abbrev=False)
+    cl.add_argument("--num-prefill-instances", type=pos_int, required=True, metavar="P")
+    cl.add_argument("--num-decode-instances", type=pos_int, required=True, metavar="D")
+    cl.add_argument("--ray-address", default=None,
+                    help="the Ray cluster (default: a local one started here)")
+    cl.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                    help="the instances' KV connector settings (kv_role, kv_ip and kv_port are "
+                         "set per instance)")
+    cl.add_argument("--kv-transfer-flow", choices=("concurrent", "serial"),
+                    default="concurrent")
+    cl.add_argument("--host", default="127.0.0.1")
+    cl.add_argument("--port", type=port, default=8000)
+    cl.add_argument("--log-level", default="info")
 
     rt = sub.add_parser("router", help="OpenAI front over replicas or prefill/decode servers "
                                        "(docs/router.md)", allow_abbrev=False)
@@ -160,10 +203,16 @@ def main(argv: list[str] | None = None) -> int:
         from sloserve.roofline.cli import main as roofline_main
         return roofline_main(argv[1:], measure=_roofline_measure)
 
-    a = parser.parse_args(argv)
+    if argv[:1] == ["cluster"]:  # its own flags; the rest go to each instance's `serve`
+        a, rest = parser.parse_known_args(argv)
+        run = lambda: _cluster(a, rest)  # noqa: E731
+    else:
+        a = parser.parse_args(argv)
+        a.argv = list(argv)
+        run = lambda: a.func(a)  # noqa: E731
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return a.func(a)
+        return run()
     except (OSError, ValueError) as e:  # a missing model, bad settings, an unwritable trace
         print(f"sloserve: error: {e}", file=sys.stderr)
         return 2

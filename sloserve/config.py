@@ -760,11 +760,13 @@ class KVTransferConfig:
     def is_consumer(self) -> bool:
         return self.kv_role in ("kv_consumer", "kv_both")
 
-    def describe(self) -> str:
+    def describe(self, engine_id: str, host: str, port: int) -> str:
+        """The start-up line: the settings and where the connector listens (``host:port``,
+        the port it got where 0 was asked)."""
         bw = f", at most {self.max_bandwidth * 8 / 1e9:g} Gbit/s" if self.max_bandwidth else ""
-        return (f"KV connector {self.kv_connector} ({self.kv_role}, engine {self.engine_id}, "
+        return (f"KV connector {self.kv_connector} ({self.kv_role}, engine {engine_id}, "
                 f"{self.mode} {self.granularity}{', incremental' if self.incremental else ''}, "
-                f"{self.transport} on {self.kv_ip}:{{port}}{bw}, timeout {self.timeout_s:g} s, "
+                f"{self.transport} on {host}:{port}{bw}, timeout {self.timeout_s:g} s, "
                 f"load failures {self.kv_load_failure_policy})")
 
     @classmethod

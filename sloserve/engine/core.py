@@ -112,7 +112,7 @@ class EngineCore:
             host, port = executor.collective_rpc("kv_connector_address")[0]
             self.kv_connector = SloserveConnectorScheduler(
                 self.kv_transfer, config.block_size, host, port)
-            logger.info("%s", self.kv_transfer.describe().format(port=port))
+            logger.info("%s", self.kv_transfer.describe(self.kv_connector.engine_id, host, port))
         #: structured outputs: compiles grammars in low-priority worker processes, started at
         #: the first request that asks for one; the scheduler uses it
         self.structured_output_manager = StructuredOutputManager(
@@ -309,16 +309,23 @@ class EngineCore:
         # requests the scheduler finished without running them (a grammar that failed to compile)
         failed = self.scheduler.take_finished_outputs()
         if out.is_empty:
+            news = False
             if self.kv_connector is not None:  # no step: the connector's news still goes
-                failed += self.scheduler.update_connector_output(
-                    self.model_executor.get_kv_connector_output(out), t0)
-            return EngineCoreOutputs(failed, self.stats(), timestamp=t0) if failed else None
+                try:
+                    kv_out = self.model_executor.get_kv_connector_output(out)
+                except WorkerLostError as e:
+                    return EngineCoreOutputs(failed + self._worker_lost(e, out), self.stats(),
+                                             timestamp=self.clock())
+                news = kv_out.has_news  # freed blocks change the gauges the front end shows
+                failed += self.scheduler.update_connector_output(kv_out, t0)
+            return EngineCoreOutputs(failed, self.stats(), timestamp=t0) if failed or news \
+                else None
         kv_usage = self.kv.usage
         busy = self.structured_output_manager.cpus_busy
-        if busy != self._cpus_reserved:  # the compute threads leave the compiles their CPUs
-            self._cpus_reserved = busy
-            self.model_executor.reserve_cpus(busy)
         try:
+            if busy != self._cpus_reserved:  # the compute threads leave the compiles their CPUs
+                self._cpus_reserved = busy
+                self.model_executor.reserve_cpus(busy)
             if self._inject_failures > 0:
                 self._inject_failures -= 1
                 raise RuntimeError(f"injected failure ({INJECT_FAILURES_ENV})")
@@ -328,14 +335,9 @@ class EngineCore:
             if runner_out.kv_connector_output is not None:  # after: finished requests hold
                 outputs += self.scheduler.update_connector_output(
                     runner_out.kv_connector_output, now)
-        except WorkerLostError as e:  # every KV the worker held is gone: every request fails
-            logger.error("%s", e)
-            msg = f"engine step failed: {e}"
-            lost = self._fail(out, msg) + self.abort_requests(list(self.scheduler.requests))
-            for o in lost:
-                o.error = o.error or msg
-            self.kv.reset_prefix_cache()
-            return EngineCoreOutputs(failed + lost, self.stats(), timestamp=self.clock())
+        except WorkerLostError as e:
+            return EngineCoreOutputs(failed + self._worker_lost(e, out), self.stats(),
+                                     timestamp=self.clock())
         except Exception as e:  # a bug must not kill the loop: fail this step's requests
             if self.raise_step_errors:
                 raise
@@ -378,6 +380,17 @@ class EngineCore:
         except Exception:  # a full disk must not cost the outputs
             logger.exception("step trace failed; it is dropped")
             self._trace = None
+
+    def _worker_lost(self, e: Exception, out: SchedulerOutput) -> list[EngineCoreOutput]:
+        """The worker was replaced (``WorkerLostError``): every request's KV and every cached
+        prefix are gone, so every request fails and the prefix cache is forgotten."""
+        logger.error("%s", e)
+        msg = f"engine step failed: {e}"
+        lost = self._fail(out, msg) + self.abort_requests(list(self.scheduler.requests))
+        for o in lost:
+            o.error = o.error or msg
+        self.kv.reset_prefix_cache()
+        return lost
 
     def _fail(self, out: SchedulerOutput, message: str) -> list[EngineCoreOutput]:
         outs = []

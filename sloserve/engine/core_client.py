@@ -71,7 +71,8 @@ class CoreClient:
             self._out.bind(out_addr)
             spec = {"config": asdict(config), "step_trace": step_trace, "input": in_addr,
                     "output": out_addr, "log_level": log_level, "parent_pid": os.getpid()}
-            self.proc = subprocess.Popen([sys.executable, "-m", "sloserve.engine.core_proc",
+            # -P: never the working directory's `sloserve/` (another checkout) before this one
+            self.proc = subprocess.Popen([sys.executable, "-P", "-m", "sloserve.engine.core_proc",
                                           json.dumps(spec)], env=engine_core_env())
         except BaseException:
             if self.proc is not None and self.proc.poll() is None:

@@ -31,12 +31,18 @@ class RayWorkerWrapper:
         self.worker = None
         self._news = threading.Event()
 
-    def start(self, num_blocks: int | None = None) -> str:
-        """Set up the device and load the model (and, given ``num_blocks``, the KV cache);
-        returns this node's IP address."""
+    def start(self, num_blocks: int | None = None, kv_port: int | None = None) -> str:
+        """Set up the device and load the model (and, given ``num_blocks``, the KV cache, its
+        KV connector listening on ``kv_port``: a restarted worker keeps its address); returns
+        this node's IP address."""
+        import dataclasses
+
         import ray
 
         from sloserve.worker.worker import Worker
+        if kv_port is not None:
+            self.config = dataclasses.replace(self.config, kv_transfer_config=dataclasses.replace(
+                self.config.kv_transfer, kv_port=kv_port))
         self.worker = Worker(self.config)
         self.worker.init_device()
         self.worker.load_model()
@@ -98,6 +104,7 @@ class RayExecutor(Executor):
         self.actor = self._actor_cls.options(**opts).remote(cfg)
         self.node_ip = self._get(self.actor.start.remote())
         self._num_blocks: int | None = None
+        self._kv_port: int | None = None
         self._wake_thread: threading.Thread | None = None
         self._closed = False
 
@@ -128,12 +135,14 @@ class RayExecutor(Executor):
     def _restart(self) -> None:
         """Set a restarted actor up again (model, cache) before the engine goes on."""
         logger.warning("the worker actor is gone: waiting for Ray to restart it")
-        self.node_ip = self._get(self.actor.start.remote(self._num_blocks))
+        self.node_ip = self._get(self.actor.start.remote(self._num_blocks, self._kv_port))
         logger.warning("the worker actor is back on %s", self.node_ip)
 
     def initialize_cache(self, num_blocks: int) -> None:
         self._num_blocks = num_blocks
         self._get(self.actor.call.remote("initialize_cache", (num_blocks,), {}))
+        if self.config.kv_transfer is not None:  # a restarted worker listens there again
+            self._kv_port = self._get(self.actor.call.remote("kv_connector_address", (), {}))[1]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._call("execute_model", (scheduler_output,), {})

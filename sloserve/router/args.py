@@ -89,3 +89,11 @@ def config_from_args(a: argparse.Namespace):
         kv_transfer_flow=a.kv_transfer_flow, health_check_interval=a.health_check_interval,
         health_check_timeout=a.health_check_timeout, connect_timeout=a.connect_timeout,
         host=a.host, port=a.port, log_level=a.log_level).validate()
+
+
+def router_parser() -> argparse.ArgumentParser:
+    """A parser of the router's flags alone (``sloserve cluster`` and data-parallel ``serve``
+    build the router's command line)."""
+    p = argparse.ArgumentParser(prog="sloserve router", allow_abbrev=False)
+    add_router_args(p)
+    return p

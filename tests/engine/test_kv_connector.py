@@ -182,8 +182,15 @@ def test_serial_flow_prefill_response_carries_the_decode_sides_parameters(tiny_l
             (True, "p", p.info.kv_port)
         assert p.kv.num_free_blocks < p.num_kv_blocks  # held for the reader
         d.add_request(EngineCoreRequest("d", PROMPT, SP, 0.0, kv_transfer_params=params))
-        outs = _drive([p, d])
+        outs = _drive([d], until_finished="d")
         assert _tokens(outs["d"]) == reference
+        last = None  # P frees the blocks it held without a step, and says so (its gauges)
+        t = time.monotonic()
+        while p.has_unfinished_requests():
+            last = p.step() or last
+            assert time.monotonic() - t < 60
+        assert last is not None and last.scheduler_stats.num_waiting_for_kv == 0
+        assert last.scheduler_stats.kv_cache_usage == 0
         _all_free(p, d)
     finally:
         p.close()

@@ -1,0 +1,91 @@
+"""`sloserve cluster`: a prefill and a decode instance whose workers run in Ray actors, the
+router in front; greedy output equal to one engine's; a worker actor killed is restarted by Ray
+and its instance serves again through the router."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from sloserve.router.cluster import Instance, plan, strip_flags
+
+pytest.importorskip("ray")
+
+
+def test_strip_flags_and_placement():
+    argv = ["M", "--port", "1", "--dtype=float32", "--data-parallel-size=2", "--host", "h", "-x"]
+    assert strip_flags(argv, {"--port", "--host", "--data-parallel-size"}) == \
+        ["M", "--dtype=float32", "-x"]
+    got = plan(["prefill", "decode", "decode"], ["10.0.0.1", "10.0.0.2"])
+    assert [(i.role, i.node_ip) for i in got] == [("prefill", "10.0.0.1"), ("decode", "10.0.0.2"),
+                                                  ("decode", "10.0.0.1")]
+    assert all(isinstance(i, Instance) and i.port > 0 for i in got)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _complete(port: int, prompt: str) -> httpx.Response:
+    return httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
+        "model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+
+
+def test_cluster_serves_pd_through_the_router_and_survives_a_killed_worker(tiny_llama_dir):
+    import sloserve
+    from sloserve.sampling_params import SamplingParams
+
+    prompt = "The capital of France is a city of many bridges and old streets"
+    engine = ["--dtype", "float32", "--num-kv-blocks", "64", "--block-size", "4",
+              "--num-threads", "1", "--served-model-name", "m"]
+    ref = sloserve.LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=64, block_size=4)
+    want = ref.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].text
+    del ref
+    port = _free_port()
+    exe = os.path.join(os.path.dirname(sys.executable), "sloserve")
+    proc = subprocess.Popen([exe, "cluster", "--num-prefill-instances", "1",
+                             "--num-decode-instances", "1", "--port", str(port),
+                             "--log-level", "warning", tiny_llama_dir, *engine],
+                            start_new_session=True)
+    try:
+        t = time.monotonic()
+        while True:
+            assert proc.poll() is None, "sloserve cluster exited"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() - t < 300
+            time.sleep(0.5)
+        r = _complete(port, prompt)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+        # kill one worker actor's process (Ray restarts it; its instance serves on)
+        pids = subprocess.run(["pgrep", "-f", "RayWorkerWrapper"], capture_output=True,
+                              text=True).stdout.split()
+        assert len(pids) >= 2
+        os.kill(int(pids[-1]), signal.SIGKILL)
+        t = time.monotonic()
+        while True:  # requests may fail while the actor restarts; then they are served again
+            r = _complete(port, prompt)
+            if r.status_code == 200:
+                break
+            assert time.monotonic() - t < 120, r.text
+            time.sleep(0.5)
+        assert r.json()["choices"][0]["text"] == want
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()
+        assert [w["state"] for w in health["workers"]] == ["healthy", "healthy"]
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
