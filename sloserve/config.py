@@ -776,7 +776,8 @@ class KVTransferConfig:
         if value is None or isinstance(value, KVTransferConfig):
             return value
         value = json_object(value, "kv_transfer_config")
-        extra = value.pop("kv_connector_extra_config", None) or {}
+        extra = value.pop("kv_connector_extra_config", None)
+        extra = {} if extra is None else extra
         if not isinstance(extra, dict):
             raise ValueError(f"kv_transfer_config: kv_connector_extra_config must be an "
                              f"object, got {extra!r}")
@@ -810,17 +811,23 @@ class KVTransferConfig:
             raise ValueError(f"kv_transfer_config: incremental must be true or false, got "
                              f"{kw['incremental']!r}")
         t = kw.get("timeout_s", cls.timeout_s)
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
-            raise ValueError(f"kv_transfer_config: timeout_s must be a number of seconds > 0, "
-                             f"got {t!r}")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 86400:
+            raise ValueError(f"kv_transfer_config: timeout_s must be a number of seconds in "
+                             f"(0, 86400], got {t!r}")
         kw["timeout_s"] = float(t)
         if kw.get("max_bandwidth") is not None:
             try:
                 kw["max_bandwidth"] = parse_bandwidth(kw["max_bandwidth"])
             except ValueError as e:
                 raise ValueError(f"kv_transfer_config: max_bandwidth: {e}") from None
+            if kw["max_bandwidth"] < 1000:
+                raise ValueError(f"kv_transfer_config: max_bandwidth must be at least 1000 "
+                                 f"bytes/s, got {kw['max_bandwidth']:g}")
         for name in ("engine_id", "kv_ip"):
             if name in kw and not isinstance(kw[name], str):
                 raise ValueError(f"kv_transfer_config: {name} must be a string, got "
                                  f"{kw[name]!r}")
+        if not kw.get("kv_ip", cls.kv_ip):
+            raise ValueError("kv_transfer_config: kv_ip must be an address to listen on "
+                             "(0.0.0.0: every interface), got ''")
         return cls(**kw)

@@ -38,6 +38,9 @@ def check_kv_transfer(kv: KVTransferParams, info: EngineInfo) -> None:
         raise ParamError("kv_transfer_params.do_remote_prefill (a decode request) needs a "
                          "kv_consumer or kv_both server; this one is kv_producer",
                          "kv_transfer_params")
+    if kv.do_remote_prefill and not kv.transfer_id:
+        raise ParamError("kv_transfer_params.do_remote_prefill needs transfer_id (the "
+                         "prefill instance's response gives it)", "kv_transfer_params")
     if kv.do_remote_prefill and info.kv_mode == "pull" and not (kv.remote_host
                                                                  and kv.remote_port):
         raise ParamError("kv_transfer_params.do_remote_prefill needs remote_host and "

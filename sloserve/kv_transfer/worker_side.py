@@ -47,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 #: a queued "the first token" item of a send transfer
 _DONE = "done"
+#: most first tokens a decode side takes with a prompt's KV (the prefill side samples one)
+MAX_FIRST_TOKENS = 16
 
 
 @dataclass(eq=False)
@@ -86,13 +88,15 @@ class SloserveConnectorWorker:
         kv_caches: the worker's KV cache tensors, one per layer (the backend's layout).
         attn_backend: exports and imports blocks of one layer (it owns the layout).
         block_size: tokens per block.
+        vocab_size: the first tokens a decode side takes must be below it.
 
     Raises (constructor): OSError when ``kv_ip:kv_port`` cannot be listened on.
     """
 
     def __init__(self, config: KVTransferConfig, kv_caches: list[torch.Tensor], attn_backend,
-                 block_size: int):
+                 block_size: int, vocab_size: int):
         self.config = config
+        self.vocab_size = vocab_size
         self.kv_caches = kv_caches
         self.backend = attn_backend
         self.block_size = block_size
@@ -348,7 +352,7 @@ class SloserveConnectorWorker:
                 if t is None or t.sock is not None:
                     raise TransferError(f"no transfer {tid!r} here")
                 t.sock = sock
-        except (OSError, TransferError, KeyError) as e:
+        except Exception as e:  # noqa: BLE001 - a malformed hello: refuse the connection
             try:
                 send_msg(sock, {"t": "error", "message": str(e)})
             except OSError:
@@ -375,8 +379,8 @@ class SloserveConnectorWorker:
                     return
                 t.sock = sock
             send_msg(sock, {"t": "hello", "transfer_id": t.transfer_id, "kind": kind})
-        except (OSError, TransferError) as e:
-            self._finish(t, "failed", str(e))
+        except Exception as e:  # noqa: BLE001 - a bad address too: this transfer fails now
+            self._finish(t, "failed", f"{type(e).__name__}: {e}")
             return
         self._run(t, sock)
 
@@ -386,7 +390,7 @@ class SloserveConnectorWorker:
                 self._send_loop(t, sock)
             else:
                 self._recv_loop(t, sock)
-        except (OSError, TransferError, ValueError, KeyError) as e:
+        except Exception as e:  # noqa: BLE001 - whatever the peer sent: this transfer fails
             self._finish(t, "failed", f"{type(e).__name__}: {e}")
 
     # ------------------------------------------------------------------ sending
@@ -423,22 +427,36 @@ class SloserveConnectorWorker:
     def _recv_loop(self, r: _Recv, sock: socket.socket) -> None:
         ld = r.load
         ids = torch.tensor(ld.block_ids, dtype=torch.long)
+        # which blocks of each layer have arrived: all of [first_block, n) before `done`
+        want = len(ld.block_ids) - ld.first_block
+        got = [bytearray(want) for _ in self.kv_caches]
         send_msg(sock, {"t": "need", "first_block": ld.first_block})
         while True:
             msg = recv_msg(sock)
             if msg.get("t") == "done":
-                n = int(msg["num_computed_tokens"])
+                n = msg.get("num_computed_tokens")
                 if n != ld.num_prompt_tokens:
-                    raise TransferError(f"the prefill side computed {n} tokens, the prompt "
+                    raise TransferError(f"the prefill side computed {n!r} tokens, the prompt "
                                         f"here has {ld.num_prompt_tokens}")
+                toks = msg.get("output_token_ids")
+                if not (isinstance(toks, list) and 1 <= len(toks) <= MAX_FIRST_TOKENS and all(
+                        type(x) is int and 0 <= x < self.vocab_size for x in toks)):
+                    raise TransferError(f"the first tokens must be 1 to {MAX_FIRST_TOKENS} "
+                                        f"token ids below {self.vocab_size}, got "
+                                        f"{str(toks)[:60]}")
+                missing = sum(want - sum(g) for g in got)
+                if missing:
+                    raise TransferError(f"`done` with {missing} (layer, block) pieces of KV "
+                                        f"missing")
                 if self.events is not None:
                     self.events.append((time.monotonic(), "done", self.bytes_received))
                 self._finish(r, "done", received=KVReceived(
-                    r.request_id, [int(x) for x in msg["output_token_ids"]], n,
-                    time.monotonic() - r.started))
+                    r.request_id, toks, n, time.monotonic() - r.started))
                 return
             expect(msg, "kv")
-            layer, b0, b1, nbytes = (int(msg[k]) for k in ("layer", "b0", "b1", "nbytes"))
+            layer, b0, b1, nbytes = (msg.get(k) for k in ("layer", "b0", "b1", "nbytes"))
+            if not all(type(x) is int for x in (layer, b0, b1, nbytes)):
+                raise TransferError(f"a KV frame header with non-integer fields: {msg}")
             if not (0 <= layer < len(self.kv_caches) and ld.first_block <= b0 < b1
                     <= len(ld.block_ids)) or nbytes != (b1 - b0) * self.layer_block_bytes:
                 raise TransferError(f"a KV frame for layer {layer} blocks [{b0}, {b1}) of "
@@ -457,5 +475,6 @@ class SloserveConnectorWorker:
                 if r.state != "open":
                     return
                 self.backend.import_blocks(self.kv_caches[layer], ids[b0:b1], data)
+            got[layer][b0 - ld.first_block:b1 - ld.first_block] = b"\x01" * (b1 - b0)
             if self.events is not None:
                 self.events.append((time.monotonic(), "received", self.bytes_received))

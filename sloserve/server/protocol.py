@@ -94,6 +94,12 @@ def kv_transfer_params_from_json(obj: dict[str, Any]) -> KVTransferParams:
             raise ParamError(f"kv_transfer_params: unknown key {key!r} (known: "
                              f"{', '.join(KV_TRANSFER_KEYS)})", "kv_transfer_params")
     kv = KVTransferParams(**{k: _kv_value(k, v) for k, v in obj.items()})
+    host = kv.remote_host
+    if host is not None and (len(host) > 253 or not all(c.isalnum() or c in ".-:_[]%"
+                                                         for c in host)):
+        raise ParamError(f"kv_transfer_params.remote_host must be a host name or an IP address "
+                         f"(at most 253 characters of letters, digits and .-:_[]%), got "
+                         f"{host[:40]!r}{'...' if len(host) > 40 else ''}", "kv_transfer_params")
     if kv.do_remote_decode and kv.do_remote_prefill:
         raise ParamError("kv_transfer_params: do_remote_decode and do_remote_prefill cannot "
                          "both be true", "kv_transfer_params")

@@ -180,7 +180,8 @@ class Worker:
         if kvt is not None:  # the KV connector's worker half, over these cache tensors
             from sloserve.kv_transfer.worker_side import SloserveConnectorWorker
             self.model_runner.kv_connector = SloserveConnectorWorker(
-                kvt, self.model_runner.kv_caches, self.attn_backend, cfg.block_size)
+                kvt, self.model_runner.kv_caches, self.attn_backend, cfg.block_size,
+                self.model_config.vocab_size)
         spec = cfg.speculative
         if spec is not None:  # what draft rows cost here: the drafter's k per batch size
             self.verify_cost = self.model_runner.measure_verify_cost()

@@ -22,10 +22,10 @@ SP = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PREFIX = PROMPT[:20] + [7, 8, 9]
 
 
-def _config(model, role=None, **extra) -> EngineConfig:
+def _config(model, role=None, kv_load_failure_policy="recompute", **extra) -> EngineConfig:
     kv = None
     if role is not None:
-        kv = {"kv_role": role, "kv_port": 0,
+        kv = {"kv_role": role, "kv_port": 0, "kv_load_failure_policy": kv_load_failure_policy,
               "kv_connector_extra_config": {"timeout_s": 20, **extra}}
     return EngineConfig(model=model, dtype="float32", num_kv_blocks=64, block_size=4,
                         max_num_batched_tokens=10, kv_transfer_config=kv)
@@ -298,6 +298,51 @@ def test_abort_while_loading_frees_after_the_worker_stops(tiny_llama_dir):
         d.close()
 
 
+def _fake_prefill_side(done: dict):
+    """A listener that answers one pull with no KV at all, then ``done``; its port."""
+    import socket
+    import threading
+
+    from sloserve.kv_transfer.transport import expect, recv_msg, send_msg
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = srv.accept()
+        expect(recv_msg(conn), "hello")
+        expect(recv_msg(conn), "need")
+        send_msg(conn, {"t": "done", **done})
+        time.sleep(1)
+        conn.close()
+        srv.close()
+    threading.Thread(target=serve, daemon=True).start()
+    return srv.getsockname()[1]
+
+
+@pytest.mark.parametrize("done, why", [
+    ({"output_token_ids": [10 ** 9], "num_computed_tokens": 37}, "the first tokens must be"),
+    ({"output_token_ids": [], "num_computed_tokens": 37}, "the first tokens must be"),
+    ({"output_token_ids": [28], "num_computed_tokens": 37}, "pieces of KV missing"),
+], ids=["token-outside-vocab", "no-token", "no-kv"])
+def test_a_hostile_prefill_side_fails_its_transfer_and_poisons_nothing(tiny_llama_dir,
+                                                                        reference, done, why):
+    """`done` with a token outside the vocabulary, or before every block of every layer came:
+    the transfer fails (``fail``), the engine serves on, and the prompt's blocks are not taken
+    into the prefix cache (a plain request for the prompt computes it: the same output)."""
+    d = EngineCore(_config(tiny_llama_dir, "kv_consumer", kv_load_failure_policy="fail"))
+    try:
+        port = _fake_prefill_side(done)
+        d.add_request(EngineCoreRequest("d", PROMPT, SP, 0.0, kv_transfer_params=KVTransferParams(
+            do_remote_prefill=True, transfer_id="x", remote_host="127.0.0.1", remote_port=port)))
+        outs = _drive([d])
+        assert outs["d"][-1].finish_reason == "abort" and why in outs["d"][-1].error
+        _all_free(d)
+        d.add_request(EngineCoreRequest("plain", PROMPT, SP, 0.0))
+        outs = _drive([d])
+        assert _tokens(outs["plain"]) == reference and outs["plain"][0].num_cached_tokens == 0
+    finally:
+        d.close()
+
+
 def test_requests_the_connector_cannot_serve_are_refused(tiny_llama_dir):
     p = EngineCore(_config(tiny_llama_dir, "kv_producer"))
     try:
@@ -326,6 +371,13 @@ def test_kv_transfer_config_is_checked():
                      ({"kv_role": "kv_both", "kv_connector_extra_config": {"timeout_s": 0}},
                       "timeout_s must be"),
                      ({"kv_role": "kv_both", "kv_connector_extra_config": {
-                         "max_bandwidth": "fast"}}, "max_bandwidth")):
+                         "max_bandwidth": "fast"}}, "max_bandwidth"),
+                     ({"kv_role": "kv_both", "kv_connector_extra_config": {
+                         "max_bandwidth": "1e-30"}}, "max_bandwidth must be at least 1000"),
+                     ({"kv_role": "kv_both", "kv_connector_extra_config": {"timeout_s": 1e300}},
+                      "timeout_s must be"),
+                     ({"kv_role": "kv_both", "kv_connector_extra_config": []},
+                      "must be an object"),
+                     ({"kv_role": "kv_both", "kv_ip": ""}, "kv_ip must be an address")):
         with pytest.raises(ValueError, match=msg):
             KVTransferConfig.parse(bad)

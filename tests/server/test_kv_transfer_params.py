@@ -125,6 +125,8 @@ BAD_OBJECTS = [
      "kv_transfer_params.remote_block_ids: Expected `int`, got `float` - at `$[1]`"),
     ({"transfer_id": ""}, "kv_transfer_params.transfer_id must be a non-empty string"),
     ({"remote_host": 5}, "kv_transfer_params.remote_host: Expected `str | null`, got `int`"),
+    ({"remote_host": "a\u0000b"}, "kv_transfer_params.remote_host must be a host name or an IP "
+     "address (at most 253 characters of letters, digits and .-:_[]%), got 'a\\x00b'"),
     ({"do_remote_decode": True, "do_remote_prefill": True},
      "kv_transfer_params: do_remote_decode and do_remote_prefill cannot both be true"),
 ]
@@ -223,9 +225,14 @@ DECODE = KVTransferParams(do_remote_prefill=True, transfer_id="t", remote_host="
      "server; this one is kv_producer"),
     ("kv_both", KVTransferParams(do_remote_decode=True, do_remote_prefill=True),
      "kv_transfer_params: do_remote_decode and do_remote_prefill cannot both be true"),
-    ("kv_consumer", KVTransferParams(do_remote_prefill=True, remote_host="10.0.0.1"),
+    ("kv_consumer", KVTransferParams(do_remote_prefill=True, transfer_id="t",
+                                     remote_host="10.0.0.1"),
      "kv_transfer_params.do_remote_prefill needs remote_host and remote_port (the prefill "
      "instance's KV connector) in pull mode"),
+    ("kv_consumer", KVTransferParams(do_remote_prefill=True, remote_host="10.0.0.1",
+                                     remote_port=1),
+     "kv_transfer_params.do_remote_prefill needs transfer_id (the prefill instance's response "
+     "gives it)"),
 ])
 def test_engine_role_refusals(role, kv, message):
     with pytest.raises(ParamError) as e:
@@ -248,7 +255,8 @@ def test_processor_passes_served_params_on(role, kv):
 
 
 def test_push_mode_decode_needs_no_remote_address():
-    check_kv_transfer(KVTransferParams(do_remote_prefill=True), _info("kv_consumer", "push"))
+    check_kv_transfer(KVTransferParams(do_remote_prefill=True, transfer_id="t"),
+                      _info("kv_consumer", "push"))
 
 
 def _step() -> StepStats:
