@@ -131,8 +131,12 @@ class RouterConfig:
         if self.kv_transfer_flow not in FLOWS:
             raise ValueError(f"--kv-transfer-flow must be one of {', '.join(FLOWS)}")
         for name in ("health_check_interval", "health_check_timeout", "connect_timeout"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+            v = getattr(self, name)
+            if not 0 < v < 86400:  # NaN too
+                raise ValueError(f"--{name.replace('_', '-')} must be a number of seconds in "
+                                 f"(0, 86400), got {v}")
+        if self.kv_transfer_flow != "concurrent" and not self.disaggregated:
+            raise ValueError("--kv-transfer-flow applies to --prefill/--decode, not --replicas")
         if self.speculative_ttl < 0:
             raise ValueError("--speculative-ttl must be >= 0")
         return self
@@ -159,8 +163,13 @@ def normalize_url(url: str) -> str:
     if "://" not in u:
         u = "http://" + u
     parts = urlsplit(u)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"not a worker URL: {url!r}")
+    try:
+        port = parts.port  # raises for a port that is not a number in 0-65535
+    except ValueError:
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1 \
+            or port == 0 or parts.path or parts.query or '"' in u:
+        raise ValueError(f"not a worker URL (http://host:port): {url!r}")
     return u
 
 

@@ -56,6 +56,12 @@ def test_replicas_and_policies():
     (("--replicas", "a:1", "--cache-threshold", "1.5"), "--cache-threshold"),
     (("--replicas", "a:1", "--health-check-interval", "0"), "--health-check-interval"),
     (("--replicas", "ftp://a:1"), "worker URL"),
+    (("--replicas", "a:99999"), "worker URL"),
+    (("--replicas", "a:notaport"), "worker URL"),
+    (("--replicas", "http://a:1/v1"), "worker URL"),
+    (("--replicas", "a:1", "--health-check-timeout", "nan"), "--health-check-timeout"),
+    (("--replicas", "a:1", "--connect-timeout", "nan"), "--connect-timeout"),
+    (("--replicas", "a:1", "--kv-transfer-flow", "serial"), "not --replicas"),
 ])
 def test_bad_settings_are_refused(argv, words):
     with pytest.raises(ValueError, match=words):
