@@ -122,6 +122,6 @@ def test_the_engine_core_process_gets_that_environment(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
     core_client.CoreClient(EngineConfig()).shutdown()
     (args, env), (_, env_user) = started
-    assert args[1:3] == ["-m", "sloserve.engine.core_proc"]
+    assert args[1:4] == ["-P", "-m", "sloserve.engine.core_proc"]
     assert env["GOMP_SPINCOUNT"] == ENGINE_GOMP_SPINCOUNT and env["PATH"] == os.environ["PATH"]
     assert env_user["OMP_WAIT_POLICY"] == "passive" and "GOMP_SPINCOUNT" not in env_user

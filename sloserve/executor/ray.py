@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 
 #: how often Ray restarts a dead worker actor
 MAX_RESTARTS = 4
+#: most seconds to wait for a restarted worker actor to take calls again
+RESTART_WAIT_S = 300.0
 
 
 class RayWorkerWrapper:
@@ -133,9 +135,23 @@ class RayExecutor(Executor):
                                   f"({type(e).__name__}); its requests are lost") from None
 
     def _restart(self) -> None:
-        """Set a restarted actor up again (model, cache) before the engine goes on."""
+        """Set a restarted actor up again (model, cache) before the engine goes on, trying
+        while Ray still restarts it (up to RESTART_WAIT_S; then the actor is taken as lost
+        for good and the error propagates)."""
+        import time
+
+        import ray
         logger.warning("the worker actor is gone: waiting for Ray to restart it")
-        self.node_ip = self._get(self.actor.start.remote(self._num_blocks, self._kv_port))
+        deadline = time.monotonic() + RESTART_WAIT_S
+        while True:
+            try:
+                self.node_ip = self._get(self.actor.start.remote(self._num_blocks,
+                                                                 self._kv_port))
+                break
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
         logger.warning("the worker actor is back on %s", self.node_ip)
 
     def initialize_cache(self, num_blocks: int) -> None:

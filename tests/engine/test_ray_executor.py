@@ -1,6 +1,6 @@
 """The worker in a Ray actor (``--distributed-executor-backend ray``): the same greedy output as
-in-process, the KV connector's worker half in the actor (P/D with D's worker in Ray), and an
-actor killed mid-serving restarted by Ray with the engine serving on."""
+in-process, and an actor killed mid-serving restarted by Ray with the engine serving on (the
+lost prefix cache not trusted). P/D with the workers in Ray actors: tests/router/test_cluster.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +10,7 @@ import pytest
 
 from sloserve.config import EngineConfig
 from sloserve.engine.core import EngineCore
-from sloserve.engine.messages import EngineCoreRequest, KVTransferParams
+from sloserve.engine.messages import EngineCoreRequest
 from sloserve.sampling_params import SamplingParams
 
 ray = pytest.importorskip("ray")
@@ -74,29 +74,6 @@ def test_ray_worker_serves_as_in_process_and_comes_back_after_a_kill(tiny_llama_
         assert core.kv.num_free_blocks == core.num_kv_blocks
     finally:
         core.close()
-
-
-def test_pd_with_the_decode_workers_connector_in_a_ray_actor(tiny_llama_dir, reference,
-                                                             ray_local):
-    kv = {"kv_port": 0, "kv_connector_extra_config": {"mode": "pull", "timeout_s": 30}}
-    p = EngineCore(_config(tiny_llama_dir, kv_transfer_config={"kv_role": "kv_producer", **kv}))
-    d = EngineCore(_config(tiny_llama_dir, distributed_executor_backend="ray",
-                           kv_transfer_config={"kv_role": "kv_consumer", **kv}))
-    try:
-        woken = []
-        d.set_wakeup(lambda: woken.append(1))
-        p.add_request(EngineCoreRequest("p", PROMPT, SP, 0.0, kv_transfer_params=KVTransferParams(
-            do_remote_decode=True, transfer_id="t")))
-        d.add_request(EngineCoreRequest("d", PROMPT, SP, 0.0, kv_transfer_params=KVTransferParams(
-            do_remote_prefill=True, transfer_id="t", remote_host="127.0.0.1",
-            remote_port=p.info.kv_port)))
-        out = _run([p, d])
-        assert out["d"] == reference and out["p"] == reference[:1]
-        assert woken  # the actor's finished transfer woke the core's loop
-        assert d.kv.num_free_blocks == d.num_kv_blocks and p.kv.num_free_blocks == p.num_kv_blocks
-    finally:
-        p.close()
-        d.close()
 
 
 def test_a_missing_ray_node_is_one_clear_error(tiny_llama_dir, ray_local):
