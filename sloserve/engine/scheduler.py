@@ -767,6 +767,8 @@ class Scheduler:
         ``incremental``) and register its load; stop at the first that does not fit (it
         keeps its place). They take no seat and no token budget until their KV is here."""
         self.connector.expired(now)
+        if not self.connector.config.is_consumer:  # a prefill instance loads nothing
+            return
         incremental = self.connector.config.incremental
         for req in [r for r in self.waiting if self.connector.is_remote_prefill(r)]:
             hits, n_hit = (self.kv.get_computed_blocks(req) if incremental else ([], 0))
@@ -803,8 +805,10 @@ class Scheduler:
             if req is not None:
                 outs.append(self._kv_arrived(req, rec, now))
         for rid, why in kv_out.failed.items():
-            if rid in c.saving or rid in c.held and rid not in self.waiting_for_kv:
-                if c.sent(rid):  # a prefill-side transfer: nothing to do but free
+            prefill_side = rid in c.saving
+            finished_holding = rid in c.held and rid not in self.waiting_for_kv
+            if prefill_side or finished_holding:  # nothing to do but free what is held
+                if c.sent(rid):
                     self.kv.free(rid)
                 continue
             if rid in c.timed_out:

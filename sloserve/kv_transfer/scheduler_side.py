@@ -131,10 +131,9 @@ class SloserveConnectorScheduler:
         self._meta.cancels.append(rid)
 
     # ------------------------------------------------------------------ the scheduler's calls
-    def expired(self, now: float) -> list[str]:
-        """Cancel the transfers past their deadline; returns the decode-side ones (their
-        requests wait for the worker half's confirmation, then fail or recompute)."""
-        late = []
+    def expired(self, now: float) -> None:
+        """Cancel the transfers past their deadline (a decode-side request waits for the
+        worker half's confirmation, then fails or recomputes: ``timed_out`` names it)."""
         for rid, deadline in list(self.saving.items()):
             if rid in self.held and deadline is None:
                 self.saving[rid] = now + self.config.timeout_s  # the hold starts now
@@ -148,17 +147,17 @@ class SloserveConnectorScheduler:
                 self._meta.cancels.append(rid)
                 self.num_timeouts += 1
                 self.timed_out.add(rid)
-                late.append(rid)
-        return late
 
     def sent(self, rid: str) -> bool:
         """The worker half is done with a save (sent, failed or cancelled). Returns whether
         the request was finished and holding blocks (now to be freed)."""
-        self.saving.pop(rid, None)
         if rid in self.held:
+            self.saving.pop(rid, None)
             self.held.discard(rid)
             return True
-        self._send_over.add(rid)
+        if rid in self.saving:  # still running: its finish frees its blocks at once
+            del self.saving[rid]
+            self._send_over.add(rid)
         return False
 
     def load_over(self, rid: str) -> bool:

@@ -240,9 +240,15 @@ class SloserveConnectorWorker:
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """vLLM's: (requests whose sending finished, requests whose receiving finished) since
-        the last call; :meth:`build_connector_output` returns these with the failures."""
-        out = self.build_connector_output()
-        return set(out.finished_sending), {r.request_id for r in out.finished_recving}
+        the last call (the failures stay for :meth:`build_connector_output`)."""
+        sent, received = self._take_finished()
+        return set(sent), {r.request_id for r in received}
+
+    def _take_finished(self) -> tuple[list[str], list[KVReceived]]:
+        with self._lock:
+            out = self._finished_sending, self._finished_recving
+            self._finished_sending, self._finished_recving = [], []
+        return out
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of transfers that failed on this (decode) side since the last call."""
@@ -252,12 +258,11 @@ class SloserveConnectorWorker:
 
     def build_connector_output(self) -> KVConnectorOutput:
         """The finished and failed transfers since the last call, and the counters."""
-        with self._lock:
-            out = KVConnectorOutput(self._finished_sending, self._finished_recving,
-                                    self._failed, self.bytes_sent, self.bytes_received,
-                                    self.failures)
-            self._finished_sending, self._finished_recving, self._failed = [], [], {}
-        return out
+        with self._lock:  # one hold: a transfer is reported finished or failed, not lost
+            sent, received = self._take_finished()
+            failed, self._failed = self._failed, {}
+            return KVConnectorOutput(sent, received, failed, self.bytes_sent,
+                                     self.bytes_received, self.failures)
 
     # ------------------------------------------------------------------ ends
     def _finish(self, t: _Transfer, state: str, why: str = "",
