@@ -31,7 +31,9 @@ import time
 HERE = os.path.abspath(__file__)
 
 
-def _core(role: str | None, extra: dict, prompt_tokens: int):
+def _core(role: str | None, extra: dict, prompt_tokens: int, ray: dict | None = None):
+    """An engine core; with ``ray`` (``ray_address``, ``ray_node_ip``) its worker (the model,
+    the KV cache and the connector's worker half) runs in a Ray actor on that node."""
     from sloserve.config import EngineConfig
     from sloserve.engine.core import EngineCore
 
@@ -41,8 +43,24 @@ def _core(role: str | None, extra: dict, prompt_tokens: int):
               "kv_ip": extra.pop("kv_ip", "127.0.0.1"),
               "kv_connector_extra_config": {"mode": "push", "incremental": False,
                                             "timeout_s": 600, **extra}}
+    placement = dict(distributed_executor_backend="ray", **ray) if ray else {}
     return EngineCore(EngineConfig(max_num_batched_tokens=prompt_tokens, num_threads=1,
-                                   enable_prefix_caching=False, kv_transfer_config=kv))
+                                   enable_prefix_caching=False, kv_transfer_config=kv,
+                                   **placement))
+
+
+def _connector(core, fn):
+    """``fn(connector)`` on the worker's KV connector, in the engine core's process or in the
+    worker's Ray actor."""
+    return core.model_executor.collective_rpc(lambda w: fn(w.model_runner.kv_connector))[0]
+
+
+def _start_recording(conn) -> None:
+    conn.events = []
+
+
+def _recorded(conn) -> dict:
+    return {"events": conn.events, "bytes": conn.bytes_received}
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -70,15 +88,14 @@ def role_d(spec: dict) -> None:
     from sloserve.sampling_params import SamplingParams
 
     core = _core("kv_consumer", {"kv_ip": spec["kv_ip"], "kv_port": spec["kv_port"]},
-                 spec["prompt_tokens"])
-    conn = core.runner.kv_connector
-    conn.events = []
+                 spec["prompt_tokens"], spec.get("d_ray"))
+    _connector(core, _start_recording)
     print(json.dumps({"port": core.info.kv_port}), flush=True)
     _run(core, EngineCoreRequest("d", _prompt(spec["prompt_tokens"], 1),
                                  SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
                                  time.monotonic(), kv_transfer_params=KVTransferParams(
                                      do_remote_prefill=True, transfer_id="x")))
-    print(json.dumps({"events": conn.events, "bytes": conn.bytes_received}), flush=True)
+    print(json.dumps(_connector(core, _recorded)), flush=True)
     core.close()
 
 
@@ -89,12 +106,13 @@ def role_p(spec: dict) -> None:
 
     mode = spec["granularity"]
     extra = {"granularity": mode, "max_bandwidth": spec["rate"]} if mode != "none" else {}
-    core = _core("kv_producer" if mode != "none" else None, extra, spec["prompt_tokens"])
+    core = _core("kv_producer" if mode != "none" else None, extra, spec["prompt_tokens"],
+                 spec.get("p_ray"))
     sp = SamplingParams(temperature=0.0, max_tokens=1)
     _run(core, EngineCoreRequest("warm", _prompt(spec["prompt_tokens"], 2), sp, time.monotonic()))
     kv = None
     if mode != "none":
-        core.runner.kv_connector.events = []
+        _connector(core, _start_recording)
         kv = KVTransferParams(do_remote_decode=True, transfer_id="x",
                               remote_host=spec["d_host"], remote_port=spec["d_port"])
     _run(core, EngineCoreRequest("p", _prompt(spec["prompt_tokens"], 1), sp, time.monotonic(),
@@ -103,7 +121,7 @@ def role_p(spec: dict) -> None:
     out = {"forward_s": core.last_runner_output.forward_s,
            "kv_bytes_per_token": core.kv_cache_spec.bytes_per_token}
     if mode != "none":
-        out["events"] = core.runner.kv_connector.events
+        out["events"] = _connector(core, _recorded)["events"]
     print(json.dumps(out), flush=True)
     core.close()
 
@@ -127,6 +145,9 @@ def _last_json(proc: subprocess.Popen) -> dict:
 def measure(granularity: str, a, rate: float | None) -> dict:
     spec = {"prompt_tokens": a.prompt_tokens, "granularity": granularity, "rate": rate,
             "kv_ip": a.d_bind, "kv_port": a.kv_port, "d_host": a.d_host}
+    if a.ray_address:
+        spec["p_ray"] = {"ray_address": a.ray_address, "ray_node_ip": a.p_node_ip}
+        spec["d_ray"] = {"ray_address": a.ray_address, "ray_node_ip": a.d_node_ip}
     # D runs beside P in every case (also ``none``, waiting for a transfer that never comes):
     # the two CPUs may share a core's caches and memory bandwidth
     d = _spawn("d", spec, 1, a.d_netns)
@@ -171,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--d-host", default="127.0.0.1", help="D's address as P reaches it")
     ap.add_argument("--d-bind", default="127.0.0.1", help="the address D listens on")
     ap.add_argument("--kv-port", type=int, default=0)
+    ap.add_argument("--ray-address", default=None,
+                    help="run P's and D's workers as Ray actors of this cluster")
+    ap.add_argument("--p-node-ip", default=None, help="the Ray node for P's worker")
+    ap.add_argument("--d-node-ip", default=None, help="the Ray node for D's worker")
     ap.add_argument("--tc-dev", default=None,
                     help="throttle this device with tc tbf at the link rate (in --tc-netns); "
                          "implies --no-token-bucket")
@@ -211,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         "held_at_forward_end": {g: med(g, "held_at_forward_end") for g in ("eager", "layerwise")},
         "runs": runs, "host": os.uname().nodename,
         "throttle": "tc on the link" if a.no_token_bucket else "the connector's token bucket",
+        "workers": (f"Ray actors on nodes {a.p_node_ip} (P) and {a.d_node_ip} (D) of "
+                    f"{a.ray_address}") if a.ray_address else "in the engine cores' processes",
     }
     text = json.dumps(summary, indent=1)
     if a.out:
