@@ -1,6 +1,7 @@
-"""`sloserve cluster`: a prefill and a decode instance whose workers run in Ray actors, the
-router in front; greedy output equal to one engine's; a worker actor killed is restarted by Ray
-and its instance serves again through the router."""
+"""`sloserve cluster`: a prefill and a decode instance whose workers run in Ray actors on two
+Ray nodes (two `ray start` on this host with different node addresses: the KV goes from one
+node's address to the other's), the router in front; greedy output equal to one engine's; a
+worker actor killed is restarted by Ray and its instance serves again through the router."""
 from __future__ import annotations
 
 import os
@@ -39,7 +40,55 @@ def _complete(port: int, prompt: str) -> httpx.Response:
         "model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
 
 
-def test_cluster_serves_pd_through_the_router_and_survives_a_killed_worker(tiny_llama_dir):
+@pytest.fixture
+def two_ray_nodes():
+    """A head node and a second node at 127.0.0.2 (Ray registers the head at the host's own
+    address); each `ray start --block` in the foreground, so that stopping it stops only the
+    processes it started (``ray stop`` would end every Ray on the host). Yields the address."""
+    gcs = _free_port()
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    common = ["--num-cpus", "1", "--object-store-memory", "80000000", "--block"]
+    nodes = [subprocess.Popen([ray_bin, "start", "--head", "--node-ip-address", "127.0.0.1",
+                               "--port", str(gcs), "--include-dashboard", "false", *common],
+                              env=env, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        t = time.monotonic()
+        while True:  # the second node joins once the head's GCS answers
+            assert nodes[0].poll() is None, "ray start --head exited"
+            probe = subprocess.run([ray_bin, "health-check", "--address", f"127.0.0.1:{gcs}"],
+                                   env=env, capture_output=True)
+            if probe.returncode == 0:
+                break
+            assert time.monotonic() - t < 120
+            time.sleep(0.5)
+        nodes.append(subprocess.Popen([ray_bin, "start", "--address", f"127.0.0.1:{gcs}",
+                                       "--node-ip-address", "127.0.0.2", *common], env=env,
+                                      start_new_session=True, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL))
+        count = ("import ray, sys, time\n"
+                 "ray.init(address=sys.argv[1], log_to_driver=False)\n"
+                 "t = time.monotonic()\n"
+                 "while sum(n['Alive'] for n in ray.nodes()) < 2 and time.monotonic() - t < 120:\n"
+                 "    time.sleep(0.2)\n"
+                 "sys.exit(sum(n['Alive'] for n in ray.nodes()) < 2)\n")
+        assert subprocess.run([sys.executable, "-c", count, f"127.0.0.1:{gcs}"], env=env,
+                              capture_output=True).returncode == 0, "the second node never joined"
+        yield f"127.0.0.1:{gcs}"
+    finally:
+        for n in nodes:
+            os.killpg(n.pid, signal.SIGTERM)
+        for n in nodes:
+            try:
+                n.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(n.pid, signal.SIGKILL)
+
+
+def test_cluster_serves_pd_through_the_router_and_survives_a_killed_worker(tiny_llama_dir,
+                                                                           two_ray_nodes,
+                                                                           monkeypatch):
     import sloserve
     from sloserve.sampling_params import SamplingParams
 
@@ -51,8 +100,10 @@ def test_cluster_serves_pd_through_the_router_and_survives_a_killed_worker(tiny_
     del ref
     port = _free_port()
     exe = os.path.join(os.path.dirname(sys.executable), "sloserve")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     proc = subprocess.Popen([exe, "cluster", "--num-prefill-instances", "1",
                              "--num-decode-instances", "1", "--port", str(port),
+                             "--ray-address", two_ray_nodes,
                              "--log-level", "warning", tiny_llama_dir, *engine],
                             start_new_session=True)
     try:
@@ -66,6 +117,13 @@ def test_cluster_serves_pd_through_the_router_and_survives_a_killed_worker(tiny_
                 pass
             assert time.monotonic() - t < 300
             time.sleep(0.5)
+        # the prefill and the decode instance's workers are on the two nodes: each connector
+        # listens on its own node's address
+        workers = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()["workers"]
+        hosts = {w["role"]: httpx.get(w["url"] + "/kv_transfer", timeout=5).json()["kv_host"]
+                 for w in workers}
+        assert set(hosts) == {"prefill", "decode"} and hosts["prefill"] != hosts["decode"]
+        assert "127.0.0.2" in hosts.values()
         r = _complete(port, prompt)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
         # kill one worker actor's process (Ray restarts it; its instance serves on)
