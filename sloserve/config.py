@@ -675,9 +675,9 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
                    help='prefill/decode disaggregation, vLLM\'s JSON: {"kv_role": '
                         '"kv_producer"|"kv_consumer"|"kv_both", "kv_port": 14579, '
                         '"kv_connector_extra_config": {"mode": "pull"|"push", "granularity": '
-                        '"layerwise"|"eager", "incremental": true, "timeout_s": 120, '
-                        '"max_bandwidth": "1gbit"}}; requests then take kv_transfer_params '
-                        '(see docs/disaggregation.md)')
+                        '"layerwise"|"eager", "incremental": true, "transport": "tcp"|"shm", '
+                        '"timeout_s": 120, "max_bandwidth": "1gbit"}}; requests then take '
+                        'kv_transfer_params (see docs/disaggregation.md)')
 
     p.add_argument("--distributed-executor-backend", choices=DISTRIBUTED_EXECUTOR_BACKENDS,
                    default=_D.distributed_executor_backend,
@@ -722,17 +722,20 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
 #   the decode side named in its request); ``granularity`` ``layerwise`` (default: each layer's
 #   KV goes while later layers compute) or ``eager`` (all of it after the prefill's last step);
 #   ``incremental`` (default true: the decode side asks only for the blocks its prefix cache
-#   lacks; false: every block of the prompt); ``transport`` ``tcp`` (the only one yet);
+#   lacks; false: every block of the prompt); ``transport`` ``tcp`` (default) or ``shm`` (the KV
+#   through a POSIX shared-memory segment per transfer, headers still over TCP; only where both
+#   instances are on one host and see one /dev/shm, else that transfer goes over TCP, warned);
 #   ``timeout_s`` (default 120: most seconds a transfer may take from the request's admission,
 #   and a prefill instance holds a finished request's blocks for a reader); ``max_bandwidth``
-#   (bytes/s or ``0.4gbit``-style; default: unthrottled): the sender's token bucket.
+#   (bytes/s or ``0.4gbit``-style; default: unthrottled): the sender's token bucket (TCP
+#   only: shared memory is no link).
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 KV_CONNECTORS = ("SloserveConnector",)
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 KV_TRANSFER_MODES = ("pull", "push")
 KV_TRANSFER_GRANULARITIES = ("layerwise", "eager")
-KV_TRANSPORTS = ("tcp",)
+KV_TRANSPORTS = ("tcp", "shm")
 DEFAULT_KV_PORT = 14579
 
 

@@ -6,10 +6,14 @@ connects to the decode side; pull, the other way round):
 
 * ``hello`` {transfer_id, kind}: the opener's first message (kind ``push``: the opener sends
   the KV; ``pull``: the opener receives it);
-* ``need`` {first_block}: the receiving side, once it knows its blocks: send blocks from this
-  index of the prompt's block table on (the ones below are cached there);
+* ``need`` {first_block, host?}: the receiving side, once it knows its blocks: send blocks from
+  this index of the prompt's block table on (the ones below are cached there); ``host``
+  (``transport: shm`` there): its host identity, shared memory welcome;
+* ``shm`` {name, nbytes} (``transport: shm`` on both sides, one host): the sending side's
+  shared-memory segment for the whole transfer (``sloserve.kv_transfer.shm``), before any ``kv``;
 * ``kv`` {layer, b0, b1, nbytes} then ``nbytes`` of payload: one layer's KV of the prompt's
-  blocks [b0, b1) in the attention backend's export layout;
+  blocks [b0, b1) in the attention backend's export layout; after a ``shm`` message
+  {layer, b0, b1, nbytes, off} and no payload: the KV is in the segment at ``off``;
 * ``done`` {output_token_ids, num_computed_tokens}: the last message of a transfer;
 * ``error`` {message}: either side gives up (the other fails the transfer).
 

@@ -1,6 +1,7 @@
 """The KV connector's worker half (vLLM's ``KVConnectorBase_V1`` worker-side methods): it
 moves a prompt's KV between the KV cache tensors of a prefill instance and a decode instance
-over TCP (``sloserve.kv_transfer.transport``), beside the step loop.
+over TCP (``sloserve.kv_transfer.transport``), or through a shared-memory segment
+(``sloserve.kv_transfer.shm``, ``transport: shm``, the two on one host), beside the step loop.
 
 Each instance listens on ``kv_ip:kv_port``; a transfer is one connection, opened by the
 prefill side (push) or the decode side (pull), named by its ``transfer_id``.
@@ -24,6 +25,16 @@ reported finished: the request waits in the scheduler), so arriving KV never sta
 
 Cancelled transfers (``KVConnectorMetadata.cancels``) stop before the next copy in or out and
 are reported like failed ones; only then does the scheduler free their blocks.
+
+``transport: shm``: the TCP connection still carries every header. The decode side's ``need``
+names its host (:func:`~sloserve.kv_transfer.shm.host_identity`); a prefill side configured
+with shm on the same host makes one segment for the whole transfer (layers x blocks to send x
+a layer's block bytes), names it (``shm``) and writes each frame's blocks into it at the
+``off`` its ``kv`` header carries, unthrottled (the token bucket models a link); the decode
+side imports straight from the mapped segment. Another host (or a decode side without shm):
+TCP for that transfer, one warning per peer. The segment's name goes when the decode side has
+mapped it and, in any case, when the transfer ends (:meth:`_finish`); each side unmaps it when
+its thread for the transfer stops.
 """
 from __future__ import annotations
 
@@ -38,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sloserve.config import KVTransferConfig
+from sloserve.kv_transfer import shm
 from sloserve.kv_transfer.transport import (TokenBucket, TransferError, connect, expect,
                                             recv_msg, recv_payload, send_msg, send_payload)
 from sloserve.step_io import (KVConnectorMetadata, KVConnectorOutput, KVLoad, KVReceived,
@@ -62,6 +74,8 @@ class _Transfer:
     lock: threading.Lock = field(default_factory=threading.Lock)
     sock: socket.socket | None = None
     started: float = field(default_factory=time.monotonic)
+    #: transport shm: the transfer's segment (set under ``lock`` by the transfer's thread)
+    segment: shm.Segment | None = None
 
 
 @dataclass(eq=False)
@@ -121,8 +135,14 @@ class SloserveConnectorWorker:
         self._active: list[tuple[_Send, int, int, list[int], bool]] = []
         #: called (from any thread) when a transfer finishes or fails: wakes an idle core loop
         self.wake = None
-        #: tests: called with each received payload (a writable bytearray) before it is written
+        #: tests: called with each received payload (writable: a bytearray, or a memoryview of
+        #: the shared-memory segment) before it is written
         self.on_receive = None
+        #: where shared memory reaches (the identity a decode side's ``need`` carries)
+        self.host_identity = shm.host_identity()
+        self._tcp_warned: set = set()  # peers warned of (transport shm, sent over TCP)
+        if config.transport == "shm":
+            shm.prepare()
         #: benchmarks: a list to append (time.monotonic(), event, bytes) to: "forward_start"
         #: and "forward_end" of steps that advance a save, "received" per KV frame written
         #: (cumulative bytes), "done" per finished load; None: not recorded
@@ -272,6 +292,9 @@ class SloserveConnectorWorker:
             if t.state != "open":
                 return
             t.state = state
+            seg = t.segment
+        if seg is not None:  # the name goes now, the mapping when the transfer's thread stops
+            seg.unlink()
         if t.sock is not None:
             try:
                 t.sock.shutdown(socket.SHUT_RDWR)
@@ -397,10 +420,18 @@ class SloserveConnectorWorker:
                 self._recv_loop(t, sock)
         except Exception as e:  # noqa: BLE001 - whatever the peer sent: this transfer fails
             self._finish(t, "failed", f"{type(e).__name__}: {e}")
+        finally:
+            if t.segment is not None:  # this thread's mapping: no copy in or out after this
+                t.segment.close()
+                t.segment.unlink()
 
     # ------------------------------------------------------------------ sending
     def _send_loop(self, t: _Send, sock: socket.socket) -> None:
-        first = int(expect(recv_msg(sock), "need")["first_block"])
+        need = expect(recv_msg(sock), "need")
+        first, total = need.get("first_block"), -(-t.num_prompt_tokens // self.block_size)
+        if type(first) is not int or not 0 <= first <= total:
+            raise TransferError(f"a need for blocks from {first!r} of a prompt of {total}")
+        seg = self._shm_segment(t, sock, need.get("host"), total - first)
         while True:
             with t.cond:
                 while not t.frames and t.state == "open":
@@ -423,10 +454,53 @@ class SloserveConnectorWorker:
                 data = self.backend.export_blocks(
                     self.kv_caches[layer], torch.tensor(ids[b0:b1], dtype=torch.long))
             raw = memoryview(data.contiguous().view(torch.uint8).numpy()).cast("B")
-            send_msg(sock, {"t": "kv", "layer": layer, "b0": b0, "b1": b1, "nbytes": len(raw)})
-            send_payload(sock, raw, self.bucket)
+            if seg is None:
+                send_msg(sock, {"t": "kv", "layer": layer, "b0": b0, "b1": b1,
+                                "nbytes": len(raw)})
+                send_payload(sock, raw, self.bucket)
+            else:  # into the segment, unthrottled (the bucket models a link)
+                off = (layer * (total - first) + b0 - first) * self.layer_block_bytes
+                seg.buf[off:off + len(raw)] = raw
+                send_msg(sock, {"t": "kv", "layer": layer, "b0": b0, "b1": b1,
+                                "nbytes": len(raw), "off": off})
             with self._lock:
                 self.bytes_sent += len(raw)
+
+    def _shm_segment(self, t: _Send, sock: socket.socket, peer: object,
+                     nblocks: int) -> shm.Segment | None:
+        """``transport: shm`` and a receiving side on this host (``peer``: the host its
+        ``need`` named, None: it offers no shared memory): a segment for the transfer's
+        ``nblocks`` blocks of every layer, named to the receiving side; else None (TCP)."""
+        if self.config.transport != "shm" or nblocks == 0:
+            return None
+        why = None
+        if peer is None or peer != self.host_identity:
+            why = ("offers no shared memory" if peer is None else
+                   "is on another host" if self.host_identity else
+                   "cannot be reached by shared memory from here (no /dev/shm)")
+        else:
+            try:
+                seg = shm.Segment.create(len(self.kv_caches) * nblocks * self.layer_block_bytes)
+            except OSError as e:
+                why, peer = f"cannot be reached by shared memory: {e}", f"error {e.errno}"
+        if why is not None:
+            with self._lock:
+                warn = peer not in self._tcp_warned
+                self._tcp_warned.add(peer)
+            if warn:
+                logger.warning("KV transfer %s: the receiving side %s; sending over TCP "
+                               "(transport shm works within one host; said once per peer)",
+                               t.transfer_id, why)
+            return None
+        with t.lock:
+            if t.state == "open":
+                t.segment = seg
+        if t.segment is not seg:  # ended meanwhile
+            seg.close()
+            seg.unlink()
+            return None
+        send_msg(sock, {"t": "shm", "name": seg.name, "nbytes": seg.nbytes})
+        return seg
 
     # ------------------------------------------------------------------ receiving
     def _recv_loop(self, r: _Recv, sock: socket.socket) -> None:
@@ -435,9 +509,16 @@ class SloserveConnectorWorker:
         # which blocks of each layer have arrived: all of [first_block, n) before `done`
         want = len(ld.block_ids) - ld.first_block
         got = [bytearray(want) for _ in self.kv_caches]
-        send_msg(sock, {"t": "need", "first_block": ld.first_block})
+        need = {"t": "need", "first_block": ld.first_block}
+        if self.config.transport == "shm" and self.host_identity is not None:
+            need["host"] = self.host_identity  # shared memory is welcome, from this host
+        send_msg(sock, need)
         while True:
             msg = recv_msg(sock)
+            if msg.get("t") == "shm":
+                self._attach(r, msg, "host" in need,
+                             len(self.kv_caches) * want * self.layer_block_bytes)
+                continue
             if msg.get("t") == "done":
                 n = msg.get("num_computed_tokens")
                 if n != ld.num_prompt_tokens:
@@ -467,15 +548,30 @@ class SloserveConnectorWorker:
                 raise TransferError(f"a KV frame for layer {layer} blocks [{b0}, {b1}) of "
                                     f"{nbytes} bytes does not fit {len(ld.block_ids)} blocks "
                                     f"from {ld.first_block}")
-            buf = bytearray(nbytes)
-            recv_payload(sock, memoryview(buf))
+            off, seg = msg.get("off"), r.segment
+            if seg is None:
+                if off is not None:
+                    raise TransferError("a KV frame in shared memory, but no segment named")
+                buf = bytearray(nbytes)
+                recv_payload(sock, memoryview(buf))
+                data = torch.frombuffer(buf, dtype=torch.uint8)
+            else:
+                if not (type(off) is int and 0 <= off <= seg.nbytes - nbytes
+                        and off % self.layer_block_bytes == 0):
+                    raise TransferError(f"a KV frame at offset {off!r} of {nbytes} bytes does "
+                                        f"not fit the segment's {seg.nbytes}")
+                data = torch.frombuffer(seg.buf, dtype=torch.uint8, count=nbytes, offset=off)
             with self._lock:
                 self.bytes_received += nbytes
             if self.on_receive is not None:
-                self.on_receive(buf)
+                if seg is None:
+                    self.on_receive(buf)
+                else:
+                    with seg.buf[off:off + nbytes] as piece:
+                        self.on_receive(piece)
             shape = list(self._shape)
             shape[self._block_dim] = b1 - b0
-            data = torch.frombuffer(buf, dtype=torch.uint8).view(self._dtype).view(shape)
+            data = data.view(self._dtype).view(shape)
             with r.lock:
                 if r.state != "open":
                     return
@@ -483,3 +579,18 @@ class SloserveConnectorWorker:
             got[layer][b0 - ld.first_block:b1 - ld.first_block] = b"\x01" * (b1 - b0)
             if self.events is not None:
                 self.events.append((time.monotonic(), "received", self.bytes_received))
+
+    def _attach(self, r: _Recv, msg: dict, offered: bool, nbytes: int) -> None:
+        """A ``shm`` message: map the segment it names (``nbytes``: the whole transfer's), then
+        unlink its name at once (if either side dies now, nothing is left in /dev/shm)."""
+        name, size = msg.get("name"), msg.get("nbytes")
+        if not offered or r.segment is not None:
+            raise TransferError("a shm message unasked for" if not offered else
+                                "a second shm message")
+        if not shm.valid_name(name) or type(size) is not int or size != nbytes:
+            raise TransferError(f"a shm message naming {str(name)[:80]!r} of {size!r} bytes: "
+                                f"expected a {shm.PREFIX}* segment of {nbytes} bytes")
+        seg = shm.Segment.attach(name, nbytes)
+        seg.unlink()
+        with r.lock:
+            r.segment = seg  # _run's end unmaps it
