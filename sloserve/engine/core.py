@@ -207,6 +207,15 @@ class EngineCore:
         """Nothing can run until a KV transfer finishes or times out."""
         return self.scheduler.waits_only_for_transfers()
 
+    def prewarm_for_remote_kv(self, part: int, parts: int) -> bool:
+        """While a request's prompt KV is arriving (a decode instance) and nothing else can
+        run: read part ``part`` of ``parts`` of the weights its first decode steps will
+        stream (``Worker.prewarm_weights``). Returns whether it did."""
+        if not self.scheduler.waiting_for_kv:
+            return False
+        self.model_executor.collective_rpc("prewarm_weights", (part, parts))
+        return True
+
     def _pacing_note(self) -> str:
         """The start-up line's words on prefill pacing (empty when it is off)."""
         s = self.scheduler.config

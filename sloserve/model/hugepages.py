@@ -63,3 +63,8 @@ def pack(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         v.copy_(t)
         out.append(v)
     return out
+
+
+def buffer_of(t: torch.Tensor) -> torch.Tensor:
+    """The whole buffer (bytes) a view from :func:`pack` or :func:`zeros` lives in."""
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())

@@ -140,7 +140,7 @@ def use_kernels(model, kernels, int8_activations: bool = True,
         lin.quant_method = (GGUFLinearMethod.create(kernels, lin.quantized, int8_activations,
                                                     swiglu=_is_gate_up(model, lin))
                             if quantized else None)
-    _onto_hugepages(linears)
+    model.decode_weights = _onto_hugepages(linears)
     # the dense weights packed for the AMX GEMM: every one, or none
     use_amx = kernels.amx and dtype == torch.bfloat16 and amx_max_tokens != 0
     packs = {}
@@ -210,15 +210,17 @@ def _given_or(given: int | None, available: bool, measure) -> int:
     return 0 if not available else measure() if given is None else given
 
 
-def _onto_hugepages(linears: list[LinearBase]) -> None:
+def _onto_hugepages(linears: list[LinearBase]) -> torch.Tensor | None:
     """Every x16 weight (layers and LM head) copied into one buffer on 2 MB pages (see
-    :mod:`sloserve.model.hugepages`: a decode step streams all of them)."""
+    :mod:`sloserve.model.hugepages`: a decode step streams all of them); returns that buffer
+    (bytes), or None where there are none."""
     methods = [lin.quant_method for lin in linears if lin.quant_method is not None]
     ws = [w for m in methods for w in m.weights if isinstance(w, X16Weight)]
     if not ws:
-        return
+        return None
     parts = [[t for t in (w.qweight, w.scales, w.mins) if t is not None] for w in ws]
-    moved = iter(hugepages.pack([t for p in parts for t in p]))
+    packed = hugepages.pack([t for p in parts for t in p])
+    moved = iter(packed)
     new = {}
     for w, p in zip(ws, parts):
         qw, d = next(moved), next(moved)
@@ -226,6 +228,7 @@ def _onto_hugepages(linears: list[LinearBase]) -> None:
         new[id(w)] = dataclasses.replace(w, qweight=qw, scales=d, mins=mn)
     for m in methods:
         m.weights = [new.get(id(w), w) for w in m.weights]
+    return hugepages.buffer_of(packed[0])
 
 
 def warm_up(model, max_tokens: int, max_sampled: int) -> int:

@@ -214,6 +214,11 @@ class Worker:
             self.thread_governor.after_step(started)
         return out
 
+    def prewarm_weights(self, part: int, parts: int) -> None:
+        """Bring part ``part`` of ``parts`` of a decode step's weights into the CPU's caches
+        (``ModelRunner.prewarm_weights``)."""
+        self.model_runner.prewarm_weights(part, parts)
+
     def kv_connector_address(self) -> tuple[str, int]:
         """Where the KV connector's worker half listens, as another host reaches it: its
         ``kv_ip``, or this host's address where that is a wildcard (0.0.0.0)."""

@@ -287,8 +287,13 @@ def test_abort_while_loading_frees_after_the_worker_stops(tiny_llama_dir):
     try:
         _, dk = _params(p, d, "pull")
         d.add_request(EngineCoreRequest("d", PROMPT, SP, 0.0, kv_transfer_params=dk))
+        assert not d.prewarm_for_remote_kv(0, 4)  # nothing loading: nothing to warm for
         d.step()  # admitted: holds its blocks, connected to P, waiting (P has no such request)
         assert d.stats().num_waiting_for_kv == 1 and d.kv.num_free_blocks < d.num_kv_blocks
+        # idle with a prompt's KV on its way: the core loop reads the decode weights part by
+        # part (every part of them, whatever the model's weights are)
+        assert d.waits_only_for_transfers()
+        assert all(d.prewarm_for_remote_kv(i, 4) for i in range(4))
         outs = d.abort_requests(["d"])
         assert [o.finish_reason for o in outs] == ["abort"]
         _drive([d])

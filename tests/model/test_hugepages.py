@@ -34,6 +34,14 @@ def test_pack_copies_exactly_onto_cache_line_starts():
         assert b.data_ptr() % 64 == 0 or b.numel() == 0
     out[0].fill_(0)  # copies: the sources are untouched
     assert ts[0].abs().sum() > 0
+    # the one buffer they live in (what a decode instance's prewarm reads): every copy in it
+    buf = hugepages.buffer_of(out[1])
+    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()
+    assert all(lo <= b.data_ptr() and b.data_ptr() + b.numel() * b.element_size() <= hi
+               for b in out if b.numel())
+    for v in (77, 78):  # the same memory, not a copy
+        out[1][0] = v
+        assert buf[out[1].data_ptr() - lo].item() == v
 
 
 def test_zeros_takes_an_int_and_refuses_a_negative_dimension():
