@@ -23,10 +23,10 @@
 # while idle; vLLM's default, left as is). VLLM_ARGS adds serve flags (e.g. --enforce-eager:
 # starts in ~30 s instead of ~2 min, ~20 % slower decode).
 #
-#   bash benchmarks/pd.sh     # OUT=/tmp/pd MODE=push|pull GRAN=layerwise|eager FLOW=concurrent|serial
+#   bash benchmarks/pd.sh     # OUT=/tmp/pd MODE=push|pull GRAN=layerwise|eager FLOW=concurrent|serial TRANSPORT=tcp|shm
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/pd}; MODE=${MODE:-push}; GRAN=${GRAN:-layerwise}; FLOW=${FLOW:-concurrent}
+OUT=${OUT:-/tmp/pd}; MODE=${MODE:-push}; GRAN=${GRAN:-layerwise}; FLOW=${FLOW:-concurrent}; TRANSPORT=${TRANSPORT:-tcp}
 SEED=${SEED:-7}; ONLY=${ONLY:-colocated,pd}; FRONT_CPUS=${FRONT_CPUS:-}
 PIN=""
 S_IN=${S_IN:-128}; S_OUT=${S_OUT:-64}; S_RATE=${S_RATE:-0.4}; S_N=${S_N:-60}
@@ -105,7 +105,7 @@ if [[ ",$ONLY," == *",colocated,"* ]]; then
   stop_all
 fi
 if [[ ",$ONLY," == *",pd,"* ]]; then
-  KV='"kv_connector_extra_config": {"mode": "'$MODE'", "granularity": "'$GRAN'"}'
+  KV='"kv_connector_extra_config": {"mode": "'$MODE'", "granularity": "'$GRAN'", "transport": "'$TRANSPORT'"}'
   start prefill 0 --port 8312 --step-trace "$OUT/pd-prefill-steps.jsonl" \
     --kv-transfer-config '{"kv_role": "kv_producer", "kv_port": 14611, '"$KV"'}'
   start decode 1 --port 8313 --step-trace "$OUT/pd-decode-steps.jsonl" \

@@ -3,11 +3,12 @@
 # and P99 TPOT). 1P + 1D as in benchmarks/pd.sh (`taskset` one CPU each, layer-wise push over
 # 127.0.0.1, `sloserve router` in front), both servers writing step traces. A calibration run
 # (`mixed`, seed CAL_SEED) fits the cost model (`sloserve profile --from-trace` on both
-# instances' traces, with the bench result for the server path); a held-out run (other seed and
-# arrivals) is measured, then simulated with that profile, `--num-prefill-instances 1
-# --num-decode-instances 1`, layer-wise, on a link of KV_LINKS rates in turn (127.0.0.1 has no
-# rate of its own: the figures should not depend on it once it is well above the prefill's
-# KV rate, which the two rates check). Prints both and the relative errors.
+# instances' traces) and the server path (the calibration run's mean TTFT over its own
+# simulation's); a held-out run (other seed and arrivals) is measured, then simulated with
+# both (`--num-prefill-instances 1 --num-decode-instances 1`, layer-wise) on a link of each
+# KV_LINKS rate in turn (127.0.0.1 has no rate of its own: the figures should not depend on it
+# once it is well above the prefill's KV rate, which the two rates check). Prints both and
+# the relative errors.
 #
 #   bash benchmarks/pd_fidelity.sh     # OUT=/tmp/pd_fidelity N=40 RATE=0.8 SEED=9 CAL_SEED=31 KV_LINKS="2gbit 20gbit"
 set -uo pipefail
@@ -43,17 +44,30 @@ run_pd() {  # name seed
 run_pd calibration "$CAL_SEED"
 run_pd measured "$SEED"
 .venv/bin/sloserve profile --from-trace "$OUT/calibration-p.jsonl" "$OUT/calibration-d.jsonl" \
-  --bench-result "$OUT/calibration.json" --out "$OUT/profile.json" >"$OUT/profile.txt" 2>&1
-for link in $KV_LINKS; do
+  --out "$OUT/profile.json" >"$OUT/profile.txt" 2>&1
+sim() {  # seed link result [args]
+  local seed=$1 link=$2 res=$3; shift 3
   .venv/bin/sloserve sim --profile "$OUT/profile.json" --num-prefill-instances 1 \
     --num-decode-instances 1 --kv-transfer-mode layerwise --kv-transfer-link "$link" "${WL[@]}" \
-    --seed "$SEED" --save-result "$OUT/simulated-$link.json" >"$OUT/simulated-$link.txt" 2>&1
+    --seed "$seed" --save-result "$OUT/$res.json" "$@" >"$OUT/$res.txt" 2>&1
+}
+# the server's own path (client -> router -> both API processes -> engine, and the tokens
+# back) is not in the step traces: its mean is what the calibration run's mean TTFT has over
+# its simulation, charged to every request as --request-in-ms
+first=${KV_LINKS%% *}
+sim "$CAL_SEED" "$first" simulated-calibration
+PATH_MS=$(.venv/bin/python -c 'import json, sys
+m, s = (json.load(open(f))["mean_ttft_ms"] for f in sys.argv[1:])
+print(round(max(0.0, m - s), 1))' "$OUT/calibration.json" "$OUT/simulated-calibration.json")
+for link in $KV_LINKS; do
+  sim "$SEED" "$link" "simulated-$link" --request-in-ms "$PATH_MS"
 done
-.venv/bin/python - "$OUT" $KV_LINKS <<'PY' | tee "$OUT/table.md"
+.venv/bin/python - "$OUT" "$PATH_MS" $KV_LINKS <<'PY' | tee "$OUT/table.md"
 import json, os, sys
-out, links = sys.argv[1], sys.argv[2:]
+out, path_ms, links = sys.argv[1], sys.argv[2], sys.argv[3:]
 load = lambda f: json.load(open(os.path.join(out, f)))  # noqa: E731
 m, sims = load("measured.json"), [load(f"simulated-{x}.json") for x in links]
+print(f"server path from the calibration run: {path_ms} ms per request")
 print("| metric | measured | " + " | ".join(f"simulated, {x} link (error)" for x in links) + " |")
 print("|---|---:|" + "---:|" * len(links))
 for label, k in (("mean TTFT (ms)", "mean_ttft_ms"), ("P99 TTFT (ms)", "p99_ttft_ms"),

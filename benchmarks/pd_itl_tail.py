@@ -40,8 +40,14 @@ def _row(v: list[float]) -> str:
 
 
 def analyse(d_steps: list[dict], p_steps: list[dict], a) -> dict:
+    # P's steps prefilling a long prompt (a step's chunks are [tokens, start] pairs, in the
+    # order of its prefill_ids): the prompt's chunks add up to at least --long-chunk tokens
+    total: dict[str, int] = {}
+    for s in p_steps:
+        for rid, (n, _start) in zip(s.get("prefill_ids") or [], s.get("prefill_chunks") or []):
+            total[rid] = total.get(rid, 0) + n
     windows = [(s["t"], s["t"] + s["step_s"] + a.tail_s) for s in p_steps
-               if sum(s.get("prefill_chunks") or []) >= a.long_chunk]
+               if any(total[rid] >= a.long_chunk for rid in s.get("prefill_ids") or [])]
     since: dict[int, list[float]] = {}
     during, other = [], []
     prev_end, idle_end = None, None
@@ -67,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long-context", type=int, default=1024,
                     help="a decode context at least this long is a long request's (default 1024)")
     ap.add_argument("--long-chunk", type=int, default=1024,
-                    help="a P step prefilling at least this many tokens streams a long prompt")
+                    help="a prompt of at least this many tokens is long: P's steps prefilling it stream "
+                         "its KV (default 1024)")
     ap.add_argument("--tail-s", type=float, default=0.1,
                     help="how long after such a step its KV may still be arriving (s)")
     ap.add_argument("--idle-gap-s", type=float, default=0.05)
@@ -80,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         label = f">= {k * 10} ms" if k == 15 else f"{k * 10}-{k * 10 + 10} ms"
         print(f"  {label:>10}: {_row(v)}")
     print(f"the same, {a.warm_s * 1e3:.0f} ms or more after an idle spell:")
-    print(f"  while a long prompt's KV arrives ({r['windows']} prompts): {_row(r['during_kv'])}")
+    print(f"  while a long prompt's KV arrives ({r['windows']} of P's steps): "
+          f"{_row(r['during_kv'])}")
     print(f"  otherwise: {_row(r['other'])}")
     return 0
 
