@@ -314,6 +314,14 @@ def cluster(tiny_llama_dir, tmp_path_factory):
         c.stop()
 
 
+def _router_health(router) -> tuple[bool, dict[str, str]]:
+    """Whether the router's /health says 503 "unavailable", and each worker's state."""
+    h = httpx.get(router.url + "/health", timeout=5)
+    body = h.json()
+    return (h.status_code == 503 and body["status"] == "unavailable",
+            {w["url"]: w["state"] for w in body["workers"]})
+
+
 def test_prefill_killed_mid_transfer_fails_or_recomputes_and_frees_the_decode_blocks(cluster):
     router, p, decodes = cluster.router1, cluster.p1, cluster.decodes
     cluster.ensure_up(router)
@@ -350,11 +358,8 @@ def test_prefill_killed_mid_transfer_fails_or_recomputes_and_frees_the_decode_bl
               f"(it had received {got:.0f} of the prompt's {PROMPT_KV_BYTES} bytes of KV)")
 
     def prefill_down():
-        h = httpx.get(router.url + "/health", timeout=5)
-        body = h.json()
-        states = {w["url"]: w["state"] for w in body["workers"]}
-        return (h.status_code == 503 and body["status"] == "unavailable"
-                and states[p.url] == "down")
+        unavailable, states = _router_health(router)
+        return unavailable and states[p.url] == "down"
 
     wait_until(prefill_down, "the router's /health to say its prefill server is down")
 
@@ -388,11 +393,8 @@ def test_decode_killed_mid_transfer_errors_the_clients_and_frees_the_prefill_blo
           f"{s['sent']:.0f} of their {2 * PROMPT_KV_BYTES} bytes of KV sent")
 
     def decode_down():
-        h = httpx.get(router.url + "/health", timeout=5)
-        body = h.json()
-        states = {w["url"]: w["state"] for w in body["workers"]}
-        return (h.status_code == 503 and body["status"] == "unavailable"
-                and all(states[d.url] == "down" for d in decodes)
+        unavailable, states = _router_health(router)
+        return (unavailable and all(states[d.url] == "down" for d in decodes)
                 and states[p.url] == "healthy")
 
     wait_until(decode_down, "the router's /health to say both decode servers are down")
