@@ -177,7 +177,6 @@ class ModelRunner:
             out.append(top)
         return out
 
-    # ------------------------------------------------------------------ the step
     @torch.inference_mode()
     def prewarm_weights(self, part: int, parts: int) -> None:
         """Read part ``part`` (0-based) of ``parts`` of the weights a decode step streams (the
@@ -195,6 +194,8 @@ class ModelRunner:
         for p in list(self.model.parameters())[part::parts]:
             p.detach().sum()
 
+    # ------------------------------------------------------------------ the step
+    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: forward over every scheduled token, then sample.
 

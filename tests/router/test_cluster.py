@@ -44,10 +44,16 @@ def _complete(port: int, prompt: str) -> httpx.Response:
 def two_ray_nodes():
     """A head node and a second node at 127.0.0.2 (Ray registers the head at the host's own
     address); each `ray start --block` in the foreground, so that stopping it stops only the
-    processes it started (``ray stop`` would end every Ray on the host). Yields the address."""
+    processes it started (``ray stop`` would end every Ray on the host). Yields the address
+    and the nodes' Ray temp dir."""
+    import shutil
+    import tempfile
     gcs = _free_port()
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    # its own Ray temp dir: the sessions, and the head's /tmp/ray/ray_current_cluster (which
+    # a later ray.init() on this host would take for a live cluster), stay out of /tmp/ray
+    tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": tmp}
     common = ["--num-cpus", "1", "--object-store-memory", "80000000", "--block"]
     nodes = [subprocess.Popen([ray_bin, "start", "--head", "--node-ip-address", "127.0.0.1",
                                "--port", str(gcs), "--include-dashboard", "false", *common],
@@ -75,15 +81,17 @@ def two_ray_nodes():
                  "sys.exit(sum(n['Alive'] for n in ray.nodes()) < 2)\n")
         assert subprocess.run([sys.executable, "-c", count, f"127.0.0.1:{gcs}"], env=env,
                               capture_output=True).returncode == 0, "the second node never joined"
-        yield f"127.0.0.1:{gcs}"
+        yield f"127.0.0.1:{gcs}", tmp
     finally:
         for n in nodes:
             os.killpg(n.pid, signal.SIGTERM)
-        for n in nodes:
+        for n in nodes:  # a node that has not stopped in 5 s: its whole process group goes
             try:
-                n.wait(30)
+                n.wait(5)
             except subprocess.TimeoutExpired:
                 os.killpg(n.pid, signal.SIGKILL)
+                n.wait(30)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_cluster_serves_pd_through_the_router_and_survives_a_killed_worker(tiny_llama_dir,
@@ -101,9 +109,10 @@ def test_cluster_serves_pd_through_the_router_and_survives_a_killed_worker(tiny_
     port = _free_port()
     exe = os.path.join(os.path.dirname(sys.executable), "sloserve")
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setenv("RAY_TMPDIR", two_ray_nodes[1])
     proc = subprocess.Popen([exe, "cluster", "--num-prefill-instances", "1",
                              "--num-decode-instances", "1", "--port", str(port),
-                             "--ray-address", two_ray_nodes,
+                             "--ray-address", two_ray_nodes[0],
                              "--log-level", "warning", tiny_llama_dir, *engine],
                             start_new_session=True)
     try:
