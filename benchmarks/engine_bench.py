@@ -55,7 +55,7 @@ def main() -> None:
     a = ap.parse_args()
     from sloserve.model import crossover
     if a.quant_max_tokens is not None:
-        crossover.quant_crossover = lambda model: a.quant_max_tokens
+        crossover.quant_crossover = lambda model, **k: a.quant_max_tokens
     if a.amx_max_tokens is not None:
         crossover.amx_crossover = lambda model: a.amx_max_tokens
     eng = LLMEngine(EngineConfig(model=a.model, load_format=a.load_format, dtype=a.dtype,

@@ -23,6 +23,10 @@ import pytest
 
 SMOLLM2_VOCAB = 49152
 
+# every test (and every server a test starts) measures the linear crossovers afresh instead of
+# reading what an earlier run kept in ~/.cache (tests/model/test_lazy_dense.py tests the cache)
+os.environ["SLOSERVE_CROSSOVER_CACHE"] = "off"
+
 
 @pytest.fixture(scope="session")
 def gguf_path() -> str:

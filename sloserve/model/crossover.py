@@ -1,7 +1,17 @@
 """The token-count crossovers of a model's linear layers (:class:`~sloserve.model.layers.linear.
-LinearPolicy`), measured at start-up on this CPU by racing layer 0's MLP weights."""
+LinearPolicy`), measured at start-up on this CPU by racing layer 0's MLP weights.
+
+A measured crossover is kept in ``~/.cache/sloserve/crossovers.json`` (``$SLOSERVE_CROSSOVER_CACHE``
+names another file; ``off`` measures every time) under a key of everything it depends on: the
+CPU (family, model, name, flags), the threads, the kernels' variant, torch's version, the layer's
+shape and weight formats, the activations and dtype, and the sizes raced. The race at a 1B
+shape takes ~20 s where the quantized product wins up to 2,048 tokens; a second start reads it.
+"""
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import time
 
 import torch
@@ -11,14 +21,19 @@ from sloserve.model.layers.linear import onednn_linear
 
 def quant_crossover(model, sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192,
                                   256, 384, 512, 768, 1024, 1536, 2048),
-                    repeats: int = 7) -> int:
+                    repeats: int = 7, max_tokens: int | None = None) -> int:
     """The most tokens at which the quantized product of layer 0's gate/up and down weights is
     still faster than the dense one (as the dense method serves it, AMX included) here (~50 ms
     at start-up where the dense GEMM wins above 32 tokens, ~1 s where the quantized one wins up
     to 2,048). The sizes go past a decode batch: on an AVX512-VNNI CPU without AMX the int8
-    product can beat oneDNN's bf16 GEMM at prefill sizes too."""
+    product can beat oneDNN's bf16 GEMM at prefill sizes too. With ``max_tokens`` (the most
+    tokens a step will have) the sizes stop there, that size included."""
+    if max_tokens is not None:
+        sizes = (*(s for s in sizes if s < max_tokens), max_tokens)
     mlp = model.model.layers[0].mlp
     gu, down, act = mlp.gate_up_proj, mlp.down_proj, mlp.act_fn
+    key = _key("quant", model, sizes, gu.quant_method.describe(), down.quant_method.describe(),
+               gu.method.amx_swiglu is not None)
 
     def quant(x, xf):
         gu.quant_method.swiglu(gu, x, act)
@@ -27,7 +42,7 @@ def quant_crossover(model, sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 
     def dense(x, xf):
         gu.method.swiglu(gu, x, act, torch.float32)
         down.method.apply(down, xf, torch.float32)
-    return _crossover(model.config, sizes, quant, dense, repeats)
+    return _cached(key, lambda: _crossover(model.config, sizes, quant, dense, repeats))
 
 
 def amx_crossover(model, sizes=(32, 64, 96, 128, 192, 256, 320, 384, 512, 768, 1024, 1536,
@@ -49,14 +64,86 @@ def amx_crossover(model, sizes=(32, 64, 96, 128, 192, 256, 320, 384, 512, 768, 1
     def dense(x, xf):
         act(onednn_linear(x, gu.weight, dtype))
         onednn_linear(xf, down.weight)
-    return _crossover(model.config, sizes, amx, dense, repeats)
+    return _cached(_key("amx", model, sizes, str(dtype)),
+                   lambda: _crossover(model.config, sizes, amx, dense, repeats))
+
+
+def cache_path() -> str | None:
+    """Where measured crossovers are kept (None: ``$SLOSERVE_CROSSOVER_CACHE=off``)."""
+    p = os.environ.get("SLOSERVE_CROSSOVER_CACHE", "")
+    if p.lower() in ("off", "0", "none"):
+        return None
+    return p or os.path.join(os.path.expanduser("~"), ".cache", "sloserve", "crossovers.json")
+
+
+def _cpu_id() -> str:
+    """The first processor's vendor, family, model, name and flags in /proc/cpuinfo (a model
+    name alone, e.g. "AMD EPYC", names several generations)."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break
+                k, _, v = line.partition(":")
+                fields[k.strip()] = v.strip()
+    except OSError:
+        pass
+    parts = [fields.get(k, "") for k in ("vendor_id", "cpu family", "model", "model name")]
+    return "/".join(parts) + "/" + hashlib.sha1(fields.get("flags", "").encode()).hexdigest()[:12]
+
+
+def _key(kind: str, model, sizes, *extra) -> str:
+    from sloserve import kernels
+    c = model.config
+    k = model.kernels
+    return "|".join(map(str, (kind, _cpu_id(), torch.get_num_threads(),
+                              getattr(k, "variant", None), torch.__version__,
+                              os.environ.get("ONEDNN_MAX_CPU_ISA", ""),
+                              f"{c.hidden_size}x{c.intermediate_size}", *extra,
+                              ",".join(map(str, sizes)), kernels.__name__)))
+
+
+#: where the last crossover came from: "measured" or the cache file it was read from
+last_source = "measured"
+
+
+def _cached(key: str, measure) -> int:
+    """The crossover kept under ``key``, else ``measure()``'s, then kept."""
+    global last_source
+    last_source = "measured"
+    path = cache_path()
+    if path is None:
+        return measure()
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        if not isinstance(data, dict):
+            data = {}
+    except (OSError, ValueError):
+        data = {}
+    if isinstance(data.get(key), int):
+        last_source = path
+        return data[key]
+    value = measure()
+    data[key] = value
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: measured again next time
+    return value
 
 
 def _crossover(config, sizes, first, second, repeats: int) -> int:
     """The largest of ``sizes`` (rows) at which ``first(x, xf)`` (x [rows, hidden], xf [rows,
     intermediate]) runs faster than ``second``, their runs alternated (best of ``repeats``
-    each, so that a burst of load on a shared machine hits both); 0 if none. Stops after two
-    sizes in a row that ``first`` loses."""
+    each, so that a burst of load on a shared machine hits both; after 2 each where one is
+    1.3x faster than the other); 0 if none. Stops after two sizes in a row that ``first``
+    loses."""
     best_m, losses = 0, 0
     for m in sizes:
         x = torch.randn(m, config.hidden_size)
@@ -64,12 +151,14 @@ def _crossover(config, sizes, first, second, repeats: int) -> int:
         first(x, xf)
         second(x, xf)
         ta = tb = float("inf")
-        for _ in range(repeats):
+        for i in range(repeats):
             t0 = time.perf_counter()
             first(x, xf)
             t1 = time.perf_counter()
             second(x, xf)
             ta, tb = min(ta, t1 - t0), min(tb, time.perf_counter() - t1)
+            if i >= 1 and max(ta, tb) > 1.3 * min(ta, tb):
+                break
         if ta < tb:
             best_m, losses = m, 0
         else:

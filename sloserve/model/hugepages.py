@@ -49,19 +49,26 @@ def zeros(shape, dtype: torch.dtype) -> torch.Tensor:
     return t.view(dtype).view(shape)
 
 
+def packed_size(t: torch.Tensor) -> int:
+    """The bytes ``t`` takes in a :func:`pack` buffer (its own, rounded up to 64)."""
+    return -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+
+
+def copy_into(buf: torch.Tensor, offset: int, t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` at byte ``offset`` of ``buf`` (uint8), as a view of ``t``'s shape."""
+    v = buf[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    v.copy_(t)
+    return v
+
+
 def pack(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of ``tensors`` (any dtypes and shapes) in one buffer on 2 MB pages, each starting
     on a 64-byte boundary; contiguous, the same values."""
-    offs, n = [], 0
+    buf = zeros((max(sum(packed_size(t) for t in tensors), 1),), torch.uint8)
+    out, o = [], 0
     for t in tensors:
-        offs.append(n)
-        n += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-    buf = zeros((max(n, 1),), torch.uint8)
-    out = []
-    for t, o in zip(tensors, offs):
-        v = buf[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-        v.copy_(t)
-        out.append(v)
+        out.append(copy_into(buf, o, t))
+        o += packed_size(t)
     return out
 
 

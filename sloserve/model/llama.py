@@ -197,6 +197,66 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(f".{hf}.", f".{fused}."), shard
         return name, None
 
+    def allocate(self, dtype: torch.dtype, absent: set[str] = frozenset()) -> None:
+        """Give every parameter its storage in ``dtype`` (untouched until loaded), except those
+        fed only by the Hugging Face names in ``absent``: they go to the meta device (no
+        memory) until :meth:`materialize_dense` makes them. Replaces ``.to(dtype)`` for the
+        parameters, which would first write a float32 copy of every weight."""
+        meta = {self._param_target(n)[0] for n in absent}
+        for name, p in list(self.named_parameters()):
+            mod_name, attr = name.rsplit(".", 1)
+            new = nn.Parameter(torch.empty(p.shape, dtype=dtype,
+                                           device="meta" if name in meta else "cpu"))
+            if hasattr(p, "weight_loader"):
+                new.weight_loader = p.weight_loader
+            setattr(self.get_submodule(mod_name), attr, new)
+        if self.config.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def materialize_dense(self, modules=None) -> int:
+        """Dequantize the dense weight of each of ``modules`` (default: the embedding and every
+        linear layer) still on the meta device (see :meth:`allocate`), as the loader would
+        have (the served values, in the model's dtype). Returns the bytes made."""
+        embed = self.model.embed_tokens
+        mods = [embed, *self.linear_layers()] if modules is None else modules
+        made = 0
+        for m in mods:
+            if not m.weight.is_meta:
+                continue
+            parts = m.quantized if isinstance(m.quantized, list) else [m.quantized]
+            w = torch.cat([q.dequantize() for q in parts]).to(m.weight.dtype)
+            new = nn.Parameter(w)
+            if hasattr(m.weight, "weight_loader"):
+                new.weight_loader = m.weight.weight_loader
+            m.weight = new
+            made += w.numel() * w.element_size()
+            if m is embed and self.config.tie_word_embeddings:
+                self.lm_head.tie_to(embed)
+        return made
+
+    def drop_dense(self, modules) -> None:
+        """Put the dense weight of each of ``modules`` back on the meta device (they keep their
+        quantized weights): what :meth:`materialize_dense` made for a start-up measurement
+        and no step will use."""
+        for m in modules:
+            if m.quantized is None or (isinstance(m.quantized, list) and None in m.quantized):
+                continue
+            w = m.weight
+            new = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"))
+            if hasattr(w, "weight_loader"):
+                new.weight_loader = w.weight_loader
+            m.weight = new
+
+    @property
+    def has_dense_copy(self) -> bool:
+        """Every linear layer holds its dense weight (none left on the meta device)."""
+        return not any(lin.weight.is_meta for lin in self.linear_layers())
+
+    @property
+    def dense_weight_bytes(self) -> int:
+        """Bytes of the dense weights held in memory (those on the meta device count 0)."""
+        return sum(p.numel() * p.element_size() for p in self.parameters() if not p.is_meta)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
                      quantized: dict | None = None) -> None:
         """Copy Hugging Face-named tensors into the parameters (fused ones part by part) and
@@ -220,6 +280,13 @@ class LlamaForCausalLM(nn.Module):
             if shard in got:
                 raise ValueError(f"parameter {name} given twice")
             got.add(shard)
+            if w.is_meta:  # no dense copy given: the parameter stays on the meta device
+                if not p.is_meta:
+                    raise ValueError(f"{name}: no values given (a placeholder) for a parameter "
+                                     f"that has storage")
+                if shard is not None:
+                    fused.add(target)
+                continue
             if shard is None:
                 if tuple(w.shape) != tuple(p.shape):
                     raise ValueError(f"{name}: shape {tuple(w.shape)}, expected {tuple(p.shape)}")
@@ -240,6 +307,13 @@ class LlamaForCausalLM(nn.Module):
         embed = self.model.embed_tokens
         if self.config.tie_word_embeddings and embed.quantized is not None:
             self.lm_head.set_quantized(embed.quantized)  # its own copy is packed for products
+        for target, p in self.named_parameters():
+            if p.is_meta:
+                m = self.get_submodule(target.rsplit(".", 1)[0])
+                q = getattr(m, "quantized", None)
+                if q is None or (isinstance(q, list) and None in q):
+                    raise ValueError(f"parameter {target} has neither values nor a quantized "
+                                     f"weight to make them from")
 
     def plan(self, num_tokens: int) -> StepPlan:
         """The step's :class:`StepPlan`: on the kernels, a step of at most ``quant_max_tokens``

@@ -47,7 +47,9 @@ class LoadedWeights:
         source: resolved absolute path that was loaded.
         quantized: HF name -> QuantizedWeight of every linear weight, the embedding and the LM
             head, when the weights are served quantized (empty otherwise); the state dict then
-            holds their dequantized values.
+            holds their dequantized values, or with ``dense_quantized=False`` a placeholder on
+            the meta device (the model dequantizes it if and when a step needs it:
+            ``LlamaForCausalLM.materialize_dense``).
         quantization: what was applied: ``none``, ``gguf`` (as stored), ``int8``, ``int4``.
     """
 
@@ -210,7 +212,7 @@ def load_model_tokenizer(path: str | None, load_format: str = "auto") -> Tokeniz
 
 def load_weights(path: str | None, dtype: str | torch.dtype = "bfloat16",
                  load_format: str = "auto", with_tokenizer: bool = True,
-                 quantization: str = "none") -> LoadedWeights:
+                 quantization: str = "none", dense_quantized: bool = True) -> LoadedWeights:
     """Load config, weights and tokenizer from ``path``.
 
     Args:
@@ -227,6 +229,8 @@ def load_weights(path: str | None, dtype: str | torch.dtype = "bfloat16",
             see ``gguf_loader.load_gguf_quantized``; HF folders have nothing stored quantized
             and stay dense), ``int8`` / ``int4`` (requantize every linear weight), ``auto``
             (``gguf`` for a GGUF file, ``none`` otherwise).
+        dense_quantized: False: a GGUF's quantized weights get no dense copy here (their state
+            dict entries are meta-device placeholders of the right shape and dtype).
 
     Returns:
         :class:`LoadedWeights` whose state dict keys are exactly ``expected_state_dict_keys(config)``.
@@ -246,7 +250,8 @@ def load_weights(path: str | None, dtype: str | torch.dtype = "bfloat16",
     if quantization == "auto":
         quantization = "gguf" if fmt == "gguf" else "none"
     if fmt == "gguf":
-        lw = _load_gguf(_single_gguf(source), torch_dtype, with_tokenizer, quantization)
+        lw = _load_gguf(_single_gguf(source), torch_dtype, with_tokenizer, quantization,
+                        dense_quantized)
     elif fmt in ("hf", "safetensors"):
         lw = _load_hf(source, torch_dtype, with_tokenizer)
     else:
@@ -273,7 +278,7 @@ def _requantize(lw: LoadedWeights, mode: str, dtype: torch.dtype) -> None:
 
 
 def _load_gguf(path: str, dtype: torch.dtype, with_tokenizer: bool,
-               quantization: str) -> LoadedWeights:
+               quantization: str, dense_quantized: bool = True) -> LoadedWeights:
     from sloserve.model import gguf_loader as gl
 
     gf = gl.read_gguf(path)
@@ -281,7 +286,8 @@ def _load_gguf(path: str, dtype: torch.dtype, with_tokenizer: bool,
     qw = gl.load_gguf_quantized(gf, config, quantization) if quantization != "none" else {}
     sd = gl.load_gguf_state_dict(gf, config, dtype, skip=set(qw))
     for name, w in qw.items():  # the dense path computes with exactly the served values
-        sd[name] = w.dequantize().to(dtype)
+        sd[name] = (w.dequantize().to(dtype) if dense_quantized
+                    else torch.empty(w.shape, dtype=dtype, device="meta"))
     tok = gl.load_gguf_tokenizer(gf, config) if with_tokenizer else None
     return LoadedWeights(config, sd, tok, gl.gguf_model_name(gf), gf.path, qw,
                          quantization if qw else "none")
@@ -314,11 +320,13 @@ def _load_dummy(path: str, dtype: torch.dtype, with_tokenizer: bool) -> LoadedWe
 def load_model(path: str | None = None, dtype: str | torch.dtype = "bfloat16", load_format: str = "auto",
                device: str | torch.device | None = None,
                with_tokenizer: bool = True,
-               quantization: str = "none") -> tuple["LlamaForCausalLM", LoadedWeights]:
+               quantization: str = "none",
+               dense_quantized: bool = True) -> tuple["LlamaForCausalLM", LoadedWeights]:
     """Build ``sloserve.model.llama.LlamaForCausalLM`` and load weights into it.
 
     Args:
-        path, dtype, load_format: as :func:`load_weights`.
+        path, dtype, load_format, quantization, dense_quantized: as :func:`load_weights`
+            (without the dense copies, those parameters stay on the meta device).
         device: optional device to move the model to (default: stay on CPU).
 
     Returns:
@@ -333,9 +341,11 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "bfloat16", l
     from sloserve.model.llama import LlamaForCausalLM  # lazy: the model module is optional here
 
     lw = load_weights(path, dtype=dtype, load_format=load_format, with_tokenizer=with_tokenizer,
-                      quantization=quantization)
+                      quantization=quantization, dense_quantized=dense_quantized)
     torch_dtype = parse_dtype(dtype)
-    model = LlamaForCausalLM(lw.config).to(torch_dtype).eval()
+    model = LlamaForCausalLM(lw.config)
+    model.allocate(torch_dtype, {n for n, t in lw.state_dict.items() if t.is_meta})
+    model = model.to(torch_dtype).eval()  # the buffers (the parameters are in dtype already)
     model.load_weights(lw.state_dict.items(), lw.quantized)
     if device is not None:
         model = model.to(device)

@@ -9,6 +9,7 @@ oneDNN above) for larger ones; both crossovers measured here at start-up
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import time
 from collections import Counter
@@ -56,46 +57,61 @@ def get_model(config, dtype: torch.dtype) -> LoadedModel:
         invariantly.
     """
     from sloserve.model.loader import load_model
+    # a GGUF's quantized weights get their dense copy only where a step will use it (below)
     model, weights = load_model(config.model, dtype, config.load_format, with_tokenizer=False,
-                                quantization=config.quantization)
+                                quantization=config.quantization, dense_quantized=False)
     q = weights.quantized
-    dense_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
     dt = str(dtype).removeprefix("torch.")
-    if q:
-        kinds = ", ".join(f"{k} x {n}" for k, n in Counter(w.source for w in q.values()).items())
-        head = (f"weights: {weights.quantization} ({kinds}; "
-                f"{sum(w.nbytes for w in q.values()) / 1e6:.0f} MB) + dense {dt} "
-                f"({dense_mb:.0f} MB)")
-    else:
-        head = f"weights: dense {dt} ({dense_mb:.0f} MB)"
+    name = weights.name
+    stored = (f"{weights.quantization} ("
+              + ", ".join(f"{k} x {n}" for k, n in Counter(w.source for w in q.values()).items())
+              + f"; {sum(w.nbytes for w in q.values()) / 1e6:.0f} MB)") if q else None
+    del weights, q  # the model holds what it serves; the rest is freed before packing
+    release_freed_memory()
+
+    def head() -> str:
+        dense_mb = model.dense_weight_bytes / 1e6
+        if stored is None:
+            return f"weights: dense {dt} ({dense_mb:.0f} MB)"
+        dense = (f"dense {dt} ({dense_mb:.0f} MB)" if model.has_dense_copy else
+                 f"no dense copy (no step uses one; {dense_mb:.1f} MB of norms and biases)")
+        return f"weights: {stored} + {dense}"
     if config.enforce_eager:
-        return LoadedModel(model, weights.name,
-                           f"{head}; --enforce-eager: every step on the model's torch forward")
+        model.materialize_dense()
+        return LoadedModel(model, name,
+                           f"{head()}; --enforce-eager: every step on the model's torch forward")
     from sloserve import kernels
     k = kernels.load()
     inv = getattr(config, "batch_invariant", False)
     if k is None:
         if inv:
             raise ValueError("--batch-invariant runs on the CPU kernels, which do not load here")
-        return LoadedModel(model, weights.name, f"{head}; no CPU kernels here: every step on "
+        model.materialize_dense()
+        return LoadedModel(model, name, f"{head()}; no CPU kernels here: every step on "
                                                 f"the model's torch forward")
     # --dtype float32 asks for exact arithmetic: the quantized products then take float32
     # inputs; otherwise (auto, bf16) they quantize them to int8 like llama.cpp (~1.4x faster)
     int8_act = config.dtype != "float32"
     if inv:
         make_batch_invariant(model, k, int8_act)
-        return LoadedModel(model, weights.name, f"{head}; fused forward on the {k.variant} "
+        return LoadedModel(model, name, f"{head()}; fused forward on the {k.variant} "
                                                 f"kernels, --batch-invariant: {model.invariant_how}")
-    use_kernels(model, k, int8_activations=int8_act)
+    use_kernels(model, k, int8_activations=int8_act, max_tokens=config.max_num_batched_tokens)
     p = model.policy
+    xo = ("measured" if crossover.last_source == "measured"
+          else f"read from {crossover.last_source}")
     dense = f"dense {dt} GEMM"
     if p.amx_max_tokens:
         dense = (f"the AMX {dt} GEMM up to {p.amx_max_tokens} tokens (crossover with "
                  f"oneDNN measured), dense {dt} GEMM (oneDNN) above")
-    if q:
+    if stored and p.quant_max_tokens >= config.max_num_batched_tokens:
+        how = (f"every step (<= {config.max_num_batched_tokens} tokens) on the quantized "
+               f"weights ({model.quantized_weight_bytes / 1e6:.0f} MB per step, "
+               f"{'int8' if int8_act else 'float32'} activations; crossover {xo})")
+    elif stored:
         how = (f"steps of <= {p.quant_max_tokens} tokens on the quantized weights "
                f"({model.quantized_weight_bytes / 1e6:.0f} MB per step, "
-               f"{'int8' if int8_act else 'float32'} activations; crossover measured), larger "
+               f"{'int8' if int8_act else 'float32'} activations; crossover {xo}), larger "
                f"ones on {dense}")
     else:
         how = f"every step on {dense}"
@@ -104,12 +120,24 @@ def get_model(config, dtype: torch.dtype) -> LoadedModel:
                      min(config.max_num_seqs, config.max_num_batched_tokens))
     if shapes:
         how += f" ({shapes} GEMM shapes warmed in {time.perf_counter() - t0:.1f} s)"
-    return LoadedModel(model, weights.name, f"{head}; fused forward on the {k.variant} kernels, "
-                                            f"{how}")
+    return LoadedModel(model, name, f"{head()}; fused forward on the {k.variant} "
+                                            f"kernels, {how}")
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's ``malloc_trim``; nothing elsewhere).
+    Loading makes and frees many temporaries of 1-30 MB, below glibc's mmap threshold once it
+    has grown, and glibc keeps that memory: an 8B model otherwise stayed at 11 GB resident,
+    5.8 GB after the trim."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def use_kernels(model, kernels, int8_activations: bool = True,
-                quant_max_tokens: int | None = None, amx_max_tokens: int | None = None) -> None:
+                quant_max_tokens: int | None = None, amx_max_tokens: int | None = None,
+                max_tokens: int | None = None) -> None:
     """Put every op of ``model`` on ``kernels`` and give each linear layer its methods.
 
     Args:
@@ -124,6 +152,10 @@ def use_kernels(model, kernels, int8_activations: bool = True,
         amx_max_tokens: dense steps with at most this many tokens use the AMX GEMM (None:
             measure, :func:`~sloserve.model.crossover.amx_crossover`; 0 without AMX or outside
             bfloat16).
+        max_tokens: the most tokens a step will have (the token budget; None: no bound).
+            Where the quantized weights serve every step up to it, the model keeps no dense
+            copy of them (:meth:`~sloserve.model.llama.LlamaForCausalLM.materialize_dense`
+            makes one only where a step will use it, and layer 0's MLP for the race).
     """
     model.kernels = kernels
     for m in model.modules():
@@ -140,9 +172,12 @@ def use_kernels(model, kernels, int8_activations: bool = True,
         lin.quant_method = (GGUFLinearMethod.create(kernels, lin.quantized, int8_activations,
                                                     swiglu=_is_gate_up(model, lin))
                             if quantized else None)
+        release_freed_memory()
     model.decode_weights = _onto_hugepages(linears)
     # the dense weights packed for the AMX GEMM: every one, or none
     use_amx = kernels.amx and dtype == torch.bfloat16 and amx_max_tokens != 0
+    if use_amx or not quantized:
+        model.materialize_dense()
     packs = {}
     if use_amx:
         for lin in linears:
@@ -170,8 +205,19 @@ def use_kernels(model, kernels, int8_activations: bool = True,
     # quantized one races the dense path that will serve those steps)
     policy.amx_max_tokens = _given_or(amx_max_tokens, use_amx,
                                       lambda: crossover.amx_crossover(model))
-    policy.quant_max_tokens = _given_or(quant_max_tokens, quantized,
-                                        lambda: crossover.quant_crossover(model))
+    mlp0 = [model.model.layers[0].mlp.gate_up_proj, model.model.layers[0].mlp.down_proj]
+    raced = quantized and quant_max_tokens is None and bool(model.materialize_dense(mlp0))
+    policy.quant_max_tokens = _given_or(
+        quant_max_tokens, quantized,
+        lambda: crossover.quant_crossover(model, max_tokens=max_tokens))
+    if quantized and policy.quant_max_tokens < (ALL_ROWS if max_tokens is None else max_tokens):
+        model.materialize_dense()  # the steps above the crossover run on it
+    elif raced:
+        model.drop_dense(mlp0)
+    for lin in linears:
+        if lin.quant_method is not None:
+            lin.release_quantized()
+    release_freed_memory()
 
 
 def make_batch_invariant(model, kernels, int8_activations: bool = True) -> None:
@@ -210,25 +256,36 @@ def _given_or(given: int | None, available: bool, measure) -> int:
     return 0 if not available else measure() if given is None else given
 
 
+_X16_PARTS = ("qweight", "scales", "mins")
+
+
 def _onto_hugepages(linears: list[LinearBase]) -> torch.Tensor | None:
-    """Every x16 weight (layers and LM head) copied into one buffer on 2 MB pages (see
-    :mod:`sloserve.model.hugepages`: a decode step streams all of them); returns that buffer
-    (bytes), or None where there are none."""
+    """Every x16 weight (layers and LM head) moved into one buffer on 2 MB pages (see
+    :mod:`sloserve.model.hugepages`: a decode step streams all of them), one layer at a time
+    so that each layer's old copy is freed before the next is copied (an 8B model's 5.5 GB are
+    not held twice); returns that buffer (bytes), or None where there are none."""
     methods = [lin.quant_method for lin in linears if lin.quant_method is not None]
-    ws = [w for m in methods for w in m.weights if isinstance(w, X16Weight)]
-    if not ws:
+    total = sum(hugepages.packed_size(t) for m in methods for w in m.weights
+                if isinstance(w, X16Weight)
+                for t in (getattr(w, f) for f in _X16_PARTS) if t is not None)
+    if not total:
         return None
-    parts = [[t for t in (w.qweight, w.scales, w.mins) if t is not None] for w in ws]
-    packed = hugepages.pack([t for p in parts for t in p])
-    moved = iter(packed)
-    new = {}
-    for w, p in zip(ws, parts):
-        qw, d = next(moved), next(moved)
-        mn = next(moved) if w.mins is not None else None
-        new[id(w)] = dataclasses.replace(w, qweight=qw, scales=d, mins=mn)
+    buf = hugepages.zeros((total,), torch.uint8)
+    off = 0
     for m in methods:
-        m.weights = [new.get(id(w), w) for w in m.weights]
-    return hugepages.buffer_of(packed[0])
+        new = []
+        for w in m.weights:
+            if isinstance(w, X16Weight):
+                moved = {}
+                for f in _X16_PARTS:
+                    t = getattr(w, f)
+                    if t is not None:
+                        moved[f] = hugepages.copy_into(buf, off, t)
+                        off += hugepages.packed_size(t)
+                w = dataclasses.replace(w, **moved)
+            new.append(w)
+        m.weights = new
+    return buf
 
 
 def warm_up(model, max_tokens: int, max_sampled: int) -> int:

@@ -311,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
                          "(send -> engine queue, step end -> client) for the simulator")
     ap.add_argument("--quantized-step-max-tokens", type=int, default=None, metavar="N",
                     help="with --from-trace: the traced server's quantized step limit (its "
-                         "start-up line: 'steps of <= N tokens on the quantized weights'), the "
+                         "start-up line: 'steps of <= N tokens on the quantized weights', or "
+                         "'every step (<= N tokens)' there), the "
                          "fit's dense-GEMM crossover (default 0: none; a grid run measures it)")
     a = ap.parse_args(argv)
     if a.bench_result and not a.from_trace:

@@ -26,10 +26,12 @@ def write_draft_checkpoint(num_layers: int, folder: str, dtype: str = "float32",
     import torch
     import transformers
     from safetensors.torch import save_file
-    if loaded is None:
+    if loaded is None or any(p.is_meta for p in loaded[0].parameters()):
+        # (a model served only from its quantized weights holds no dense copy to take)
         from sloserve.model.loader import load_weights
-        w = load_weights(None, dtype)
-        c, state, tokenizer = w.config, w.state_dict, w.tokenizer
+        w = load_weights(None, dtype, with_tokenizer=loaded is None)
+        c, state = w.config, w.state_dict
+        tokenizer = w.tokenizer if loaded is None else loaded[1]
     else:
         model, tokenizer = loaded
         c, state = model.config, _hf_state_dict(model, getattr(torch, dtype))

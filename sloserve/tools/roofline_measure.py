@@ -264,11 +264,20 @@ def measure(config: EngineConfig, spec: ModelSpec, hw: Hardware, *,
     notes.append(f"decode: timed steps at contexts {context_len - (repeats - 1) // 2}.."
                  f"{context_len + repeats // 2}, theory at {context_len}; prefill: batch 1, "
                  f"one step per chunk, median of {prefill_repeats} after {prefill_warmup} warm-up")
-    over = [p.label for p in points if p.efficiency > 1]
+    from sloserve.roofline.hardware import last_level_cache_bytes
+    llc = last_level_cache_bytes()
+    resident = [p.label for p in points if p.efficiency > 1 and p.bytes <= 2 * llc]
+    over = [p.label for p in points if p.efficiency > 1 and p.bytes > 2 * llc]
+    if resident:
+        notes.append(f"efficiency above 100 % ({', '.join(resident)}) where a step's bytes fit "
+                     f"twice the last-level cache ({llc / 2**20:.0f} MiB): read from the cache, "
+                     f"not memory, so the memory roof does not bound them")
     if over:
-        notes.append(f"efficiency above 100 % ({', '.join(over)}): the engine ran faster than this roof "
-                     f"allows, so the roof is too low for it (e.g. the {peak_dtype} peak standing in for "
-                     f"faster {dt} kernels); those bound times are not lower bounds")
+        notes.append(f"FAILED MEASUREMENT: efficiency above 100 % ({', '.join(over)}): the engine "
+                     f"ran faster than this roof allows, so the roof is wrong, not the engine fast "
+                     f"(a bandwidth probe that read less than a step does, or the {peak_dtype} peak "
+                     f"standing in for faster {dt} kernels); no efficiency here is trustworthy until "
+                     f"`--remeasure` gives a roof every point stays under")
     return Measurement(eng.model_name, dtype, dt, peak_dtype, hw.name, hw.peak(peak_dtype),
                        hw.mem_bandwidth, context_len, warmup, repeats, torch.get_num_threads(),
                        points, notes)
@@ -287,7 +296,7 @@ def format_measurement(m: Measurement) -> str:
         L.append(f"  {p.label:<16} {p.format:<24} {p.measured_s * 1e3:>8.3f} ms {fmt_flops(p.flops):>12} "
                  f"{fmt_bytes(p.bytes):>22} {p.intensity:>10.1f} {fmt_flops_rate(p.achieved_flops_per_s):>16} "
                  f"{fmt_bandwidth(p.achieved_bytes_per_s):>14} {p.bound_s * 1e3:>7.3f} ms {p.bound:>7} "
-                 f"{100 * p.efficiency:>8.1f} %")
+                 f"{100 * p.efficiency:>8.1f} %{'  >100 %' if p.efficiency > 1 else ''}")
     L.append("  efficiency = bound time / measured time; achieved = theoretical FLOP (bytes) / measured time")
     for n in m.notes:
         L.append(f"note: {n}")

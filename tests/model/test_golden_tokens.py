@@ -75,7 +75,7 @@ FP32_ALONE = [736, 1188, 253, 1165, 3800, 282, 260, 3150, 284, 919, 253, 1838, 1
 
 def _pin_crossovers(monkeypatch) -> None:
     from sloserve.model import crossover
-    monkeypatch.setattr(crossover, "quant_crossover", lambda model: QUANT_MAX_TOKENS)
+    monkeypatch.setattr(crossover, "quant_crossover", lambda model, **k: QUANT_MAX_TOKENS)
     monkeypatch.setattr(crossover, "amx_crossover", lambda model: AMX_MAX_TOKENS)
 
 

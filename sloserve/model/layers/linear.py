@@ -56,6 +56,9 @@ def onednn_linear(x: torch.Tensor, w: torch.Tensor,
     prepacked in oneDNN's blocked layout are not used: in serving the row count varies per step
     and a packed weight is reordered again for every other count."""
     T = x.shape[0]
+    if w.is_meta:
+        raise RuntimeError(f"a dense product of {T} rows on a weight kept only quantized: the "
+                           f"model was loaded for steps the quantized weights serve")
     dtype = w.dtype
     rows = dense_rows(T) if dtype != torch.float32 else T
     if rows == T:
@@ -64,6 +67,18 @@ def onednn_linear(x: torch.Tensor, w: torch.Tensor,
         xd = x.new_zeros((rows, x.shape[1]), dtype=dtype)
         xd[:T] = x
     return F.linear(xd, w)[:T].to(out_dtype)
+
+
+@dataclass(frozen=True)
+class ReleasedWeight:
+    """A quantized part whose values now live only in its layer's quantized method."""
+
+    shape: tuple[int, int]
+    source: str
+
+    def dequantize(self):
+        raise RuntimeError(f"the {self.source} weight {self.shape} was released after packing: "
+                           f"its dense values cannot be made now")
 
 
 class UnquantizedLinearMethod:
@@ -162,6 +177,14 @@ class LinearBase(nn.Module):
     @property
     def is_quantized(self) -> bool:
         return all(q is not None for q in self.quantized)
+
+    def release_quantized(self) -> None:
+        """Let go of the parts' QuantizedWeights once ``quant_method`` holds the weights as the
+        kernels take them (packed copies) and the dense weight is made or never will be: each
+        part becomes a :class:`ReleasedWeight` (the model would otherwise hold a quantized
+        model's weights twice)."""
+        self.quantized = [q if q is None or isinstance(q, ReleasedWeight)
+                          else ReleasedWeight(tuple(q.shape), q.source) for q in self.quantized]
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if self.quant_method is not None and x.shape[0] <= self.policy.quant_max_tokens:
