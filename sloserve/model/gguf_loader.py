@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -370,11 +371,9 @@ def load_gguf_quantized(gf: GGUFFile, config: ModelConfig, mode: str = "gguf") -
     if mode not in ("gguf", "int8", "int4"):
         raise ValueError(f"quantization must be gguf, int8 or int4, got {mode!r}")
     permute = gf.architecture == "llama"
-    out: dict[str, Any] = {}
-    for name, info in gf.tensors.items():
+
+    def one(name: str, info) -> Any:
         hf = gguf_name_to_hf(name)
-        if hf is None or not is_quantizable(hf) or len(info.shape) != 2:
-            continue
         tname = GGMLQuantizationType(info.ggml_type).name
         qw = None
         if mode == "gguf":
@@ -389,8 +388,15 @@ def load_gguf_quantized(gf: GGUFFile, config: ModelConfig, mode: str = "gguf") -
             qw = qw.select_rows(_rope_rows(info.shape[0], config.num_attention_heads))
         elif permute and ".self_attn.k_proj." in hf:
             qw = qw.select_rows(_rope_rows(info.shape[0], config.num_key_value_heads))
-        out[hf] = qw
-    return out
+        return qw
+
+    todo = [(name, info, gguf_name_to_hf(name)) for name, info in gf.tensors.items()]
+    todo = [(n, i, hf) for n, i, hf in todo
+            if hf is not None and is_quantizable(hf) and len(i.shape) == 2]
+    # numpy and torch let go of the GIL in the conversions: one tensor per CPU at a time
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as ex:
+        done = list(ex.map(lambda t: one(t[0], t[1]), todo))
+    return {hf: qw for (_, _, hf), qw in zip(todo, done)}
 
 
 def raw_bytes(gf: GGUFFile, name: str) -> np.ndarray:

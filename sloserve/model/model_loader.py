@@ -13,6 +13,7 @@ import ctypes
 import dataclasses
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
@@ -169,9 +170,14 @@ def use_kernels(model, kernels, int8_activations: bool = True,
         lin.policy = policy
         lin.bias_f32 = (lin.bias.detach().float().contiguous()
                         if lin.bias is not None else None)
-        lin.quant_method = (GGUFLinearMethod.create(kernels, lin.quantized, int8_activations,
-                                                    swiglu=_is_gate_up(model, lin))
-                            if quantized else None)
+        lin.quant_method = None
+
+    def make_method(lin) -> None:
+        lin.quant_method = GGUFLinearMethod.create(kernels, lin.quantized, int8_activations,
+                                                   swiglu=_is_gate_up(model, lin))
+    if quantized:  # packing lets go of the GIL: one layer per CPU at a time
+        with ThreadPoolExecutor(max_workers=_loader_threads()) as ex:
+            list(ex.map(make_method, linears))
         release_freed_memory()
     model.decode_weights = _onto_hugepages(linears)
     # the dense weights packed for the AMX GEMM: every one, or none
@@ -270,9 +276,14 @@ def _onto_hugepages(linears: list[LinearBase]) -> torch.Tensor | None:
                 for t in (getattr(w, f) for f in _X16_PARTS) if t is not None)
     if not total:
         return None
-    buf = hugepages.zeros((total,), torch.uint8)
-    off = 0
+    buf = hugepages.zeros((total,), torch.uint8, touch=False)  # every byte is written below
+    starts, off = [], 0
     for m in methods:
+        starts.append(off)
+        off += sum(hugepages.packed_size(t) for w in m.weights if isinstance(w, X16Weight)
+                   for t in (getattr(w, f) for f in _X16_PARTS) if t is not None)
+
+    def move(m, off: int) -> None:
         new = []
         for w in m.weights:
             if isinstance(w, X16Weight):
@@ -285,7 +296,13 @@ def _onto_hugepages(linears: list[LinearBase]) -> torch.Tensor | None:
                 w = dataclasses.replace(w, **moved)
             new.append(w)
         m.weights = new
+    with ThreadPoolExecutor(max_workers=_loader_threads()) as ex:
+        list(ex.map(move, methods, starts))
     return buf
+
+
+def _loader_threads() -> int:
+    return max(1, min(4, torch.get_num_threads()))
 
 
 def warm_up(model, max_tokens: int, max_sampled: int) -> int:

@@ -107,13 +107,15 @@ def _pack4(q: np.ndarray) -> np.ndarray:
 
 
 def _make(codes: np.ndarray, d: np.ndarray, m: np.ndarray | None, bits: int, gs: int,
-          shape: tuple[int, int], source: str) -> QuantizedWeight:
+          shape: tuple[int, int], source: str, packed: bool = False) -> QuantizedWeight:
+    """``packed``: ``codes`` are already 4-bit codes in :func:`_pack4`'s layout ([N, K / 2])."""
     n, k = shape
-    codes = codes.reshape(n, k)
-    if bits == 4:
-        qw = torch.from_numpy(_pack4(codes.astype(np.uint8)))
+    if packed:
+        qw = torch.from_numpy(np.ascontiguousarray(codes).reshape(n, k // 2))
+    elif bits == 4:
+        qw = torch.from_numpy(_pack4(codes.reshape(n, k).astype(np.uint8)))
     else:
-        qw = torch.from_numpy(np.ascontiguousarray(codes.astype(np.int8)))
+        qw = torch.from_numpy(np.ascontiguousarray(codes.reshape(n, k).astype(np.int8)))
     d = torch.from_numpy(np.ascontiguousarray(d.reshape(n, k // gs).astype(np.float32)))
     mt = None
     if m is not None and np.any(m != 0):
@@ -163,11 +165,10 @@ def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Quanti
             bits_hi = ((qh[:, None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
         else:
             qs = blk[:, off:]
+            # a block's 16 bytes hold code j in the low and code j + 16 in the high nibble of
+            # byte j: already _pack4's layout, taken as stored
+            return _make(qs, d, -8.0 * d if t == "Q4_0" else m, 4, 32, shape, t, packed=True)
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.int16)   # [nb, 32]
-        if t == "Q4_0":
-            return _make(q, d, -8.0 * d, 4, 32, shape, t)
-        if t == "Q4_1":
-            return _make(q, d, m, 4, 32, shape, t)
         q = q | (bits_hi.astype(np.int16) << 4)                              # 0..31
         if t == "Q5_0":
             return _make(q - 16, d, None, 8, 32, shape, t)
