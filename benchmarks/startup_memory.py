@@ -9,6 +9,7 @@ while it is read, which the OS can drop), sampled every 0.1 s until /health and 
 short completion. Then stop it (SIGINT) and start it again.
 
     .venv/bin/python benchmarks/startup_memory.py FILE.gguf... --out FILE.json [--starts 2]
+        [--serve-args "--kv-cache-memory 2"]
 """
 from __future__ import annotations
 
@@ -48,11 +49,11 @@ def _tree(pid: int) -> list[int]:
         return [pid]
 
 
-def one_start(path: str, port: int, cache: str, timeout: float) -> dict:
+def one_start(path: str, port: int, cache: str, timeout: float, extra: list[str]) -> dict:
     env = dict(os.environ, SLOSERVE_CROSSOVER_CACHE=cache)
     t0 = time.monotonic()
     cli = os.path.join(os.path.dirname(sys.executable), "sloserve")
-    proc = subprocess.Popen([cli, "serve", path, "--port", str(port)], env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([cli, "serve", path, "--port", str(port), *extra], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     peak_anon = peak_file = 0
     ready = None
@@ -99,6 +100,7 @@ def main() -> int:
     ap.add_argument("--starts", type=int, default=2)
     ap.add_argument("--port", type=int, default=8391)
     ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--serve-args", default="", help="more `sloserve serve` flags, one string")
     a = ap.parse_args()
     results = []
     for path in a.files:
@@ -106,7 +108,7 @@ def main() -> int:
             cache = os.path.join(d, "crossovers.json")
             for i in range(a.starts):
                 r = {"file": path, "file_bytes": os.path.getsize(path), "start": i + 1,
-                     **one_start(path, a.port, cache, a.timeout)}
+                     **one_start(path, a.port, cache, a.timeout, a.serve_args.split())}
                 results.append(r)
                 print(f"{os.path.basename(path)} start {i + 1}: "
                       f"{r['seconds_to_health'] and round(r['seconds_to_health'], 1)} s to /health, "
