@@ -9,6 +9,8 @@ shape takes ~20 s where the quantized product wins up to 2,048 tokens; a second 
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -28,12 +30,12 @@ def quant_crossover(model, sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 
     to 2,048). The sizes go past a decode batch: on an AVX512-VNNI CPU without AMX the int8
     product can beat oneDNN's bf16 GEMM at prefill sizes too. With ``max_tokens`` (the most
     tokens a step will have) the sizes stop there, that size included."""
-    if max_tokens is not None:
+    if max_tokens is not None and max_tokens <= sizes[-1]:
         sizes = (*(s for s in sizes if s < max_tokens), max_tokens)
     mlp = model.model.layers[0].mlp
     gu, down, act = mlp.gate_up_proj, mlp.down_proj, mlp.act_fn
     key = _key("quant", model, sizes, gu.quant_method.describe(), down.quant_method.describe(),
-               gu.method.amx_swiglu is not None)
+               gu.method.amx_swiglu is not None, str(gu.weight.dtype))
 
     def quant(x, xf):
         gu.quant_method.swiglu(gu, x, act)
@@ -73,7 +75,8 @@ def cache_path() -> str | None:
     p = os.environ.get("SLOSERVE_CROSSOVER_CACHE", "")
     if p.lower() in ("off", "0", "none"):
         return None
-    return p or os.path.join(os.path.expanduser("~"), ".cache", "sloserve", "crossovers.json")
+    return os.path.expanduser(p) if p else os.path.join(os.path.expanduser("~"), ".cache",
+                                                         "sloserve", "crossovers.json")
 
 
 def _cpu_id() -> str:
@@ -108,33 +111,46 @@ def _key(kind: str, model, sizes, *extra) -> str:
 last_source = "measured"
 
 
+def _read(path: str) -> dict:
+    """The cache's entries; {} for a missing, damaged or non-regular file (a FIFO would
+    block the open)."""
+    try:
+        if not os.path.isfile(path):
+            return {}
+        with open(path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
 def _cached(key: str, measure) -> int:
-    """The crossover kept under ``key``, else ``measure()``'s, then kept."""
+    """The crossover kept under ``key``, else ``measure()``'s, then kept (read again and
+    written under an exclusive lock, so that servers starting together keep each other's
+    entries)."""
     global last_source
     last_source = "measured"
     path = cache_path()
     if path is None:
         return measure()
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        if not isinstance(data, dict):
-            data = {}
-    except (OSError, ValueError):
-        data = {}
-    if isinstance(data.get(key), int):
+    value = _read(path).get(key)
+    if isinstance(value, int) and not isinstance(value, bool):
         last_source = path
-        return data[key]
+        return value
     value = measure()
-    data[key] = value
+    tmp = f"{path}.{os.getpid()}.tmp"
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home: measured again next time
+        with open(f"{path}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            data = _read(path)
+            data[key] = value
+            with open(tmp, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+    except OSError:  # a read-only home, a directory in the way: measured again next time
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
     return value
 
 

@@ -97,7 +97,7 @@ def get_model(config, dtype: torch.dtype) -> LoadedModel:
         make_batch_invariant(model, k, int8_act)
         return LoadedModel(model, name, f"{head()}; fused forward on the {k.variant} "
                                                 f"kernels, --batch-invariant: {model.invariant_how}")
-    use_kernels(model, k, int8_activations=int8_act, max_tokens=config.max_num_batched_tokens)
+    use_kernels(model, k, int8_activations=int8_act, max_tokens=largest_step(config, model))
     p = model.policy
     xo = ("measured" if crossover.last_source == "measured"
           else f"read from {crossover.last_source}")
@@ -123,6 +123,18 @@ def get_model(config, dtype: torch.dtype) -> LoadedModel:
         how += f" ({shapes} GEMM shapes warmed in {time.perf_counter() - t0:.1f} s)"
     return LoadedModel(model, name, f"{head()}; fused forward on the {k.variant} "
                                             f"kernels, {how}")
+
+
+def largest_step(config, model) -> int:
+    """The most tokens one step of ``model`` can take under ``config``: the token budget;
+    without chunked prefill a whole prompt (up to ``--max-model-len``, else the model's
+    context: the scheduler's ``token_budget``); at least the verify-cost measurement's steps
+    that speculative decoding runs at start-up (:data:`~sloserve.step_io.VERIFY_COST_TOKENS`)."""
+    from sloserve.step_io import VERIFY_COST_TOKENS
+    n = config.max_num_batched_tokens
+    if config.batching != "chunked":
+        n = max(n, config.max_model_len or model.config.max_position_embeddings)
+    return max(n, *VERIFY_COST_TOKENS)
 
 
 def release_freed_memory() -> None:

@@ -80,10 +80,11 @@ def test_a_placeholder_without_a_quantized_weight_is_refused(tiny_llama_dir):
         model.load_weights(sd.items())
 
 
-@pytest.mark.parametrize("quant_max", [8, 64])
-def test_use_kernels_keeps_a_dense_copy_only_where_a_step_needs_one(gguf_path, quant_max):
-    """Steps of up to 64 tokens: with the quantized weights serving up to 64 no dense copy is
-    made; up to 8, every linear layer gets one (the steps of 9-64 tokens run on it)."""
+def test_use_kernels_makes_no_dense_copy_where_the_quantized_weights_serve_every_step(
+        gguf_path):
+    """Steps of up to 64 tokens, the quantized weights serving up to 64: no dense copy (the
+    other way, a crossover below the largest step, is the whole-prompt test below)."""
+    quant_max = 64
     from sloserve.model.model_loader import use_kernels
     k = _kernels()
     model, _ = load_model(gguf_path, "bfloat16", quantization="gguf", with_tokenizer=False,
@@ -138,3 +139,56 @@ def test_the_crossover_key_names_the_cpu_threads_shape_and_formats(lazy):
     key = crossover._key("quant", model, (1, 2), "x16:4b+mins:i8")
     assert key.startswith("quant|") and "|576x1536|x16:4b+mins:i8|1,2|" in key
     assert f"|{torch.get_num_threads()}|" in key and torch.__version__ in key
+
+
+def test_largest_step_covers_whole_prompts_and_the_verify_cost_steps(lazy):
+    """Found by a breaker run: without chunked prefill a whole prompt is one step (a 301-token
+    prompt under a 64-token budget hit a weight kept only quantized), and speculative decoding
+    measures steps of up to 16 tokens at start-up whatever the budget."""
+    from sloserve.config import EngineConfig
+    from sloserve.model.model_loader import largest_step
+    model, _ = lazy
+    assert largest_step(EngineConfig(max_num_batched_tokens=64), model) == 64
+    assert largest_step(EngineConfig(max_num_batched_tokens=8), model) == 16
+    ctx = model.config.max_position_embeddings
+    assert largest_step(EngineConfig(max_num_batched_tokens=64,
+                                     enable_chunked_prefill=False), model) == ctx
+    assert largest_step(EngineConfig(max_num_batched_tokens=64, static_batching=True,
+                                     max_model_len=1000), model) == 1000
+
+
+def test_without_chunking_the_dense_copy_serves_prompts_over_the_race(gguf_path):
+    """A whole-prompt step can be longer than any raced size (2,048 tokens at most): those
+    steps run on the dense copy, so it is made."""
+    from sloserve.config import EngineConfig
+    from sloserve.model.model_loader import get_model
+    _kernels()
+    model, _, _ = get_model(EngineConfig(model=gguf_path, max_num_batched_tokens=8,
+                                         enable_chunked_prefill=False, max_num_seqs=4),
+                            torch.bfloat16)
+    assert model.policy.quant_max_tokens <= 2048 and model.has_dense_copy
+
+
+def test_the_cache_survives_odd_paths_and_keeps_a_concurrent_writers_entry(tmp_path,
+                                                                            monkeypatch):
+    import os
+    d = tmp_path / "a_dir"
+    d.mkdir()
+    monkeypatch.setenv("SLOSERVE_CROSSOVER_CACHE", str(d))  # a directory in the way
+    assert crossover._cached("k", lambda: 3) == 3
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]  # no temp file left
+    assert os.listdir(d) == []
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # opening it for reading would block for ever
+    monkeypatch.setenv("SLOSERVE_CROSSOVER_CACHE", str(fifo))
+    assert crossover._cached("k", lambda: 4) == 4
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("SLOSERVE_CROSSOVER_CACHE", "~/x.json")
+    assert crossover.cache_path() == str(tmp_path / "x.json")
+    path = tmp_path / "x.json"
+
+    def measure_while_another_server_writes():
+        path.write_text(json.dumps({"theirs": 5}))
+        return 6
+    assert crossover._cached("mine", measure_while_another_server_writes) == 6
+    assert json.loads(path.read_text()) == {"theirs": 5, "mine": 6}
