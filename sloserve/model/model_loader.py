@@ -97,7 +97,8 @@ def get_model(config, dtype: torch.dtype) -> LoadedModel:
         make_batch_invariant(model, k, int8_act)
         return LoadedModel(model, name, f"{head()}; fused forward on the {k.variant} "
                                                 f"kernels, --batch-invariant: {model.invariant_how}")
-    use_kernels(model, k, int8_activations=int8_act, max_tokens=largest_step(config, model))
+    largest = largest_step(config, model)
+    use_kernels(model, k, int8_activations=int8_act, max_tokens=largest)
     p = model.policy
     xo = ("measured" if crossover.last_source == "measured"
           else f"read from {crossover.last_source}")
@@ -105,8 +106,8 @@ def get_model(config, dtype: torch.dtype) -> LoadedModel:
     if p.amx_max_tokens:
         dense = (f"the AMX {dt} GEMM up to {p.amx_max_tokens} tokens (crossover with "
                  f"oneDNN measured), dense {dt} GEMM (oneDNN) above")
-    if stored and p.quant_max_tokens >= config.max_num_batched_tokens:
-        how = (f"every step (<= {config.max_num_batched_tokens} tokens) on the quantized "
+    if stored and p.quant_max_tokens >= largest:
+        how = (f"every step (<= {largest} tokens) on the quantized "
                f"weights ({model.quantized_weight_bytes / 1e6:.0f} MB per step, "
                f"{'int8' if int8_act else 'float32'} activations; crossover {xo})")
     elif stored:
@@ -165,7 +166,7 @@ def use_kernels(model, kernels, int8_activations: bool = True,
         amx_max_tokens: dense steps with at most this many tokens use the AMX GEMM (None:
             measure, :func:`~sloserve.model.crossover.amx_crossover`; 0 without AMX or outside
             bfloat16).
-        max_tokens: the most tokens a step will have (the token budget; None: no bound).
+        max_tokens: the most tokens a step will have (:func:`largest_step`; None: no bound).
             Where the quantized weights serve every step up to it, the model keeps no dense
             copy of them (:meth:`~sloserve.model.llama.LlamaForCausalLM.materialize_dense`
             makes one only where a step will use it, and layer 0's MLP for the race).
