@@ -284,17 +284,14 @@ def _onto_hugepages(linears: list[LinearBase]) -> torch.Tensor | None:
     so that each layer's old copy is freed before the next is copied (an 8B model's 5.5 GB are
     not held twice); returns that buffer (bytes), or None where there are none."""
     methods = [lin.quant_method for lin in linears if lin.quant_method is not None]
-    total = sum(hugepages.packed_size(t) for m in methods for w in m.weights
-                if isinstance(w, X16Weight)
-                for t in (getattr(w, f) for f in _X16_PARTS) if t is not None)
+    starts, total = [], 0
+    for m in methods:
+        starts.append(total)
+        total += sum(hugepages.packed_size(t) for w in m.weights if isinstance(w, X16Weight)
+                     for t in (getattr(w, f) for f in _X16_PARTS) if t is not None)
     if not total:
         return None
     buf = hugepages.zeros((total,), torch.uint8, touch=False)  # every byte is written below
-    starts, off = [], 0
-    for m in methods:
-        starts.append(off)
-        off += sum(hugepages.packed_size(t) for w in m.weights if isinstance(w, X16Weight)
-                   for t in (getattr(w, f) for f in _X16_PARTS) if t is not None)
 
     def move(m, off: int) -> None:
         new = []
