@@ -51,9 +51,9 @@ inline void x16_tile_avx512(const ActQ& a, int64_t K, const uint8_t* w, const fl
   for (int mi = 0; mi < MC; ++mi)
 #pragma GCC unroll 2
     for (int br = 0; br < BR; ++br) acc[mi][br] = _mm512_setzero_ps();
-  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m4h = _mm512_set1_epi8(static_cast<char>(0xF0));
   for (int64_t g = 0; g < G; ++g) {
-    __m512i lo[BR][4], hi[BR][4];
+    __m512i lo[BR][4], hi[BR][4];  // hi: 16 x the high nibbles' codes (no shift per chunk)
     __m512 dv[BR], mv[BR];
 #pragma GCC unroll 2
     for (int br = 0; br < BR; ++br) {
@@ -67,7 +67,7 @@ inline void x16_tile_avx512(const ActQ& a, int64_t K, const uint8_t* w, const fl
       for (int c = 0; c < 4; ++c) {
         const __m512i v = _mm512_loadu_si512(wb + 64 * c);
         lo[br][c] = _mm512_and_si512(v, m4);
-        hi[br][c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        hi[br][c] = _mm512_and_si512(v, m4h);
       }
       dv[br] = _mm512_loadu_ps(d + (br * G + g) * kX16);
       if constexpr (HAS_MN) mv[br] = _mm512_loadu_ps(mn + (br * G + g) * kX16);
@@ -76,7 +76,9 @@ inline void x16_tile_avx512(const ActQ& a, int64_t K, const uint8_t* w, const fl
 #pragma GCC unroll 16
     for (int mi = 0; mi < MC; ++mi) {
       const int32_t* xq = reinterpret_cast<const int32_t*>(xg + mi * K);
-      const __m512 dx = _mm512_set1_ps(a.d[mi * G + g]);
+      // the integer sum below is 16 x the dot product: the scale takes the 1/16 (exact: a
+      // power of two), so the result is the same float as scaling the plain sum
+      const __m512 dx = _mm512_set1_ps(a.d[mi * G + g] * 0.0625f);
 #pragma GCC unroll 2
       for (int br = 0; br < BR; ++br) {
         // two chains of 4 dpbusd (half the latency of one of 8), added
@@ -85,7 +87,7 @@ inline void x16_tile_avx512(const ActQ& a, int64_t K, const uint8_t* w, const fl
         for (int c = 0; c < 4; ++c) i = dpbusd_b(i, lo[br][c], xq + c);
 #pragma GCC unroll 4
         for (int c = 0; c < 4; ++c) i2 = dpbusd_b(i2, hi[br][c], xq + 4 + c);
-        i = _mm512_add_epi32(i, i2);
+        i = _mm512_add_epi32(_mm512_slli_epi32(i, 4), i2);  // 16 x (low + high): |.| < 2^20
         acc[mi][br] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(dv[br], dx),
                                       acc[mi][br]);
         if constexpr (HAS_MN)
@@ -292,21 +294,15 @@ inline void x16_tile8(const ActQ& a, const int32_t* isum, int64_t K, const uint8
 #endif  // SL_ISA == 0
 
 // ------------------------------------------------------------------ the product
+// one 16-row block per pass at every row count (the tile bodies take BR blocks): passes over
+// two blocks at once (two code streams and four of scales per thread) read a 1b-shape decode
+// step's weights from DRAM 13 % slower at 1 and 2 rows (Zen 4, 2026-12-06)
 template <int BITS, int MC>
 inline void x16_blocks(const ActQ& a, const int32_t* isum, int64_t K, const uint8_t* qw,
                        const float* d, const float* mn, int64_t G, int64_t N, int64_t b0,
                        int64_t b1, float* y) {
-  constexpr int BR = MC <= 2 ? 2 : 1;
   const int64_t bw = G * 16 * BITS * 4, bs = G * kX16;
-  int64_t b = b0;
-  for (; b + BR <= b1; b += BR) {
-    if constexpr (BITS == 4)
-      x16_tile<MC, BR>(a, K, qw + b * bw, d + b * bs, mn ? mn + b * bs : nullptr, G, y + b * kX16, N);
-    else
-      x16_tile8<MC, BR>(a, isum, K, qw + b * bw, d + b * bs, mn ? mn + b * bs : nullptr, G,
-                        y + b * kX16, N);
-  }
-  for (; b < b1; ++b) {
+  for (int64_t b = b0; b < b1; ++b) {
     if constexpr (BITS == 4)
       x16_tile<MC, 1>(a, K, qw + b * bw, d + b * bs, mn ? mn + b * bs : nullptr, G, y + b * kX16, N);
     else
