@@ -25,9 +25,9 @@ _SIGS = {
     "sl_set_num_threads": ([_I32], None),
     "sl_qlinear": ([_P, _I64, _I64, _P, _P, _P, _I32, _I32, _I64, _P, _P], _I32),
     "sl_qlinear_i8": ([_P, _I64, _I64, _P, _P, _P, _I32, _I32, _I64, _P, _P], _I32),
-    "sl_repack_x16": ([_P, _P, _P, _I64, _I64, _I32, _P, _P, _P], _I32),
-    "sl_qlinear_x16": ([_P, _I64, _I64, _P, _P, _P, _I32, _I64, _P, _P], None),
-    "sl_qlinear_x16_swiglu": ([_P, _I64, _I64, _P, _P, _P, _I32, _I64, _P, _P], None),
+    "sl_repack_x16": ([_P, _P, _P, _I64, _I64, _I32, _I32, _P], _I32),
+    "sl_qlinear_x16": ([_P, _I64, _P, _P, _P], None),
+    "sl_qlinear_x16_swiglu": ([_P, _I64, _P, _P, _P], None),
     "sl_x16_layer_tail": ([_P, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _P], None),
     "sl_qembed": ([_P, _I64, _P, _P, _P, _I32, _I32, _I64, _P], _I32),
     "sl_rms_norm": ([_P, _P, _I64, _I64, _F, _P, _I32], None),
@@ -49,8 +49,10 @@ _SIGS = {
 
 
 class _SlX16(ctypes.Structure):
-    """The C side's ``SlX16``: an x16 weight's pointers, bits and shape."""
-    _fields_ = [("qw", _P), ("d", _P), ("mn", _P), ("bits", _I64), ("N", _I64), ("K", _I64)]
+    """The C side's ``SlX16``: an x16 weight's records, format (bits, offsets or not, float16
+    scales or not) and shape."""
+    _fields_ = [("qw", _P), ("bits", _I64), ("mins", _I64), ("sc16", _I64), ("N", _I64),
+                ("K", _I64)]
 
 
 class _SlX16Layer(ctypes.Structure):

@@ -94,10 +94,8 @@ class Kernels:
         if w.swiglu:
             raise ValueError("qlinear_x16: a gate/up weight packed for qlinear_x16_swiglu")
         M, K = _check_x("qlinear_x16", x, w.shape[1])
-        N = w.shape[0]
-        y = torch.empty(M, N, dtype=torch.float32)
-        qw, d, mn = w.ptrs
-        self.lib.sl_qlinear_x16(x.data_ptr(), M, K, qw, d, mn, w.bits, N, y.data_ptr(),
+        y = torch.empty(M, w.shape[0], dtype=torch.float32)
+        self.lib.sl_qlinear_x16(x.data_ptr(), M, ctypes.addressof(w.c_struct), y.data_ptr(),
                                 self._x16_scratch(M, K))
         return y
 
@@ -112,11 +110,9 @@ class Kernels:
         if not w.swiglu:
             raise ValueError("qlinear_x16_swiglu: a weight not packed by pack_x16_swiglu")
         M, K = _check_x("qlinear_x16_swiglu", x, w.shape[1])
-        F = w.shape[0] // 2
-        y = torch.empty(M, F, dtype=torch.float32)
-        qw, d, mn = w.ptrs
-        self.lib.sl_qlinear_x16_swiglu(x.data_ptr(), M, K, qw, d, mn, w.bits, F, y.data_ptr(),
-                                       self._x16_scratch(M, K))
+        y = torch.empty(M, w.shape[0] // 2, dtype=torch.float32)
+        self.lib.sl_qlinear_x16_swiglu(x.data_ptr(), M, ctypes.addressof(w.c_struct),
+                                       y.data_ptr(), self._x16_scratch(M, K))
         return y
 
     #: a layer's weights for :meth:`run_x16_layer`, checked once

@@ -21,36 +21,45 @@ from sloserve.kernels._lib import _ptr, _SlX16, _SlX16Layer
 @dataclasses.dataclass(frozen=True)
 class X16Weight:
     """A 4- or 8-bit group-32 weight in the kernels' x16 layout (rows interleaved in blocks of 16
-    so one integer dot-product instruction covers 16 rows; see ``csrc/qlinear_x16.h``).
+    so one integer dot-product instruction covers 16 rows; per block and group of 32 inputs one
+    record of the codes, then the 16 rows' scales, then their offsets: see
+    ``csrc/qlinear_x16.h``).
 
     Attributes:
-        qweight: uint8 [N / 16, K / 32, bits, 16, 4] codes (the same bytes as QuantizedWeight's).
-        scales: float32 [N / 16, K / 32, 16]; mins likewise or None.
+        packed: uint8 [N / 16 * K / 32 * record bytes]: the records, block after block (the
+            codes are the same bytes as the QuantizedWeight's).
         shape: (N, K).
+        bits: 4 or 8.
+        has_mins: the records hold offsets (Q4_1-like).
+        scale16: the scales and offsets are float16, where every one of them is exactly a
+            float16 (GGUF's Q4_0 / Q4_1 / Q8_0), else float32.
+        swiglu: the blocks alternate gate and up rows (``pack_x16_swiglu``): only
+            ``qlinear_x16_swiglu``.
     """
 
-    qweight: torch.Tensor
-    scales: torch.Tensor
-    mins: torch.Tensor | None
+    packed: torch.Tensor
     shape: tuple[int, int]
     bits: int = 4
-    #: the blocks alternate gate and up rows (``pack_x16_swiglu``): only ``qlinear_x16_swiglu``
+    has_mins: bool = False
+    scale16: bool = False
     swiglu: bool = False
-    # the pointers, taken once (a step makes ~120 products; each saved call costs ~1 us), and
-    # the C side's SlX16 for the fused layer call, which lives exactly as long as the weight
-    ptrs: tuple[int, int, int | None] = dataclasses.field(init=False, repr=False, compare=False)
+    # the C side's SlX16 (its address is what the products take: a step makes ~120 of them;
+    # each saved conversion costs ~1 us), which lives exactly as long as the weight
     c_struct: Any = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        ptrs = (_ptr(self.qweight), _ptr(self.scales),
-                _ptr(self.mins) if self.mins is not None else None)
-        object.__setattr__(self, "ptrs", ptrs)
-        object.__setattr__(self, "c_struct", _SlX16(*ptrs, self.bits, *self.shape))
+        object.__setattr__(self, "c_struct", _SlX16(
+            _ptr(self.packed), self.bits, int(self.has_mins), int(self.scale16), *self.shape))
 
     @property
     def nbytes(self) -> int:
-        n = self.qweight.numel() + self.scales.numel() * 4
-        return n + (self.mins.numel() * 4 if self.mins is not None else 0)
+        return self.packed.numel()
+
+    @property
+    def format(self) -> str:
+        """e.g. ``x16:4b+mins+f16``: what the crossover cache and the start-up line name."""
+        return (f"x16:{self.bits}b{'+mins' if self.has_mins else ''}"
+                f"{'+f16' if self.scale16 else ''}{':swiglu' if self.swiglu else ''}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,20 +115,24 @@ class AmxWeight:
 
 
 def pack_x16(lib: ctypes.CDLL, w) -> X16Weight | None:
-    """``w`` (a 4- or 8-bit group-32 QuantizedWeight) repacked for ``Kernels.qlinear_x16``; None
-    when its shape does not allow it (rows not a multiple of 16, other groups)."""
+    """``w`` (a 4- or 8-bit group-32 QuantizedWeight) repacked for ``Kernels.qlinear_x16``, its
+    scales and offsets as float16 where each of them is exactly one; None when its shape does
+    not allow it (rows not a multiple of 16, other groups)."""
     N, K = w.shape
     if w.bits not in (4, 8) or w.group_size != 32 or N % 16 or K % 32:
         return None
-    qw = torch.empty(N * K * w.bits // 8, dtype=torch.uint8)
-    d = torch.empty(N * K // 32, dtype=torch.float32)
-    mn = torch.empty_like(d) if w.has_mins else None
-    rc = lib.sl_repack_x16(_ptr(w.qweight), _ptr(w.scales),
-                           _ptr(w.mins) if w.has_mins else None, N, K, w.bits, _ptr(qw), _ptr(d),
-                           _ptr(mn) if mn is not None else None)
+    parts = [w.scales.contiguous()] + ([w.mins.contiguous()] if w.has_mins else [])
+    h16 = all(torch.equal(t.half().float(), t) for t in parts)
+    if h16:
+        parts = [t.half() for t in parts]
+    ss = 2 if h16 else 4
+    rec = 64 * w.bits + 16 * ss * len(parts)
+    out = torch.empty(N // 16 * (K // 32) * rec, dtype=torch.uint8)
+    rc = lib.sl_repack_x16(_ptr(w.qweight), _ptr(parts[0]),
+                           _ptr(parts[1]) if w.has_mins else None, N, K, w.bits, ss, _ptr(out))
     if rc:
         return None
-    return X16Weight(qw, d, mn, (N, K), w.bits)
+    return X16Weight(out, (N, K), w.bits, w.has_mins, h16)
 
 
 def pack_x16_swiglu(lib: ctypes.CDLL, gate_up) -> X16Weight | None:
@@ -132,12 +145,9 @@ def pack_x16_swiglu(lib: ctypes.CDLL, gate_up) -> X16Weight | None:
     if w is None:
         return None
     nb = w.shape[0] // 16
-
-    def pairs(t: torch.Tensor) -> torch.Tensor:  # [gate blocks | up blocks] -> alternating
-        return t.view(2, nb // 2, -1).transpose(0, 1).contiguous().view(-1)
-    qw, d = pairs(w.qweight), pairs(w.scales)
-    mn = pairs(w.mins) if w.mins is not None else None
-    return X16Weight(qw, d, mn, w.shape, w.bits, swiglu=True)
+    # [gate blocks | up blocks] -> alternating
+    packed = w.packed.view(2, nb // 2, -1).transpose(0, 1).contiguous().view(-1)
+    return dataclasses.replace(w, packed=packed, swiglu=True)
 
 
 def x16_layer(wo: X16Weight, ln2: torch.Tensor, gate_up: X16Weight, down: X16Weight,

@@ -275,9 +275,6 @@ def _given_or(given: int | None, available: bool, measure) -> int:
     return 0 if not available else measure() if given is None else given
 
 
-_X16_PARTS = ("qweight", "scales", "mins")
-
-
 def _onto_hugepages(linears: list[LinearBase]) -> torch.Tensor | None:
     """Every x16 weight (layers and LM head) moved into one buffer on 2 MB pages (see
     :mod:`sloserve.model.hugepages`: a decode step streams all of them), one layer at a time
@@ -287,8 +284,8 @@ def _onto_hugepages(linears: list[LinearBase]) -> torch.Tensor | None:
     starts, total = [], 0
     for m in methods:
         starts.append(total)
-        total += sum(hugepages.packed_size(t) for w in m.weights if isinstance(w, X16Weight)
-                     for t in (getattr(w, f) for f in _X16_PARTS) if t is not None)
+        total += sum(hugepages.packed_size(w.packed) for w in m.weights
+                     if isinstance(w, X16Weight))
     if not total:
         return None
     buf = hugepages.zeros((total,), torch.uint8, touch=False)  # every byte is written below
@@ -297,13 +294,8 @@ def _onto_hugepages(linears: list[LinearBase]) -> torch.Tensor | None:
         new = []
         for w in m.weights:
             if isinstance(w, X16Weight):
-                moved = {}
-                for f in _X16_PARTS:
-                    t = getattr(w, f)
-                    if t is not None:
-                        moved[f] = hugepages.copy_into(buf, off, t)
-                        off += hugepages.packed_size(t)
-                w = dataclasses.replace(w, **moved)
+                w = dataclasses.replace(w, packed=hugepages.copy_into(buf, off, w.packed))
+                off += hugepages.packed_size(w.packed)
             new.append(w)
         m.weights = new
     with ThreadPoolExecutor(max_workers=_loader_threads()) as ex:

@@ -68,21 +68,28 @@ def _int8_activation_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Ten
     return y
 
 
-@pytest.mark.parametrize("kind", ["int4", "int4-no-mins", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "int4-no-mins", "int8", "int4-f16", "int8-f16"])
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 15, 16, 17, 31, 100, 300])
 def test_int8_activation_products_row_and_x16_layouts(k, kind, m):
     """Both layouts give the integer-exact result up to float32 rounding of the group sums
-    (bound: 1e-5 of the largest output); the x16 copy holds the same codes and scales. The
+    (bound: 1e-5 of the largest output); the x16 copy holds the same codes and scales, as
+    float16 where every scale and offset is exactly one (GGUF's: ``-f16``), else float32. The
     row counts cover the x16 product's passes of 16 rows and their remainders, its split of
     more than 64 rows into work items, and the threaded activation quantization (300 x 576)."""
     w = _weights("int4" if kind.startswith("int4") else "int8", 64, 576, 20 + m)
     if kind == "int4-no-mins":  # the Q4_0 shape
         w = QuantizedWeight(w.qweight, w.scales, None, 4, 32, w.shape, "t")
+    if kind.endswith("-f16"):
+        w = QuantizedWeight(w.qweight, w.scales.half().float(),
+                            w.mins.half().float() if w.has_mins else None, w.bits, 32, w.shape, "t")
     x = torch.randn(m, 576, generator=torch.Generator().manual_seed(200 + m))
     ref = _int8_activation_reference(x, w)
     tol = 1e-5 * float(ref.abs().max())
     packed = k.pack_x16(w)
-    assert packed is not None and packed.nbytes == w.nbytes and packed.bits == w.bits
+    f16 = kind.endswith("-f16")
+    scale_bytes = (w.scales.numel() + (w.mins.numel() if w.has_mins else 0)) * (2 if f16 else 4)
+    assert packed is not None and packed.bits == w.bits and packed.scale16 == f16
+    assert packed.nbytes == w.qweight.numel() + scale_bytes
     for y in (k.qlinear_i8(x, w), k.qlinear_x16(x, packed)):
         assert y.shape == (m, 64) and y.dtype == torch.float32
         assert float((y.double() - ref).abs().max()) < tol
@@ -249,7 +256,8 @@ def test_x16_weights_own_their_c_struct(k):
     import weakref
     w = k.pack_x16(_weights("int4", 64, 576, 2))
     st = w.c_struct
-    assert (st.qw, st.d, st.mn, st.bits, st.N, st.K) == (*w.ptrs, 4, 64, 576)
+    assert (st.qw, st.bits, st.mins, st.sc16, st.N, st.K) == (w.packed.data_ptr(), 4, 1, 0, 64,
+                                                                576)
     ref = weakref.ref(w)
     del w, st
     gc.collect()

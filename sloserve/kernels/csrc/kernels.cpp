@@ -84,29 +84,27 @@ int sl_qembed(const int64_t* ids, int64_t T, const uint8_t* qw, const float* d, 
 }
 
 // ------------------------------------------------------------------------------ x16 layout
-// Repack a 4-bit (nibble layout) or 8-bit group-32 weight, scales/offsets [N, G], into the x16
-// layout (see qlinear_x16.h). Returns -1 unless N % 16 == 0, K % 32 == 0 and bits is 4 or 8.
-int sl_repack_x16(const uint8_t* qw, const float* d, const float* mn, int64_t N, int64_t K,
-                  int bits, uint8_t* ow, float* od, float* om) {
-  if (N % kX16 || K % 32 || (bits != 4 && bits != 8)) return -1;
-  repack_x16(qw, d, mn, N, K, bits, ow, od, om);
+// Repack a 4-bit (nibble layout) or 8-bit group-32 weight, scales/offsets [N, G] of `ss` bytes
+// each (4: float32, 2: float16) and offsets null where it has none, into the x16 layout's
+// records `out` (see qlinear_x16.h; N / 16 * G records). Returns -1 unless N % 16 == 0,
+// K % 32 == 0, bits is 4 or 8 and ss 2 or 4.
+int sl_repack_x16(const uint8_t* qw, const uint8_t* d, const uint8_t* mn, int64_t N, int64_t K,
+                  int bits, int ss, uint8_t* out) {
+  if (N % kX16 || K % 32 || (bits != 4 && bits != 8) || (ss != 2 && ss != 4)) return -1;
+  repack_x16(qw, d, mn, N, K, bits, ss, out);
   return 0;
 }
 
-// y [M, N] = x [M, K] @ W^T for an x16-layout weight, x quantized to int8 per group of 32
+// y [M, N] = x [M, K] @ W^T for an x16 weight, x quantized to int8 per group of 32
 // (scratch: M * K + 64 + 12 * M * K / 32 bytes).
-void sl_qlinear_x16(const float* x, int64_t M, int64_t K, const uint8_t* qw, const float* d,
-                    const float* mn, int bits, int64_t N, float* y, void* scratch) {
-  if (bits == 4) qlinear_x16<4>(x, M, K, qw, d, mn, N, y, scratch);
-  else qlinear_x16<8>(x, M, K, qw, d, mn, N, y, scratch);
+void sl_qlinear_x16(const float* x, int64_t M, const SlX16* w, float* y, void* scratch) {
+  qlinear_x16(x, M, *w, y, scratch);
 }
 
-// out [M, F] = silu(gate) * up of an x16 gate/up weight whose blocks alternate gate, up (2F rows;
-// scratch as sl_qlinear_x16's).
-void sl_qlinear_x16_swiglu(const float* x, int64_t M, int64_t K, const uint8_t* qw, const float* d,
-                           const float* mn, int bits, int64_t F, float* out, void* scratch) {
-  if (bits == 4) qlinear_x16_swiglu<4>(x, M, K, qw, d, mn, F, out, scratch);
-  else qlinear_x16_swiglu<8>(x, M, K, qw, d, mn, F, out, scratch);
+// out [M, F] = silu(gate) * up of an x16 gate/up weight whose blocks alternate gate, up
+// (w->N = 2F rows; scratch as sl_qlinear_x16's).
+void sl_qlinear_x16_swiglu(const float* x, int64_t M, const SlX16* w, float* out, void* scratch) {
+  qlinear_x16_swiglu(x, M, *w, out, scratch);
 }
 
 // ------------------------------------------------------------------------------ elementwise

@@ -12,23 +12,92 @@
 #include "act_quant.h"
 #include "vec_math.h"
 
+// An x16 weight as the products take it (_SlX16 in sloserve/kernels/_lib.py): its records
+// (layout below), code bits (4 or 8), whether they hold offsets and whether their scales and
+// offsets are float16 (0/1), and its shape [N, K] (N = 2F for a gate/up weight packed for the
+// SwiGLU epilogue).
+struct SlX16 {
+  const uint8_t* qw;
+  int64_t bits, mins, sc16, N, K;
+};
+
 namespace {
 
 // ------------------------------------------------------------------ the x16 layout
-// Rows in blocks of 16 (N % 16 == 0). Block b, group g: 4 chunks of 64 bytes; 32-bit lane r of
-// chunk c holds bytes 4c..4c+3 of row 16b + r's group g in the nibble layout (low nibbles: codes
-// 4c..4c+3, high nibbles: codes 16+4c..16+4c+3). Scales and offsets: [N / 16, G, 16] float32.
+// Rows in blocks of 16 (N % 16 == 0); a block is G group records one after another, and a
+// weight its N / 16 blocks. The record of block b, group g: the codes, then the 16 rows'
+// scales, then their offsets (Q4_1-like weights only):
+//   codes: `bits` chunks of 64 bytes; 32-bit lane r of chunk c holds bytes 4c..4c+3 of row
+//          16b + r's group g in the row layout (4-bit: low nibbles codes 4c..4c+3, high
+//          nibbles codes 16+4c..16+4c+3; 8-bit: signed codes 4c..4c+3);
+//   scales, offsets: 16 float32, or 16 float16 where every value of the weight is exactly one
+//          (GGUF's Q4_0 / Q4_1 / Q8_0 scales are float16: 320 bytes a record instead of 384).
 // One dpbusd then multiplies 4 codes of 16 rows with 4 broadcast activations, so the 16 rows'
-// group sums land in the 16 lanes (no horizontal sums, one scale multiply per group and block).
+// group sums land in the 16 lanes (no horizontal sums, one scale multiply per group and block),
+// and a decode step reads each weight as one sequential stream (separate arrays of codes,
+// scales and offsets were three streams per thread: 8-13 % slower from DRAM at 1 row, Zen 4).
 
 constexpr int kX16 = 16;
 
-// x16_tile<MC, BR>: MC activation rows (ActQ) times BR 16-row blocks of a 4-bit weight, G
-// groups -> y [MC, 16 BR] (row stride N). x16_tile8: the same for 8-bit codes (signed; 8
-// chunks of 64 bytes per block and group), isum holding -128 times each group's integer
-// activation sum (see its AVX-512 body). One definition of each per instruction set below.
+// An x16 weight's format (SlX16's bits, mins, sc16): record sizes.
+struct X16Fmt {
+  int bits;
+  bool mn;  // has offsets
+  bool h;   // scales and offsets are float16
+  int64_t codes() const { return 64 * bits; }               // code bytes of a record
+  int64_t scales() const { return kX16 * (h ? 2 : 4); }     // bytes of its 16 scales
+  int64_t rec() const { return codes() + scales() * (mn ? 2 : 1); }
+};
+inline X16Fmt x16_fmt(const SlX16& w) { return X16Fmt{int(w.bits), w.mins != 0, w.sc16 != 0}; }
+
+// 16 scales (or offsets) of a record as float32, and one of them
+inline float f16_to_f32(uint16_t h) {  // IEEE binary16, subnormals and inf/NaN included
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t e = (h >> 10) & 0x1f, m = h & 0x3ffu, u;
+  if (e == 0x1f) u = sign | 0x7f800000u | (m << 13);
+  else if (e) u = sign | ((e + 112) << 23) | (m << 13);
+  else if (!m) u = sign;
+  else {  // subnormal: normalize
+    e = 113;
+    while (!(m & 0x400u)) { m <<= 1; --e; }
+    u = sign | (e << 23) | ((m & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float scale_at(const uint8_t* p, bool h, int i) {
+  if (h) return f16_to_f32(reinterpret_cast<const uint16_t*>(p)[i]);
+  return reinterpret_cast<const float*>(p)[i];
+}
+#if SL_ISA == 2
+inline __m512 scales16(const uint8_t* p, bool h) {
+  return h ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))
+           : _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+}
+#endif
+#if SL_ISA >= 1
+inline __m256 scales8(const uint8_t* p, bool h, int half) {  // lanes 8 half .. 8 half + 7
+  return h ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * half)))
+           : _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8 * half);
+}
+#endif
+
+// x16_tile<MC>: MC activation rows (ActQ) times one 4-bit weight block `w` (its G records) ->
+// y [MC, 16] (row stride N). x16_tile8: the same for 8-bit codes, isum holding -128 times each
+// group's integer activation sum (see its AVX-512 body). One definition of each per instruction
+// set below.
 
 constexpr int64_t kX16Prefetch = 2048;  // bytes ahead in a 4-bit weight stream (see x16_tile)
+
+// the record's lines kX16Prefetch (4-bit) or twice that (8-bit) bytes ahead
+inline void x16_prefetch(const uint8_t* rec, int64_t R, int64_t ahead) {
+#if SL_ISA > 0
+  for (int64_t o = 0; o < R; o += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + ahead + o), _MM_HINT_T0);
+#else
+  (void)rec, (void)R, (void)ahead;
+#endif
+}
 
 // ------------------------------------------------------------------ AVX-512 (VNNI)
 #if SL_ISA == 2
@@ -41,37 +110,32 @@ inline __m512i dpbusd_b(__m512i acc, __m512i w, const int32_t* x) {
 }
 
 // x16_tile's AVX-512 body; HAS_MN: the weights have per-group offsets (Q4_1). Every loop is
-// unrolled so that the MC x BR accumulators stay in registers (g++ left the MC = 16 loop rolled,
+// unrolled so that the MC accumulators stay in registers (g++ left the MC = 16 loop rolled,
 // its accumulators on the stack, a load and a store per 8 dpbusd, and tested `mn` in it)
-template <int MC, int BR, bool HAS_MN>
-inline void x16_tile_avx512(const ActQ& a, int64_t K, const uint8_t* w, const float* d,
-                            const float* mn, int64_t G, float* y, int64_t N) {
-  __m512 acc[MC][BR];
+template <int MC, bool HAS_MN>
+inline void x16_tile_avx512(const ActQ& a, int64_t K, const uint8_t* w, const X16Fmt& f,
+                            int64_t G, float* y, int64_t N) {
+  __m512 acc[MC];
 #pragma GCC unroll 16
-  for (int mi = 0; mi < MC; ++mi)
-#pragma GCC unroll 2
-    for (int br = 0; br < BR; ++br) acc[mi][br] = _mm512_setzero_ps();
+  for (int mi = 0; mi < MC; ++mi) acc[mi] = _mm512_setzero_ps();
   const __m512i m4 = _mm512_set1_epi8(0x0F), m4h = _mm512_set1_epi8(static_cast<char>(0xF0));
+  const int64_t R = f.rec();
   for (int64_t g = 0; g < G; ++g) {
-    __m512i lo[BR][4], hi[BR][4];  // hi: 16 x the high nibbles' codes (no shift per chunk)
-    __m512 dv[BR], mv[BR];
-#pragma GCC unroll 2
-    for (int br = 0; br < BR; ++br) {
-      const uint8_t* wb = w + (br * G + g) * 256;
-      // the weights stream from memory once per step: fetch a few groups ahead (the vector
-      // work of a group's 16 rows fills the out-of-order window, which then holds too few
-      // loads to keep the memory busy: 12 GB/s without this at 16 rows, 38 at 1)
+    const uint8_t* rec = w + g * R;
+    // the weights stream from memory once per step: fetch a few groups ahead (the vector work
+    // of a group's 16 rows fills the out-of-order window, which then holds too few loads to
+    // keep the memory busy: 12 GB/s without this at 16 rows, 38 at 1)
+    x16_prefetch(rec, R, kX16Prefetch);
+    __m512i lo[4], hi[4];  // hi: 16 x the high nibbles' codes (no shift per chunk)
 #pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(wb + kX16Prefetch + 64 * c), _MM_HINT_T0);
-#pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) {
-        const __m512i v = _mm512_loadu_si512(wb + 64 * c);
-        lo[br][c] = _mm512_and_si512(v, m4);
-        hi[br][c] = _mm512_and_si512(v, m4h);
-      }
-      dv[br] = _mm512_loadu_ps(d + (br * G + g) * kX16);
-      if constexpr (HAS_MN) mv[br] = _mm512_loadu_ps(mn + (br * G + g) * kX16);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(rec + 64 * c);
+      lo[c] = _mm512_and_si512(v, m4);
+      hi[c] = _mm512_and_si512(v, m4h);
     }
+    const __m512 dv = scales16(rec + 256, f.h);
+    __m512 mv;
+    if constexpr (HAS_MN) mv = scales16(rec + 256 + f.scales(), f.h);
     const int8_t* xg = a.q + g * 32;
 #pragma GCC unroll 16
     for (int mi = 0; mi < MC; ++mi) {
@@ -79,235 +143,209 @@ inline void x16_tile_avx512(const ActQ& a, int64_t K, const uint8_t* w, const fl
       // the integer sum below is 16 x the dot product: the scale takes the 1/16 (exact: a
       // power of two), so the result is the same float as scaling the plain sum
       const __m512 dx = _mm512_set1_ps(a.d[mi * G + g] * 0.0625f);
-#pragma GCC unroll 2
-      for (int br = 0; br < BR; ++br) {
-        // two chains of 4 dpbusd (half the latency of one of 8), added
-        __m512i i = _mm512_setzero_si512(), i2 = _mm512_setzero_si512();
+      // two chains of 4 dpbusd (half the latency of one of 8), added
+      __m512i i = _mm512_setzero_si512(), i2 = _mm512_setzero_si512();
 #pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) i = dpbusd_b(i, lo[br][c], xq + c);
+      for (int c = 0; c < 4; ++c) i = dpbusd_b(i, lo[c], xq + c);
 #pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) i2 = dpbusd_b(i2, hi[br][c], xq + 4 + c);
-        i = _mm512_add_epi32(_mm512_slli_epi32(i, 4), i2);  // 16 x (low + high): |.| < 2^20
-        acc[mi][br] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(dv[br], dx),
-                                      acc[mi][br]);
-        if constexpr (HAS_MN)
-          acc[mi][br] = _mm512_fmadd_ps(mv[br], _mm512_set1_ps(a.s[mi * G + g]), acc[mi][br]);
-      }
+      for (int c = 0; c < 4; ++c) i2 = dpbusd_b(i2, hi[c], xq + 4 + c);
+      i = _mm512_add_epi32(_mm512_slli_epi32(i, 4), i2);  // 16 x (low + high): |.| < 2^20
+      acc[mi] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(dv, dx), acc[mi]);
+      if constexpr (HAS_MN) acc[mi] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.s[mi * G + g]), acc[mi]);
     }
   }
 #pragma GCC unroll 16
-  for (int mi = 0; mi < MC; ++mi)
-#pragma GCC unroll 2
-    for (int br = 0; br < BR; ++br) _mm512_storeu_ps(y + mi * N + br * kX16, acc[mi][br]);
+  for (int mi = 0; mi < MC; ++mi) _mm512_storeu_ps(y + mi * N, acc[mi]);
 }
 
-template <int MC, int BR>
-inline void x16_tile(const ActQ& a, int64_t K, const uint8_t* w, const float* d, const float* mn,
-                     int64_t G, float* y, int64_t N) {
-  // per group: the BR blocks' codes unpacked once (8 registers each), then for each of the MC
+template <int MC>
+inline void x16_tile(const ActQ& a, int64_t K, const uint8_t* w, const X16Fmt& f, int64_t G,
+                     float* y, int64_t N) {
+  // per group: the block's codes unpacked once (8 registers), then for each of the MC
   // activation rows 8 dpbusd (two chains of 4), their int32 sums scaled into the float
   // accumulator
-  if (mn) x16_tile_avx512<MC, BR, true>(a, K, w, d, mn, G, y, N);
-  else x16_tile_avx512<MC, BR, false>(a, K, w, d, mn, G, y, N);
+  if (f.mn) x16_tile_avx512<MC, true>(a, K, w, f, G, y, N);
+  else x16_tile_avx512<MC, false>(a, K, w, f, G, y, N);
 }
 
 // x16_tile8's AVX-512 body, unrolled as x16_tile_avx512 is (and for the same reason)
-template <int MC, int BR, bool HAS_MN>
+template <int MC, bool HAS_MN>
 inline void x16_tile8_avx512(const ActQ& a, const int32_t* isum, int64_t K, const uint8_t* w,
-                             const float* d, const float* mn, int64_t G, float* y, int64_t N) {
-  __m512 acc[MC][BR];
+                             const X16Fmt& f, int64_t G, float* y, int64_t N) {
+  __m512 acc[MC];
 #pragma GCC unroll 16
-  for (int mi = 0; mi < MC; ++mi)
-#pragma GCC unroll 2
-    for (int br = 0; br < BR; ++br) acc[mi][br] = _mm512_setzero_ps();
+  for (int mi = 0; mi < MC; ++mi) acc[mi] = _mm512_setzero_ps();
   const __m512i off = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t R = f.rec();
   for (int64_t g = 0; g < G; ++g) {
-    __m512i wv[BR][8];
-    __m512 dv[BR], mv[BR];
-#pragma GCC unroll 2
-    for (int br = 0; br < BR; ++br) {
-      const uint8_t* wb = w + (br * G + g) * 512;
+    const uint8_t* rec = w + g * R;
+    x16_prefetch(rec, R, 2 * kX16Prefetch);
+    __m512i wv[8];
 #pragma GCC unroll 8
-      for (int c = 0; c < 8; ++c) _mm_prefetch(reinterpret_cast<const char*>(wb + 2 * kX16Prefetch + 64 * c), _MM_HINT_T0);
-#pragma GCC unroll 8
-      for (int c = 0; c < 8; ++c) wv[br][c] = _mm512_xor_si512(_mm512_loadu_si512(wb + 64 * c), off);
-      dv[br] = _mm512_loadu_ps(d + (br * G + g) * kX16);
-      if constexpr (HAS_MN) mv[br] = _mm512_loadu_ps(mn + (br * G + g) * kX16);
-    }
+    for (int c = 0; c < 8; ++c) wv[c] = _mm512_xor_si512(_mm512_loadu_si512(rec + 64 * c), off);
+    const __m512 dv = scales16(rec + 512, f.h);
+    __m512 mv;
+    if constexpr (HAS_MN) mv = scales16(rec + 512 + f.scales(), f.h);
 #pragma GCC unroll 16
     for (int mi = 0; mi < MC; ++mi) {
       const int32_t* xq = reinterpret_cast<const int32_t*>(a.q + mi * K + g * 32);
       const __m512 dx = _mm512_set1_ps(a.d[mi * G + g]);
-      const __m512i corr = _mm512_set1_epi32(isum[mi * G + g]);  // a broadcast load
-#pragma GCC unroll 2
-      for (int br = 0; br < BR; ++br) {
-        __m512i i = corr, i2 = _mm512_setzero_si512();
+      __m512i i = _mm512_set1_epi32(isum[mi * G + g]), i2 = _mm512_setzero_si512();  // a broadcast load
 #pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) i = dpbusd_b(i, wv[br][c], xq + c);
+      for (int c = 0; c < 4; ++c) i = dpbusd_b(i, wv[c], xq + c);
 #pragma GCC unroll 4
-        for (int c = 4; c < 8; ++c) i2 = dpbusd_b(i2, wv[br][c], xq + c);
-        i = _mm512_add_epi32(i, i2);
-        acc[mi][br] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i),
-                                      _mm512_mul_ps(dv[br], dx), acc[mi][br]);
-        if constexpr (HAS_MN)
-          acc[mi][br] = _mm512_fmadd_ps(mv[br], _mm512_set1_ps(a.s[mi * G + g]), acc[mi][br]);
-      }
+      for (int c = 4; c < 8; ++c) i2 = dpbusd_b(i2, wv[c], xq + c);
+      i = _mm512_add_epi32(i, i2);
+      acc[mi] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(dv, dx), acc[mi]);
+      if constexpr (HAS_MN) acc[mi] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.s[mi * G + g]), acc[mi]);
     }
   }
 #pragma GCC unroll 16
-  for (int mi = 0; mi < MC; ++mi)
-#pragma GCC unroll 2
-    for (int br = 0; br < BR; ++br) _mm512_storeu_ps(y + mi * N + br * kX16, acc[mi][br]);
+  for (int mi = 0; mi < MC; ++mi) _mm512_storeu_ps(y + mi * N, acc[mi]);
 }
 
 // 8-bit codes: AVX-512 dpbusd wants unsigned x signed: the codes are offset by 128 at load
 // (xor 0x80) and 128 times the group's integer activation sum (isum holds -128 times it) is
 // taken off again, so the dot product stays exact.
-template <int MC, int BR>
+template <int MC>
 inline void x16_tile8(const ActQ& a, const int32_t* isum, int64_t K, const uint8_t* w,
-                      const float* d, const float* mn, int64_t G, float* y, int64_t N) {
-  if (mn) x16_tile8_avx512<MC, BR, true>(a, isum, K, w, d, mn, G, y, N);
-  else x16_tile8_avx512<MC, BR, false>(a, isum, K, w, d, mn, G, y, N);
+                      const X16Fmt& f, int64_t G, float* y, int64_t N) {
+  if (f.mn) x16_tile8_avx512<MC, true>(a, isum, K, w, f, G, y, N);
+  else x16_tile8_avx512<MC, false>(a, isum, K, w, f, G, y, N);
 }
 #endif  // SL_ISA == 2
 
 // ------------------------------------------------------------------ AVX2
 #if SL_ISA == 1
-template <int MC, int BR>
-inline void x16_tile(const ActQ& a, int64_t K, const uint8_t* w, const float* d, const float* mn,
-                     int64_t G, float* y, int64_t N) {
+template <int MC>
+inline void x16_tile(const ActQ& a, int64_t K, const uint8_t* w, const X16Fmt& f, int64_t G,
+                     float* y, int64_t N) {
   // two 8-lane halves per block; pmaddubsw (u8 codes x s8 activations, |sum of 2| <= 3810)
-  __m256 acc[MC][BR][2];
-  for (int mi = 0; mi < MC; ++mi)
-    for (int br = 0; br < BR; ++br) acc[mi][br][0] = acc[mi][br][1] = _mm256_setzero_ps();
+  __m256 acc[MC][2];
+  for (int mi = 0; mi < MC; ++mi) acc[mi][0] = acc[mi][1] = _mm256_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  for (int64_t g = 0; g < G; ++g)
-    for (int br = 0; br < BR; ++br)
-      for (int h = 0; h < 2; ++h) {
-        __m256i lo[4], hi[4];
-        const uint8_t* wb = w + (br * G + g) * 256 + 32 * h;
-        for (int c = 0; c < 4; ++c) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c));
-          lo[c] = _mm256_and_si256(v, m4);
-          hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-        }
-        const __m256 dv = _mm256_loadu_ps(d + (br * G + g) * kX16 + 8 * h);
-        const __m256 mv = mn ? _mm256_loadu_ps(mn + (br * G + g) * kX16 + 8 * h) : dv;
-        for (int mi = 0; mi < MC; ++mi) {
-          const int32_t* xq = reinterpret_cast<const int32_t*>(a.q + mi * K + g * 32);
-          __m256i p = _mm256_setzero_si256();
-          for (int c = 0; c < 4; ++c) {
-            p = _mm256_add_epi16(p, _mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(xq[c])));
-            p = _mm256_add_epi16(p, _mm256_maddubs_epi16(hi[c], _mm256_set1_epi32(xq[4 + c])));
-          }  // 8 pair sums of |.| <= 3810: |p| <= 30480 fits int16
-          const __m256i dp = _mm256_madd_epi16(p, ones);
-          acc[mi][br][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp),
-                                           _mm256_mul_ps(dv, _mm256_set1_ps(a.d[mi * G + g])),
-                                           acc[mi][br][h]);
-          if (mn) acc[mi][br][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.s[mi * G + g]), acc[mi][br][h]);
-        }
+  const int64_t R = f.rec();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* rec = w + g * R;
+    x16_prefetch(rec, R, kX16Prefetch);
+    for (int h = 0; h < 2; ++h) {
+      __m256i lo[4], hi[4];
+      const uint8_t* wb = rec + 32 * h;
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c));
+        lo[c] = _mm256_and_si256(v, m4);
+        hi[c] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
       }
+      const __m256 dv = scales8(rec + 256, f.h, h);
+      const __m256 mv = f.mn ? scales8(rec + 256 + f.scales(), f.h, h) : dv;
+      for (int mi = 0; mi < MC; ++mi) {
+        const int32_t* xq = reinterpret_cast<const int32_t*>(a.q + mi * K + g * 32);
+        __m256i p = _mm256_setzero_si256();
+        for (int c = 0; c < 4; ++c) {
+          p = _mm256_add_epi16(p, _mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(xq[c])));
+          p = _mm256_add_epi16(p, _mm256_maddubs_epi16(hi[c], _mm256_set1_epi32(xq[4 + c])));
+        }  // 8 pair sums of |.| <= 3810: |p| <= 30480 fits int16
+        const __m256i dp = _mm256_madd_epi16(p, ones);
+        acc[mi][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp),
+                                     _mm256_mul_ps(dv, _mm256_set1_ps(a.d[mi * G + g])), acc[mi][h]);
+        if (f.mn) acc[mi][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.s[mi * G + g]), acc[mi][h]);
+      }
+    }
+  }
   for (int mi = 0; mi < MC; ++mi)
-    for (int br = 0; br < BR; ++br)
-      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + mi * N + br * kX16 + 8 * h, acc[mi][br][h]);
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + mi * N + 8 * h, acc[mi][h]);
 }
 
-template <int MC, int BR>
+template <int MC>
 inline void x16_tile8(const ActQ& a, const int32_t* isum, int64_t K, const uint8_t* w,
-                      const float* d, const float* mn, int64_t G, float* y, int64_t N) {
+                      const X16Fmt& f, int64_t G, float* y, int64_t N) {
+  (void)isum;
   // |x| * sign(w, x) keeps pmaddubsw's pair sums <= 2 * 127 * 127 (no int16 saturation)
-  __m256 acc[MC][BR][2];
-  for (int mi = 0; mi < MC; ++mi)
-    for (int br = 0; br < BR; ++br) acc[mi][br][0] = acc[mi][br][1] = _mm256_setzero_ps();
+  __m256 acc[MC][2];
+  for (int mi = 0; mi < MC; ++mi) acc[mi][0] = acc[mi][1] = _mm256_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t g = 0; g < G; ++g)
-    for (int br = 0; br < BR; ++br)
-      for (int h = 0; h < 2; ++h) {
-        __m256i wv[8];
-        const uint8_t* wb = w + (br * G + g) * 512 + 32 * h;
-        for (int c = 0; c < 8; ++c) wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c));
-        const __m256 dv = _mm256_loadu_ps(d + (br * G + g) * kX16 + 8 * h);
-        const __m256 mv = mn ? _mm256_loadu_ps(mn + (br * G + g) * kX16 + 8 * h) : dv;
-        for (int mi = 0; mi < MC; ++mi) {
-          const int32_t* xq = reinterpret_cast<const int32_t*>(a.q + mi * K + g * 32);
-          __m256i dp = _mm256_setzero_si256();
-          for (int c = 0; c < 8; ++c) {
-            const __m256i xb = _mm256_set1_epi32(xq[c]);
-            dp = _mm256_add_epi32(dp, _mm256_madd_epi16(
-                _mm256_maddubs_epi16(_mm256_abs_epi8(xb), _mm256_sign_epi8(wv[c], xb)), ones));
-          }
-          acc[mi][br][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp),
-                                           _mm256_mul_ps(dv, _mm256_set1_ps(a.d[mi * G + g])),
-                                           acc[mi][br][h]);
-          if (mn) acc[mi][br][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.s[mi * G + g]), acc[mi][br][h]);
+  const int64_t R = f.rec();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* rec = w + g * R;
+    x16_prefetch(rec, R, 2 * kX16Prefetch);
+    for (int h = 0; h < 2; ++h) {
+      __m256i wv[8];
+      const uint8_t* wb = rec + 32 * h;
+      for (int c = 0; c < 8; ++c) wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * c));
+      const __m256 dv = scales8(rec + 512, f.h, h);
+      const __m256 mv = f.mn ? scales8(rec + 512 + f.scales(), f.h, h) : dv;
+      for (int mi = 0; mi < MC; ++mi) {
+        const int32_t* xq = reinterpret_cast<const int32_t*>(a.q + mi * K + g * 32);
+        __m256i dp = _mm256_setzero_si256();
+        for (int c = 0; c < 8; ++c) {
+          const __m256i xb = _mm256_set1_epi32(xq[c]);
+          dp = _mm256_add_epi32(dp, _mm256_madd_epi16(
+              _mm256_maddubs_epi16(_mm256_abs_epi8(xb), _mm256_sign_epi8(wv[c], xb)), ones));
         }
+        acc[mi][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp),
+                                     _mm256_mul_ps(dv, _mm256_set1_ps(a.d[mi * G + g])), acc[mi][h]);
+        if (f.mn) acc[mi][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.s[mi * G + g]), acc[mi][h]);
       }
+    }
+  }
   for (int mi = 0; mi < MC; ++mi)
-    for (int br = 0; br < BR; ++br)
-      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + mi * N + br * kX16 + 8 * h, acc[mi][br][h]);
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + mi * N + 8 * h, acc[mi][h]);
 }
 #endif  // SL_ISA == 1
 
 // ------------------------------------------------------------------ generic
 #if SL_ISA == 0
-// The generic build's x16 product (both bit widths): lane r of 64-byte chunk c holds bytes
-// 4c..4c+3 of row r's group; 4-bit: low nibbles are codes 4c+i, high nibbles codes 16+4c+i;
-// 8-bit: signed codes 4c+i.
-template <int BITS, int MC, int BR>
-inline void x16_tile_scalar(const ActQ& a, int64_t K, const uint8_t* w, const float* d,
-                            const float* mn, int64_t G, float* y, int64_t N) {
-  constexpr int chunks = BITS;  // 64-byte chunks per block and group
+// The generic build's x16 product (both bit widths), from the layout's description above.
+template <int BITS, int MC>
+inline void x16_tile_scalar(const ActQ& a, int64_t K, const uint8_t* w, const X16Fmt& f,
+                            int64_t G, float* y, int64_t N) {
+  constexpr int chunks = BITS;  // 64-byte chunks per record
+  const int64_t R = f.rec();
   for (int mi = 0; mi < MC; ++mi)
-    for (int br = 0; br < BR; ++br)
-      for (int r = 0; r < kX16; ++r) {
-        float t = 0.f;
-        for (int64_t g = 0; g < G; ++g) {
-          const uint8_t* wb = w + (br * G + g) * 64 * chunks;
-          const int8_t* xg = a.q + mi * K + g * 32;
-          int32_t s = 0;
-          for (int c = 0; c < chunks; ++c)
-            for (int i = 0; i < 4; ++i) {
-              const uint8_t b = wb[64 * c + 4 * r + i];
-              if constexpr (BITS == 4) s += (b & 15) * xg[4 * c + i] + (b >> 4) * xg[16 + 4 * c + i];
-              else s += static_cast<int8_t>(b) * xg[4 * c + i];
-            }
-          const int64_t o = (br * G + g) * kX16 + r;
-          t += float(s) * d[o] * a.d[mi * G + g];
-          if (mn) t += mn[o] * a.s[mi * G + g];
-        }
-        y[mi * N + br * kX16 + r] = t;
+    for (int r = 0; r < kX16; ++r) {
+      float t = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* rec = w + g * R;
+        const int8_t* xg = a.q + mi * K + g * 32;
+        int32_t s = 0;
+        for (int c = 0; c < chunks; ++c)
+          for (int i = 0; i < 4; ++i) {
+            const uint8_t b = rec[64 * c + 4 * r + i];
+            if constexpr (BITS == 4) s += (b & 15) * xg[4 * c + i] + (b >> 4) * xg[16 + 4 * c + i];
+            else s += static_cast<int8_t>(b) * xg[4 * c + i];
+          }
+        t += float(s) * scale_at(rec + f.codes(), f.h, r) * a.d[mi * G + g];
+        if (f.mn) t += scale_at(rec + f.codes() + f.scales(), f.h, r) * a.s[mi * G + g];
       }
+      y[mi * N + r] = t;
+    }
 }
 
-template <int MC, int BR>
-inline void x16_tile(const ActQ& a, int64_t K, const uint8_t* w, const float* d, const float* mn,
-                     int64_t G, float* y, int64_t N) {
-  x16_tile_scalar<4, MC, BR>(a, K, w, d, mn, G, y, N);
+template <int MC>
+inline void x16_tile(const ActQ& a, int64_t K, const uint8_t* w, const X16Fmt& f, int64_t G,
+                     float* y, int64_t N) {
+  x16_tile_scalar<4, MC>(a, K, w, f, G, y, N);
 }
 
-template <int MC, int BR>
+template <int MC>
 inline void x16_tile8(const ActQ& a, const int32_t* isum, int64_t K, const uint8_t* w,
-                      const float* d, const float* mn, int64_t G, float* y, int64_t N) {
+                      const X16Fmt& f, int64_t G, float* y, int64_t N) {
   (void)isum;
-  x16_tile_scalar<8, MC, BR>(a, K, w, d, mn, G, y, N);
+  x16_tile_scalar<8, MC>(a, K, w, f, G, y, N);
 }
 #endif  // SL_ISA == 0
 
 // ------------------------------------------------------------------ the product
-// one 16-row block per pass at every row count (the tile bodies take BR blocks): passes over
-// two blocks at once (two code streams and four of scales per thread) read a 1b-shape decode
-// step's weights from DRAM 13 % slower at 1 and 2 rows (Zen 4, 2026-12-06)
-template <int BITS, int MC>
+// One 16-row block per pass at every row count: passes over two blocks at once (two code
+// streams and four of scales per thread, before the records) read a 1b-shape decode step's
+// weights from DRAM 13 % slower at 1 and 2 rows (Zen 4, 2026-12-06).
+template <int MC>
 inline void x16_blocks(const ActQ& a, const int32_t* isum, int64_t K, const uint8_t* qw,
-                       const float* d, const float* mn, int64_t G, int64_t N, int64_t b0,
-                       int64_t b1, float* y) {
-  const int64_t bw = G * 16 * BITS * 4, bs = G * kX16;
+                       const X16Fmt& f, int64_t G, int64_t N, int64_t b0, int64_t b1, float* y) {
+  const int64_t bw = G * f.rec();
   for (int64_t b = b0; b < b1; ++b) {
-    if constexpr (BITS == 4)
-      x16_tile<MC, 1>(a, K, qw + b * bw, d + b * bs, mn ? mn + b * bs : nullptr, G, y + b * kX16, N);
-    else
-      x16_tile8<MC, 1>(a, isum, K, qw + b * bw, d + b * bs, mn ? mn + b * bs : nullptr, G,
-                       y + b * kX16, N);
+    if (f.bits == 4) x16_tile<MC>(a, K, qw + b * bw, f, G, y + b * kX16, N);
+    else x16_tile8<MC>(a, isum, K, qw + b * bw, f, G, y + b * kX16, N);
   }
 }
 
@@ -318,13 +356,13 @@ constexpr int kX16Rows = SL_ISA == 2 ? 16 : 8;
 constexpr int64_t kX16MRows = 64;
 
 // x16_blocks for the last `rest` (< kX16Rows) activation rows
-template <int BITS, int MC>
+template <int MC>
 inline void x16_rest(int64_t rest, const ActQ& a, const int32_t* isum, int64_t K,
-                     const uint8_t* qw, const float* d, const float* mn, int64_t G, int64_t N,
-                     int64_t b0, int64_t b1, float* y) {
+                     const uint8_t* qw, const X16Fmt& f, int64_t G, int64_t N, int64_t b0,
+                     int64_t b1, float* y) {
   if constexpr (MC > 0) {
-    if (rest == MC) x16_blocks<BITS, MC>(a, isum, K, qw, d, mn, G, N, b0, b1, y);
-    else x16_rest<BITS, MC - 1>(rest, a, isum, K, qw, d, mn, G, N, b0, b1, y);
+    if (rest == MC) x16_blocks<MC>(a, isum, K, qw, f, G, N, b0, b1, y);
+    else x16_rest<MC - 1>(rest, a, isum, K, qw, f, G, N, b0, b1, y);
   }
 }
 
@@ -337,15 +375,14 @@ struct X16In {
   ActQ at(int64_t m) const { return ActQ{xq + m * K, xd + m * G, xs + m * G}; }
 };
 
-template <int BITS>
-X16In x16_quantize(const float* x, int64_t M, int64_t K, void* scratch) {
+inline X16In x16_quantize(const float* x, int64_t M, int64_t K, int bits, void* scratch) {
   const int64_t G = K / 32;
   int8_t* xq = static_cast<int8_t*>(scratch);
   float* xd = reinterpret_cast<float*>(xq + ((M * K + 63) / 64) * 64);
   float* xs = xd + M * G;
   int32_t* isum = reinterpret_cast<int32_t*>(xs + M * G);
   quantize_act(x, M, K, xq, xd, xs);
-  if (BITS == 8) {
+  if (bits == 8) {
     auto sums = [&](int64_t m) {
       for (int64_t i = m * G; i < (m + 1) * G; ++i) {
         int32_t t = 0;
@@ -362,13 +399,12 @@ X16In x16_quantize(const float* x, int64_t M, int64_t K, void* scratch) {
 // One pass: rows [m, m + rows) (rows <= kX16Rows) times blocks [b0, b1) -> y (row stride ldy):
 // each unpacked weight group serves all the rows (the accumulators and one block's 8 unpacked
 // chunks fit the 32 vector registers).
-template <int BITS>
-inline void x16_pass(const X16In& in, int64_t m, int64_t rows, const uint8_t* qw, const float* d,
-                     const float* mn, int64_t ldy, int64_t b0, int64_t b1, float* y) {
+inline void x16_pass(const X16In& in, int64_t m, int64_t rows, const uint8_t* qw,
+                     const X16Fmt& f, int64_t ldy, int64_t b0, int64_t b1, float* y) {
   const ActQ a = in.at(m);
   const int32_t* is = in.isum + m * in.G;
-  if (rows == kX16Rows) x16_blocks<BITS, kX16Rows>(a, is, in.K, qw, d, mn, in.G, ldy, b0, b1, y);
-  else x16_rest<BITS, kX16Rows - 1>(rows, a, is, in.K, qw, d, mn, in.G, ldy, b0, b1, y);
+  if (rows == kX16Rows) x16_blocks<kX16Rows>(a, is, in.K, qw, f, in.G, ldy, b0, b1, y);
+  else x16_rest<kX16Rows - 1>(rows, a, is, in.K, qw, f, in.G, ldy, b0, b1, y);
 }
 
 // The threads' work items: a range of `units` (row blocks, or gate/up block pairs) times a
@@ -390,35 +426,34 @@ inline void x16_split(int64_t M, int64_t units, F& fn) {
   parallel_for(nchunks * mparts, body);
 }
 
-template <int BITS>
-void qlinear_x16(const float* x, int64_t M, int64_t K, const uint8_t* qw, const float* d,
-                 const float* mn, int64_t N, float* y, void* scratch) {
+// y [M, w.N] = x [M, w.K] @ W^T
+void qlinear_x16(const float* x, int64_t M, const SlX16& w, float* y, void* scratch) {
   if (M <= 0) return;
-  const X16In in = x16_quantize<BITS>(x, M, K, scratch);
+  const X16Fmt f = x16_fmt(w);
+  const X16In in = x16_quantize(x, M, w.K, f.bits, scratch);
   auto body = [&](int64_t b0, int64_t b1, int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; m += kX16Rows)
-      x16_pass<BITS>(in, m, std::min<int64_t>(kX16Rows, m1 - m), qw, d, mn, N, b0, b1, y + m * N);
+      x16_pass(in, m, std::min<int64_t>(kX16Rows, m1 - m), w.qw, f, w.N, b0, b1, y + m * w.N);
   };
-  x16_split(M, N / kX16, body);
+  x16_split(M, w.N / kX16, body);
 }
 
-// out [M, F] = silu(x W_gate^T) * (x W_up^T) in one x16 product, the activation in its
-// epilogue: W's 16-row blocks alternate gate block j, up block j (Kernels.pack_x16_swiglu), so
-// a pair of blocks gives 16 outputs; the gate/up products never leave the thread's buffer.
-// Same numbers as sl_qlinear_x16 then sl_silu_mul.
-template <int BITS>
-void qlinear_x16_swiglu(const float* x, int64_t M, int64_t K, const uint8_t* qw, const float* d,
-                        const float* mn, int64_t F, float* out, void* scratch) {
+// out [M, F] = silu(x W_gate^T) * (x W_up^T) (F = w.N / 2) in one x16 product, the activation
+// in its epilogue: W's 16-row blocks alternate gate block j, up block j
+// (Kernels.pack_x16_swiglu), so a pair of blocks gives 16 outputs; the gate/up products never
+// leave the thread's buffer. Same numbers as sl_qlinear_x16 then sl_silu_mul.
+void qlinear_x16_swiglu(const float* x, int64_t M, const SlX16& w, float* out, void* scratch) {
   if (M <= 0) return;
-  const X16In in = x16_quantize<BITS>(x, M, K, scratch);
-  const int64_t bw = in.G * 16 * BITS * 4, bs = in.G * kX16;  // one block's code bytes, scales
+  const X16Fmt f = x16_fmt(w);
+  const int64_t F = w.N / 2;
+  const X16In in = x16_quantize(x, M, w.K, f.bits, scratch);
+  const int64_t bw = in.G * f.rec();  // one block's bytes
   auto body = [&](int64_t p0, int64_t p1, int64_t m0, int64_t m1) {
     alignas(64) float gu[kX16Rows * 2 * kX16];  // rows x [gate 16 | up 16]
     for (int64_t m = m0; m < m1; m += kX16Rows) {
       const int64_t rows = std::min<int64_t>(kX16Rows, m1 - m);
       for (int64_t p = p0; p < p1; ++p) {
-        x16_pass<BITS>(in, m, rows, qw + 2 * p * bw, d + 2 * p * bs, mn ? mn + 2 * p * bs : nullptr,
-                       2 * kX16, 0, 2, gu);
+        x16_pass(in, m, rows, w.qw + 2 * p * bw, f, 2 * kX16, 0, 2, gu);
         for (int64_t r = 0; r < rows; ++r) {
           const float* g = gu + r * 2 * kX16;
           float* o = out + (m + r) * F + p * kX16;
@@ -434,20 +469,23 @@ void qlinear_x16_swiglu(const float* x, int64_t M, int64_t K, const uint8_t* qw,
   x16_split(M, F / kX16, body);
 }
 
-// The x16 layout of a row-layout weight (see sl_repack_x16).
-void repack_x16(const uint8_t* qw, const float* d, const float* mn, int64_t N, int64_t K,
-                int bits, uint8_t* ow, float* od, float* om) {
-  const int64_t G = K / 32, gb = 4 * bits, chunks = bits;  // bytes per row group; 64-byte chunks
+// The x16 layout of a row-layout weight (see sl_repack_x16): scales and offsets [N, G] of
+// `ss` bytes each (4: float32, 2: float16, copied as they are).
+void repack_x16(const uint8_t* qw, const uint8_t* d, const uint8_t* mn, int64_t N, int64_t K,
+                int bits, int ss, uint8_t* out) {
+  const X16Fmt f{bits, mn != nullptr, ss == 2};
+  const int64_t G = K / 32, gb = 4 * bits, R = f.rec();  // bytes per row group; per record
   for (int64_t b = 0; b < N / kX16; ++b)
-    for (int64_t g = 0; g < G; ++g)
+    for (int64_t g = 0; g < G; ++g) {
+      uint8_t* rec = out + (b * G + g) * R;
       for (int r = 0; r < kX16; ++r) {
         const int64_t row = b * kX16 + r;
-        for (int c = 0; c < chunks; ++c)
-          std::memcpy(ow + ((b * G + g) * chunks + c) * 64 + 4 * r,
-                      qw + row * (K * bits / 8) + g * gb + 4 * c, 4);
-        od[(b * G + g) * kX16 + r] = d[row * G + g];
-        if (mn) om[(b * G + g) * kX16 + r] = mn[row * G + g];
+        for (int c = 0; c < bits; ++c)
+          std::memcpy(rec + c * 64 + 4 * r, qw + row * (K * bits / 8) + g * gb + 4 * c, 4);
+        std::memcpy(rec + f.codes() + ss * r, d + (row * G + g) * ss, ss);
+        if (mn) std::memcpy(rec + f.codes() + f.scales() + ss * r, mn + (row * G + g) * ss, ss);
       }
+    }
 }
 
 }  // namespace

@@ -7,17 +7,8 @@
 #include "elementwise.h"
 #include "qlinear_x16.h"
 
-// The C structs the Python side fills (_SlX16, _SlX16Layer in sloserve/kernels/_lib.py).
-// An x16 weight as the fused layer takes it: codes, scales, offsets (or null), bits, and its
-// shape [N, K] (N = 2F for a gate/up weight packed for the SwiGLU epilogue).
-struct SlX16 {
-  const uint8_t* qw;
-  const float* d;
-  const float* mn;
-  int64_t bits, N, K;
-};
-
-// A decoder layer's constant part for sl_x16_layer_tail: its output projection, post-attention
+// The C struct the Python side fills (_SlX16Layer in sloserve/kernels/_lib.py; its weights are
+// qlinear_x16.h's SlX16): a decoder layer's constant part for sl_x16_layer_tail: its output projection, post-attention
 // norm, gate/up (packed for the SwiGLU epilogue) and down weights; the next layer's input norm,
 // q/k/v weight and bias (ln1n null: the last layer); head counts and size, the norms' epsilon.
 struct SlX16Layer {
@@ -31,16 +22,6 @@ struct SlX16Layer {
 };
 
 namespace {
-
-inline void x16_product(const float* x, int64_t M, const SlX16& w, float* y, void* scratch) {
-  if (w.bits == 4) qlinear_x16<4>(x, M, w.K, w.qw, w.d, w.mn, w.N, y, scratch);
-  else qlinear_x16<8>(x, M, w.K, w.qw, w.d, w.mn, w.N, y, scratch);
-}
-
-inline void x16_swiglu(const float* x, int64_t M, const SlX16& w, float* y, void* scratch) {
-  if (w.bits == 4) qlinear_x16_swiglu<4>(x, M, w.K, w.qw, w.d, w.mn, w.N / 2, y, scratch);
-  else qlinear_x16_swiglu<8>(x, M, w.K, w.qw, w.d, w.mn, w.N / 2, y, scratch);
-}
 
 // h += delta; a = rmsnorm(h) * w, row by row (work-shared inside a region). [T, D] float32.
 inline void add_rms_norm_rows(float* h, const float* delta, const float* w, int64_t T,
@@ -72,13 +53,13 @@ void x16_layer_tail(const SlX16Layer* L, const float* o, int64_t T, float* h, fl
 #pragma omp parallel
 #endif
   {
-    x16_product(o, T, *L->wo, delta, scratch);
+    qlinear_x16(o, T, *L->wo, delta, scratch);
     add_rms_norm_rows(h, delta, L->ln2, T, d, L->eps, a);
-    x16_swiglu(a, T, *L->wgu, f, scratch);
-    x16_product(f, T, *L->wd, delta, scratch);
+    qlinear_x16_swiglu(a, T, *L->wgu, f, scratch);
+    qlinear_x16(f, T, *L->wd, delta, scratch);
     if (L->ln1n) {
       add_rms_norm_rows(h, delta, L->ln1n, T, d, L->eps, a);
-      x16_product(a, T, *L->wqkv, qkv, scratch);
+      qlinear_x16(a, T, *L->wqkv, qkv, scratch);
       const int64_t nq = L->wqkv->N, D = L->D, half = D / 2;
       auto row = [&](int64_t t) {
         float* r = qkv + t * nq;

@@ -45,12 +45,12 @@ class GGUFLinearMethod:
         return sum(w.nbytes for w in self.weights)
 
     def describe(self) -> str:
-        """The weights' formats as the products take them (e.g. ``x16:4b+mins:swiglu``, int8
-        or float32 activations): what decides this method's speed beside the shape."""
+        """The weights' formats as the products take them (e.g. ``x16:4b+mins+f16:swiglu``,
+        int8 or float32 activations): what decides this method's speed beside the shape."""
         def one(w) -> str:
-            kind = "x16" if isinstance(w, X16Weight) else f"g{w.group_size}"
-            return (f"{kind}:{w.bits}b{'+mins' if w.mins is not None else ''}"
-                    f"{':swiglu' if getattr(w, 'swiglu', False) else ''}")
+            if isinstance(w, X16Weight):
+                return w.format
+            return f"g{w.group_size}:{w.bits}b{'+mins' if w.has_mins else ''}"
         return ",".join(map(one, self.weights)) + (":i8" if self.int8_activations else ":f32")
 
     @property
