@@ -19,11 +19,14 @@ ones of a strictly larger priority value. SLO-aware deferral (``ttft_slo_s``, ``
 moves waiting requests whose estimated TTFT (:func:`sloserve.engine.admission.estimate_ttft_s`)
 exceeds the limit behind those that can meet it; none is dropped.
 
-Prefill pacing (chunked, on by default, off with ``ttft_slo_s``): in a step with decodes, prompts
-over ``long_prompt_tokens`` (4 % of max_model_len) share ``paced_prefill_tokens`` in queue order,
-the tokens that add about one decode step's time (set by the engine from its measured steps,
-:class:`sloserve.engine.admission.StepRates`), because on a CPU a decode step has no idle compute
-to hide a chunk in. With nothing decoding a long prompt takes the whole budget, except that short
+Prefill pacing (chunked, on by default, off with ``ttft_slo_s``): in a step with decodes, long
+prompts share ``paced_prefill_tokens``, the tokens that add about one decode step's time (set by
+the engine from its measured steps, :class:`sloserve.engine.admission.StepRates`), because on a
+CPU a decode step has no idle compute to hide a chunk in. A prompt is long when it has more than
+``long_prompt_tokens`` (4 % of max_model_len) or more than ``LONG_PROMPT_STEPS`` (2) times the
+paced tokens (its whole prefill would add more than two decode steps: a 128-token prompt at a 1B
+model's speed on 2 cores). The long prompts share the pace shortest rest first, a waiting one at
+the queue's front included, so a short prompt does not wait out a long one's prefill. With nothing decoding a long prompt takes the whole budget, except that short
 prompts pass it: while a long prompt prefills, the short prompts at the waiting queue's front that
 fit whole (a free seat, free blocks, no preemption) are admitted first and the long prompt is paced
 in that step as beside a decode, so a short request waits for the step in flight, not for the rest
@@ -434,41 +437,52 @@ class Scheduler:
                 budget -= 1 + len(spec)
 
         # prefill pacing: with decodes in this step, the long prompts share one paced chunk
-        # (in queue order: the first one running takes it, the others wait their turn)
+        # (the shortest rest first: the others wait their turn)
         pacing = chunked and cfg.enable_prefill_pacing and self.paced_prefill_tokens > 0
-        long_prompt = cfg.long_prompt_tokens
+        long_prompt = self._long_prompt_tokens(pacing)
         # short prompts pass a long one's prefill (module docstring, "Prefill pacing")
         if pacing and self.waiting and not out.preempted_request_ids and any(
                 r.request_id not in scheduled and r.num_prompt_tokens > long_prompt
                 and r.num_tokens_to_compute > 1 for r in self.running):
-            budget = self._admit_short_prompts(budget, out, scheduled, now)
+            budget = self._admit_short_prompts(budget, out, scheduled, now, long_prompt)
         pace = self.paced_prefill_tokens if pacing and scheduled else 0
         pace_left = pace
 
-        # 2. running requests part-way through their prefill (chunked, or a static batch)
+        # 2. running requests part-way through their prefill (chunked, or a static batch); the
+        # paced ones after the others, shortest rest first, and none whose rest is longer than
+        # the prompt of a waiting front request that can start now (it takes the pace in 3.)
+        paced_reqs = []
         for req in list(self.running):
             if budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING or req.request_id in scheduled:
+                continue
+            if pace and req.num_prompt_tokens > long_prompt:
+                paced_reqs.append(req)
                 continue
             n = req.num_tokens_to_compute
             if n > budget:
                 if not chunked:
                     continue
                 n = budget
-            n = min(n, cap)
-            paced = pace and req.num_prompt_tokens > long_prompt
-            if paced:
-                if pace_left <= 0:
-                    continue
-                n = min(n, pace_left)
+            ok, refund = self._allocate_or_preempt(req, min(n, cap), out, scheduled)
+            budget += refund
+            if ok:
+                scheduled[req.request_id] = min(n, cap)
+                budget -= min(n, cap)
+        front_rest = self._paced_front_rest(pace, long_prompt, out)
+        for req in sorted(paced_reqs, key=lambda r: r.num_tokens_to_compute):
+            if budget <= 0 or pace_left <= 0 or req.num_tokens_to_compute > front_rest:
+                break
+            if req.status is not RequestStatus.RUNNING or req.request_id in scheduled:
+                continue
+            n = min(req.num_tokens_to_compute, budget, cap, pace_left)
             ok, refund = self._allocate_or_preempt(req, n, out, scheduled)
             budget += refund
             if ok:
                 scheduled[req.request_id] = n
                 budget -= n
-                if paced:
-                    pace_left -= n
+                pace_left -= n
 
         # 3. admit waiting requests in queue order (not in a step that preempted: it would thrash)
         may_admit = not out.preempted_request_ids
@@ -526,12 +540,39 @@ class Scheduler:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
+    #: with pacing measured, a prompt is long (paced) when its whole prefill would add more
+    #: than this many decode steps' time to a step (paced_prefill_tokens is about one): a step
+    #: then stays within ~3 decode steps, the inter-token latency the decodes beside it see
+    LONG_PROMPT_STEPS = 2
+
+    def _long_prompt_tokens(self, pacing: bool) -> int:
+        """Prompts longer than this are paced: the configured ``long_prompt_tokens`` (a share of
+        max_model_len), or fewer where a prompt that long costs more than
+        ``LONG_PROMPT_STEPS`` decode steps here (a 128-token prompt took 0.47 s beside 30 ms
+        decode steps at the 1B shape on 2 cores)."""
+        n = self.config.long_prompt_tokens
+        return min(n, self.LONG_PROMPT_STEPS * self.paced_prefill_tokens) if pacing else n
+
+    def _paced_front_rest(self, pace: int, long_prompt: int, out: SchedulerOutput) -> float:
+        """The prompt tokens of the waiting queue's front request when it is a paced prompt
+        that step 3 can start now (pace this step, nothing preempted, a free seat, blocks for
+        the pace), else infinity: running paced prefills with a longer rest let it have the
+        pace (shortest rest first, so a short prompt does not wait out a long one)."""
+        if not pace or not self.waiting or out.preempted_request_ids \
+                or len(self.running) >= self.config.max_num_seqs:
+            return float("inf")
+        req = self.waiting.peek_request()
+        rest = req.num_tokens - req.num_computed_tokens
+        if req.num_prompt_tokens <= long_prompt or self._must_wait(req) \
+                or self.kv.num_blocks_needed(req.request_id, min(pace, rest)) > self.kv.num_free_blocks:
+            return float("inf")
+        return rest
+
     def _admit_short_prompts(self, budget: int, out: SchedulerOutput, scheduled: dict[str, int],
-                             now: float) -> int:
-        """Admit the prompts of at most ``long_prompt_tokens`` at the waiting queue's front that
+                             now: float, long_prompt: int) -> int:
+        """Admit the prompts of at most ``long_prompt`` tokens at the waiting queue's front that
         fit whole in ``budget`` with a free seat and free blocks (no preemption, no chunking),
         in queue order, stopping at the first that does not; returns the budget left."""
-        long_prompt = self.config.long_prompt_tokens
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek_request()
             if req.num_prompt_tokens > long_prompt or self._must_wait(req):

@@ -121,6 +121,43 @@ def test_long_prompts_share_one_paced_chunk_per_step_in_queue_order():
     check_kv_invariants(s)
 
 
+def test_a_prompt_costing_over_two_decode_steps_is_paced():
+    """Paced 6 tokens a step (about one decode step's time): a prompt of more than 2 x 6 tokens
+    would add more than two decode steps to its step, so a 14-token prompt (under the 16 of
+    long_prompt_tokens) is paced beside a decode; a 12-token one still goes whole."""
+    s = make_scheduler(budget=64, block_size=4)
+    s.paced_prefill_tokens = 6
+    assert s.config.long_prompt_tokens == 16
+    s.add_request(make_request("d", 3, max_tokens=20))
+    drive_step(s)
+    s.add_request(make_request("m", 14, max_tokens=2))
+    s.add_request(make_request("s", 12, max_tokens=2))
+    seen = [composition(drive_step(s)[0]) for _ in range(3)]
+    assert seen == [[("d", 3, 1), ("m", 0, 6), ("s", 0, 12)],
+                    [("d", 4, 1), ("s", 12, 1), ("m", 6, 6)],
+                    [("d", 5, 1), ("m", 12, 2)]]
+    check_kv_invariants(s)
+
+
+def test_a_shorter_paced_prompt_takes_the_pace_before_a_long_one():
+    """A 40-token prompt is paced beside a decode (6 a step); a 14-token prompt arriving then
+    (also paced) takes the pace first, shortest rest first, so it does not wait out the long
+    prefill; the long one gets what the short one leaves, then the whole pace again."""
+    s = make_scheduler(budget=64, block_size=4, num_blocks=128)
+    s.paced_prefill_tokens = 6
+    s.add_request(make_request("d", 3, max_tokens=60))
+    drive_step(s)
+    s.add_request(make_request("L", 40, max_tokens=1))
+    assert composition(drive_step(s)[0]) == [("d", 3, 1), ("L", 0, 6)]
+    s.add_request(make_request("m", 14, max_tokens=1))
+    steps = [composition(drive_step(s)[0]) for _ in range(4)]
+    prefills = [[c for c in step if c[0] in ("L", "m")] for step in steps]
+    assert prefills == [[("m", 0, 6)], [("m", 6, 6)], [("L", 6, 4), ("m", 12, 2)],
+                        [("L", 10, 6)]]
+    assert all(step[0][0] == "d" for step in steps)  # the decode runs in every step
+    check_kv_invariants(s)
+
+
 def test_short_prompts_pass_a_long_prefill():
     """Nothing decodes and a 200-token prompt prefills with the whole budget (64); a 12-token
     prompt arriving then starts in the next step, whole, and the long prompt advances by the paced
