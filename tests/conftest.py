@@ -13,6 +13,7 @@ tmp dir. All parameters are random -- including RMSNorm weights (U[0.5, 1.5]) an
 | tiny_qwen2_dir   | qwen2 | 64     | 2      | 4/2 GQA  | 16       | yes  | q/k/v bias                     |
 | tiny_mqa_dir     | llama | 64     | 2      | 4/1 MQA  | 16       | yes  |                                |
 | tiny_mha_dir     | llama | 64     | 2      | 4/4 MHA  | 32 (!)   | no   | head_dim != hidden/heads       |
+| tiny_mistral_dir | mistral | 64   | 2      | 4/2 GQA  | 16       | no   | MistralForCausalLM, theta 1e6, window 4096 > context |
 """
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ def make_tiny_checkpoint(folder: str, kind: str, tokenizer, seed: int = 0) -> st
     """Write a tiny random checkpoint of ``kind`` ("llama", "qwen2", "mqa", "mha") into ``folder``
     with transformers (``save_pretrained(safe_serialization=True)``) plus ``tokenizer``. Returns folder."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                              Qwen2Config, Qwen2ForCausalLM)
 
     common = dict(vocab_size=SMOLLM2_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=512, rms_norm_eps=1e-5,
@@ -77,6 +79,10 @@ def make_tiny_checkpoint(folder: str, kind: str, tokenizer, seed: int = 0) -> st
     elif kind == "qwen2":
         cfg = Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1000000.0)
         cls = Qwen2ForCausalLM
+    elif kind == "mistral":
+        cfg = MistralConfig(**common, num_key_value_heads=2, tie_word_embeddings=False,
+                            rope_theta=1000000.0, sliding_window=4096)
+        cls = MistralForCausalLM
     elif kind == "mqa":
         cfg = LlamaConfig(**common, num_key_value_heads=1, tie_word_embeddings=True)
         cls = LlamaForCausalLM
@@ -112,6 +118,12 @@ def tiny_llama_dir(tmp_path_factory, smollm2_hf_tokenizer) -> str:
 def tiny_qwen2_dir(tmp_path_factory, smollm2_hf_tokenizer) -> str:
     """Folder: tiny Qwen2, GQA 4/2, q/k/v bias, tied embeddings."""
     return _tiny(tmp_path_factory, "qwen2", smollm2_hf_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory, smollm2_hf_tokenizer) -> str:
+    """Folder: tiny Mistral (MistralForCausalLM), GQA 4/2, untied, a 4096-token window."""
+    return _tiny(tmp_path_factory, "mistral", smollm2_hf_tokenizer)
 
 
 @pytest.fixture(scope="session")

@@ -446,43 +446,30 @@ class Scheduler:
                 and r.num_tokens_to_compute > 1 for r in self.running):
             budget = self._admit_short_prompts(budget, out, scheduled, now, long_prompt)
         pace = self.paced_prefill_tokens if pacing and scheduled else 0
-        pace_left = pace
+        grants = self._pace_grants(pace, long_prompt, out, scheduled)
 
-        # 2. running requests part-way through their prefill (chunked, or a static batch); the
-        # paced ones after the others, shortest rest first, and none whose rest is longer than
-        # the prompt of a waiting front request that can start now (it takes the pace in 3.)
-        paced_reqs = []
+        # 2. running requests part-way through their prefill (chunked, or a static batch); a
+        # paced one takes its grant, if any
         for req in list(self.running):
             if budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING or req.request_id in scheduled:
-                continue
-            if pace and req.num_prompt_tokens > long_prompt:
-                paced_reqs.append(req)
                 continue
             n = req.num_tokens_to_compute
             if n > budget:
                 if not chunked:
                     continue
                 n = budget
-            ok, refund = self._allocate_or_preempt(req, min(n, cap), out, scheduled)
-            budget += refund
-            if ok:
-                scheduled[req.request_id] = min(n, cap)
-                budget -= min(n, cap)
-        front_rest = self._paced_front_rest(pace, long_prompt, out)
-        for req in sorted(paced_reqs, key=lambda r: r.num_tokens_to_compute):
-            if budget <= 0 or pace_left <= 0 or req.num_tokens_to_compute > front_rest:
-                break
-            if req.status is not RequestStatus.RUNNING or req.request_id in scheduled:
-                continue
-            n = min(req.num_tokens_to_compute, budget, cap, pace_left)
+            n = min(n, cap)
+            if pace and req.num_prompt_tokens > long_prompt:
+                n = min(n, grants.get(req.request_id, 0))
+                if n <= 0:
+                    continue
             ok, refund = self._allocate_or_preempt(req, n, out, scheduled)
             budget += refund
             if ok:
                 scheduled[req.request_id] = n
                 budget -= n
-                pace_left -= n
 
         # 3. admit waiting requests in queue order (not in a step that preempted: it would thrash)
         may_admit = not out.preempted_request_ids
@@ -509,12 +496,11 @@ class Scheduler:
                     break  # head-of-line: the whole prompt must fit
                 n = budget
             n = min(n, cap)
-            paced = pace and req.num_prompt_tokens > long_prompt
-            if paced:
-                if pace_left <= 0:  # the step's paced tokens are spent: shorter prompts may pass
+            if pace and req.num_prompt_tokens > long_prompt:
+                if not grants.get(req.request_id):  # no paced tokens for it: others may pass
                     held.append(self.waiting.pop_request())
                     continue
-                n = min(n, pace_left)
+                n = min(n, grants[req.request_id])
             if not self.kv.allocate_slots(req.request_id, start + n, hit_blocks):
                 refund = self._preempt_for(req, out, scheduled)
                 if refund is None:
@@ -524,8 +510,6 @@ class Scheduler:
             self._start(req, start, n_hit, now)
             scheduled[req.request_id] = n
             budget -= n
-            if paced:
-                pace_left -= n
 
         if held:
             self.waiting.prepend_requests(held)
@@ -553,20 +537,43 @@ class Scheduler:
         n = self.config.long_prompt_tokens
         return min(n, self.LONG_PROMPT_STEPS * self.paced_prefill_tokens) if pacing else n
 
-    def _paced_front_rest(self, pace: int, long_prompt: int, out: SchedulerOutput) -> float:
-        """The prompt tokens of the waiting queue's front request when it is a paced prompt
-        that step 3 can start now (pace this step, nothing preempted, a free seat, blocks for
-        the pace), else infinity: running paced prefills with a longer rest let it have the
-        pace (shortest rest first, so a short prompt does not wait out a long one)."""
-        if not pace or not self.waiting or out.preempted_request_ids \
-                or len(self.running) >= self.config.max_num_seqs:
-            return float("inf")
-        req = self.waiting.peek_request()
-        rest = req.num_tokens - req.num_computed_tokens
-        if req.num_prompt_tokens <= long_prompt or self._must_wait(req) \
-                or self.kv.num_blocks_needed(req.request_id, min(pace, rest)) > self.kv.num_free_blocks:
-            return float("inf")
-        return rest
+    #: waiting requests looked at for this step's paced tokens (see _pace_grants)
+    PACE_LOOKAHEAD = 64
+
+    def _pace_grants(self, pace: int, long_prompt: int, out: SchedulerOutput,
+                     scheduled: dict[str, int]) -> dict[str, int]:
+        """This step's ``pace`` paced tokens, request id -> tokens: the long prompts part-way
+        through their prefill and the waiting ones step 3 can start now (in the first
+        ``PACE_LOOKAHEAD`` of the queue, of its front's priority, not held back, a seat and
+        blocks for their share, nothing preempted this step), shortest rest first, so a short
+        prompt does not wait out a long one's prefill."""
+        if not pace:
+            return {}
+        cands = [(r.num_tokens_to_compute, 0, i, r) for i, r in enumerate(self.running)
+                 if r.status is RequestStatus.RUNNING and r.request_id not in scheduled
+                 and r.num_prompt_tokens > long_prompt]
+        if self.waiting and not out.preempted_request_ids:
+            prio = self.waiting.peek_request().priority
+            for i, r in enumerate(self.waiting):
+                if i >= self.PACE_LOOKAHEAD or r.priority != prio:
+                    break
+                if r.num_prompt_tokens > long_prompt and not self._must_wait(r):
+                    cands.append((r.num_tokens - r.num_computed_tokens, 1, i, r))
+        seats = self.config.max_num_seqs - len(self.running)
+        free = self.kv.num_free_blocks
+        grants, left = {}, pace
+        for rest, waiting, _, r in sorted(cands, key=lambda c: c[:3]):
+            if left <= 0:
+                break
+            n = min(rest, left)
+            if waiting:
+                need = self.kv.num_blocks_needed(r.request_id, n)
+                if seats <= 0 or need > free:
+                    continue
+                seats, free = seats - 1, free - need
+            grants[r.request_id] = n
+            left -= n
+        return grants
 
     def _admit_short_prompts(self, budget: int, out: SchedulerOutput, scheduled: dict[str, int],
                              now: float, long_prompt: int) -> int:

@@ -127,6 +127,14 @@ class ModelConfig:
         if not isinstance(n_heads, int) or not isinstance(cfg["hidden_size"], int) or n_heads < 1:
             raise ValueError(f"model config: hidden_size and num_attention_heads must be positive "
                              f"integers, got {cfg['hidden_size']!r} and {n_heads!r}")
+        # a sliding attention window (Mistral v0.1's 4096; Qwen2 with use_sliding_window) is not
+        # served: the context stops at the window, where full attention equals it
+        window = cfg.get("sliding_window")
+        if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+            window = None
+        context = cfg.get("max_position_embeddings", 4096)
+        if isinstance(window, int) and not isinstance(window, bool) and 0 < window < context:
+            context = window
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -139,7 +147,7 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta or 10000.0),
             rope_scaling=rope_scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=context,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),

@@ -224,34 +224,44 @@ def last_level_cache_bytes() -> int:
     return best
 
 
-def _read_bandwidth(repeats: int) -> tuple[float | None, str]:
-    """Attainable read bandwidth as a decode step reads its weights: every torch thread, wide
-    vector loads (a reduction over int64, which torch vectorizes), a buffer of at least 1 GiB
-    and 8x the last-level cache so nothing of it is cached; best of ``repeats`` after one
-    pass that pages it in. (A one-thread copy reads ~0.7x of it on a Zen 4 host: a decode step
-    then showed "149 %".) Returns (bytes/s, how) or (None, why) without torch."""
-    try:
+class ReadProbe:
+    """The read-bandwidth probe, kept for repeated passes: every torch thread summing (wide
+    vector loads: torch vectorizes an int64 reduction) a buffer of at least 1 GiB and 8x the
+    last-level cache, so nothing of it is cached, as a decode step reads its weights. (A
+    one-thread copy reads ~0.7x of it on a Zen 4 host: a decode step then showed "149 %".)"""
+
+    def __init__(self):
         import torch
+        llc = last_level_cache_bytes()
+        nbytes = max(2**30, 8 * llc)
+        try:
+            mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            nbytes = min(nbytes, max(mem // 4, 256 * 2**20))
+        except (ValueError, OSError, AttributeError):
+            pass
+        self.buf = torch.ones(nbytes // 8, dtype=torch.int64)
+        self.buf.sum()  # pages it in
+        self.nbytes = nbytes // 8 * 8
+        self.how = (f"torch int64 sum over {nbytes / 2**30:.2f} GiB ({torch.get_num_threads()} "
+                    f"threads, last-level cache {llc / 2**20:.0f} MiB)")
+
+    def once(self) -> float:
+        """One pass: bytes/s."""
+        t0 = time.perf_counter()
+        self.buf.sum()
+        return self.nbytes / (time.perf_counter() - t0)
+
+
+def _read_bandwidth(repeats: int) -> tuple[float | None, str]:
+    """Attainable read bandwidth: the best of ``repeats`` (at least 3) :class:`ReadProbe` passes.
+    Returns (bytes/s, how) or (None, why) without torch."""
+    try:
+        probe = ReadProbe()
     except ImportError:
         return None, "no torch"
-    llc = last_level_cache_bytes()
-    nbytes = max(2**30, 8 * llc)
-    try:
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        nbytes = min(nbytes, max(mem // 4, 256 * 2**20))
-    except (ValueError, OSError, AttributeError):
-        pass
-    buf = torch.ones(nbytes // 8, dtype=torch.int64)
-    buf.sum()
-    best = float("inf")
-    for _ in range(max(repeats, 3)):
-        t0 = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - t0)
-    del buf
-    return (nbytes // 8 * 8 / best,
-            f"torch int64 sum over {nbytes / 2**30:.2f} GiB ({torch.get_num_threads()} threads, "
-            f"last-level cache {llc / 2**20:.0f} MiB) x{max(repeats, 3)}")
+    n = max(repeats, 3)
+    best = max(probe.once() for _ in range(n))
+    return best, f"{probe.how} x{n}"
 
 
 def _matmul_peaks(n: int, repeats: int) -> dict[str, float]:

@@ -27,7 +27,10 @@ those of the format the step is actually served in (:func:`served_format`):
   the fused path runs it on the kernels' AMX GEMM (at most ``amx_max_tokens`` tokens: "AMX GEMM"
   in the table; the roof stays torch's matmul peak, the higher bar on the machines measured).
 
-Bound time = ``max(FLOP / peak, bytes / bandwidth)``. Achieved FLOP/s = FLOP / measured, achieved
+Bound time = ``max(FLOP / peak, bytes / bandwidth)``. The roof's bandwidth is the best probe pass
+at start-up (:class:`~sloserve.roofline.hardware.ReadProbe`); a shared host's varies from minute
+to minute, so each decode point is also set against the probe's median just before and after
+its steps (``bandwidth_at``, ``efficiency_at``; a note lists them). Achieved FLOP/s = FLOP / measured, achieved
 bytes/s = bytes / measured, efficiency = bound / measured (1 = on the roof).
 
 This module imports torch and the engine; :mod:`sloserve.roofline` does not: ``sloserve roofline``
@@ -45,7 +48,7 @@ import torch
 
 from sloserve.config import ROOFLINE_DTYPE_OF, EngineConfig
 from sloserve.engine.llm_engine import LLMEngine
-from sloserve.roofline.hardware import Hardware
+from sloserve.roofline.hardware import Hardware, ReadProbe, last_level_cache_bytes
 from sloserve.roofline.models import ModelSpec
 from sloserve.roofline.ops import Workload, operator_costs
 from sloserve.roofline.roofline import roofline_point
@@ -56,6 +59,8 @@ DECODE_BATCHES = (1, 4, 16, 64)
 #: prefill points of --measure (tokens; 512 is the default step budget)
 PREFILL_CHUNKS = (64, 256, 512, 1024)
 CONTEXT_LEN = 256
+#: read-bandwidth probe passes before and after each decode point's steps
+PROBE_PASSES = 3
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,11 @@ class MeasuredPoint:
     contexts: list[int] = field(default_factory=list)
     format: str = ""     # the weight format and math served (see served_format)
     peak: float = 0.0    # FLOP/s of that math
+    #: decode: the read bandwidth measured around the point's steps (median of ReadProbe
+    #: passes just before and after them; the roof's is the best pass at start-up), and the
+    #: efficiency against it (0: not measured)
+    bandwidth_at: float = 0.0
+    efficiency_at: float = 0.0
 
     @property
     def label(self) -> str:
@@ -248,11 +258,19 @@ def measure(config: EngineConfig, spec: ModelSpec, hw: Hardware, *,
         str(eng.runner.kv_caches[0].dtype).removeprefix("torch."), dt)
     peaks: dict = {}
     points: list[MeasuredPoint] = []
+    probe = ReadProbe() if decode_batches else None
     for b in decode_batches:
+        around = [probe.once() for _ in range(PROBE_PASSES)]
         steps = time_decode_steps(eng, b, context_len, warmup, repeats)
+        around += [probe.once() for _ in range(PROBE_PASSES)]
         t, ctx = [x.forward_s for x in steps], [x.context for x in steps]
-        points.append(theory(spec, Workload("decode", b, context_len, dt, dt, kv_dt), hw, peak_dtype,
-                             statistics.median(t), t, ctx, served_format(eng, b, peaks)))
+        p = theory(spec, Workload("decode", b, context_len, dt, dt, kv_dt), hw, peak_dtype,
+                   statistics.median(t), t, ctx, served_format(eng, b, peaks))
+        bw_at = statistics.median(around)
+        bound_at = max(p.flops / p.peak if p.peak else 0.0, p.bytes / bw_at)
+        points.append(dataclasses.replace(p, bandwidth_at=bw_at,
+                                          efficiency_at=bound_at / p.measured_s))
+    del probe
     for n in prefill_chunks:
         t = [x.forward_s for x in time_prefill_steps(eng, n, prefill_warmup, prefill_repeats)]
         points.append(theory(spec, Workload("prefill", 1, n, dt, dt, kv_dt), hw, peak_dtype,
@@ -264,7 +282,13 @@ def measure(config: EngineConfig, spec: ModelSpec, hw: Hardware, *,
     notes.append(f"decode: timed steps at contexts {context_len - (repeats - 1) // 2}.."
                  f"{context_len + repeats // 2}, theory at {context_len}; prefill: batch 1, "
                  f"one step per chunk, median of {prefill_repeats} after {prefill_warmup} warm-up")
-    from sloserve.roofline.hardware import last_level_cache_bytes
+    at = [p for p in points if p.bandwidth_at]
+    if at:
+        notes.append("decode against the read bandwidth measured around each point (median of "
+                     f"{PROBE_PASSES} probe passes before and {PROBE_PASSES} after its steps; the "
+                     "roof's is the best pass at start-up, and this host's varies from minute to "
+                     "minute): " + ", ".join(f"{p.label} {fmt_bandwidth(p.bandwidth_at)} -> "
+                                              f"{100 * p.efficiency_at:.1f} %" for p in at))
     llc = last_level_cache_bytes()
     resident = [p.label for p in points if p.efficiency > 1 and p.bytes <= 2 * llc]
     over = [p.label for p in points if p.efficiency > 1 and p.bytes > 2 * llc]

@@ -158,6 +158,25 @@ def test_a_shorter_paced_prompt_takes_the_pace_before_a_long_one():
     check_kv_invariants(s)
 
 
+def test_a_paced_prompt_behind_a_waiting_long_one_is_not_starved():
+    """A 40-token prompt prefills paced beside a decode; a 60-token prompt then waits at the
+    queue's front with a 14-token one behind it: the 14-token one (the shortest rest, waiting
+    or running) takes the pace and starts; the 60-token one keeps its place at the front."""
+    s = make_scheduler(budget=64, block_size=4, num_blocks=128)
+    s.paced_prefill_tokens = 6
+    s.add_request(make_request("d", 3, max_tokens=60))
+    drive_step(s)
+    s.add_request(make_request("L", 40, max_tokens=1))
+    assert composition(drive_step(s)[0]) == [("d", 3, 1), ("L", 0, 6)]
+    s.add_request(make_request("W", 60, max_tokens=1))
+    s.add_request(make_request("m", 14, max_tokens=1))
+    steps = [composition(drive_step(s)[0]) for _ in range(3)]
+    assert [[c for c in step if c[0] != "d"] for step in steps] == \
+        [[("m", 0, 6)], [("m", 6, 6)], [("L", 6, 4), ("m", 12, 2)]]
+    assert [r.request_id for r in s.waiting] == ["W"]
+    check_kv_invariants(s)
+
+
 def test_short_prompts_pass_a_long_prefill():
     """Nothing decodes and a 200-token prompt prefills with the whole budget (64); a 12-token
     prompt arriving then starts in the next step, whole, and the long prompt advances by the paced

@@ -80,7 +80,8 @@ def _check(path, hf_model, tokenizer):
     assert ours_greedy(path, ids, 32) == hf_greedy(hf_model, ids, 32)
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_mqa_dir", "tiny_mha_dir"])
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_mistral_dir",
+                                     "tiny_mqa_dir", "tiny_mha_dir"])
 def test_tiny_checkpoint_parity(fixture, request, smollm2_hf_tokenizer):
     from transformers import AutoModelForCausalLM
     path = request.getfixturevalue(fixture)

@@ -53,7 +53,14 @@ def test_measure_structure_and_exact_ratios(tiny_dir, local_hw):
         assert p.efficiency == p.bound_s / p.measured_s
         assert p.achieved_flops_per_s == p.flops / p.measured_s
         assert p.achieved_bytes_per_s == p.bytes / p.measured_s
+        if p.phase == "decode":  # also set against the probe's reading around the point
+            assert p.bandwidth_at > 0 and p.efficiency_at == max(
+                p.flops / p.peak, p.bytes / p.bandwidth_at) / p.measured_s
+        else:
+            assert p.bandwidth_at == p.efficiency_at == 0
     assert m.points[0].contexts == [23, 24, 25]  # centred on the stated context
+    assert any(n.startswith("decode against the read bandwidth measured around each point")
+               and "decode B=3" in n for n in m.notes)
     d = m.to_dict()
     assert json.loads(json.dumps(d))["points"][1]["label"] == "decode B=3"
 
