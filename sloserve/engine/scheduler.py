@@ -25,12 +25,14 @@ the engine from its measured steps, :class:`sloserve.engine.admission.StepRates`
 CPU a decode step has no idle compute to hide a chunk in. A prompt is long when it has more than
 ``long_prompt_tokens`` (4 % of max_model_len) or more than ``LONG_PROMPT_STEPS`` (2) times the
 paced tokens (its whole prefill would add more than two decode steps: a 128-token prompt at a 1B
-model's speed on 2 cores). The long prompts share the pace shortest rest first, a waiting one at
-the queue's front included, so a short prompt does not wait out a long one's prefill. With nothing decoding a long prompt takes the whole budget, except that short
-prompts pass it: while a long prompt prefills, the short prompts at the waiting queue's front that
-fit whole (a free seat, free blocks, no preemption) are admitted first and the long prompt is paced
-in that step as beside a decode, so a short request waits for the step in flight, not for the rest
-of the long prompt (vLLM's partial prefills let short prompts pass long ones the same way).
+model's speed on 2 cores). The long prompts share the pace shortest rest first, the waiting ones
+that can start now included, so a short prompt does not wait out a long one's prefill. With
+nothing decoding a long prompt takes the whole budget, except that short prompts pass it: while a
+long prompt prefills, the prompts at the waiting queue's front that fit whole (a free seat, free
+blocks, no preemption) and are short (at most ``long_prompt_tokens`` in a step nothing decodes
+in, else short enough to go whole beside decodes) are admitted first and the long prompt is paced
+in that step as beside a decode, so a short request waits for the step in flight, not for the
+rest of the long prompt (vLLM's partial prefills let short prompts pass long ones the same way).
 
 Structured outputs: the scheduler owns the injected structured-output manager, as vLLM's does. A
 request whose grammar still compiles waits, one whose grammar failed is finished (``abort``, as
@@ -440,11 +442,14 @@ class Scheduler:
         # (the shortest rest first: the others wait their turn)
         pacing = chunked and cfg.enable_prefill_pacing and self.paced_prefill_tokens > 0
         long_prompt = self._long_prompt_tokens(pacing)
-        # short prompts pass a long one's prefill (module docstring, "Prefill pacing")
+        # short prompts pass a long one's prefill (module docstring, "Prefill pacing"): whole
+        # up to the configured length in a step nothing decodes in, else only those short
+        # enough to go whole beside decodes
         if pacing and self.waiting and not out.preempted_request_ids and any(
                 r.request_id not in scheduled and r.num_prompt_tokens > long_prompt
                 and r.num_tokens_to_compute > 1 for r in self.running):
-            budget = self._admit_short_prompts(budget, out, scheduled, now, long_prompt)
+            budget = self._admit_short_prompts(budget, out, scheduled, now,
+                                               long_prompt if scheduled else cfg.long_prompt_tokens)
         pace = self.paced_prefill_tokens if pacing and scheduled else 0
         grants = self._pace_grants(pace, long_prompt, out, scheduled)
 

@@ -197,6 +197,15 @@ def test_short_prompts_pass_a_long_prefill():
     assert seen == [[("L", 64, 6), ("s", 0, 12)], [("s", 12, 1), ("L", 70, 6)]]
     check_kv_invariants(s)
 
+    # a 14-token prompt would be paced beside a decode (over 2 x 6) but goes whole when
+    # nothing decodes; one arriving beside a decode gets the paced tokens (shorter rest)
+    s = with_long_running(6)
+    s.add_request(make_request("m", 14, max_tokens=20))
+    assert composition(drive_step(s)[0]) == [("L", 64, 6), ("m", 0, 14)]
+    s.add_request(make_request("m2", 14, max_tokens=20))
+    assert composition(drive_step(s)[0]) == [("m", 14, 1), ("m2", 0, 6)]
+    check_kv_invariants(s)
+
     s = with_long_running(6)
     s.add_request(make_request("L2", 40, max_tokens=2))
     s.add_request(make_request("s", 12, max_tokens=20))
