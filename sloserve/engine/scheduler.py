@@ -28,8 +28,8 @@ paced tokens (its whole prefill would add more than two decode steps: a 128-toke
 model's speed on 2 cores). The long prompts share the pace shortest rest first, the waiting ones
 that can start now included, so a short prompt does not wait out a long one's prefill. With
 nothing decoding a long prompt takes the whole budget, except that short prompts pass it: while a
-long prompt prefills, the prompts at the waiting queue's front that fit whole (a free seat, free
-blocks, no preemption) and are short (at most ``long_prompt_tokens`` in a step nothing decodes
+long prompt prefills, the prompts near the waiting queue's front that fit whole (a free seat,
+free blocks, no preemption; waiting long prompts keep their places) and are short (at most ``long_prompt_tokens`` in a step nothing decodes
 in, else short enough to go whole beside decodes) are admitted first and the long prompt is paced
 in that step as beside a decode, so a short request waits for the step in flight, not for the
 rest of the long prompt (vLLM's partial prefills let short prompts pass long ones the same way).
@@ -582,13 +582,19 @@ class Scheduler:
 
     def _admit_short_prompts(self, budget: int, out: SchedulerOutput, scheduled: dict[str, int],
                              now: float, long_prompt: int) -> int:
-        """Admit the prompts of at most ``long_prompt`` tokens at the waiting queue's front that
-        fit whole in ``budget`` with a free seat and free blocks (no preemption, no chunking),
-        in queue order, stopping at the first that does not; returns the budget left."""
+        """Admit the prompts of at most ``long_prompt`` tokens near the waiting queue's front
+        (of its front's priority; the longer ones there keep their places) that fit whole in
+        ``budget`` with a free seat and free blocks (no preemption, no chunking), in queue
+        order, stopping at the first that does not; returns the budget left."""
+        held: list[Request] = []
+        prio = self.waiting.peek_request().priority if self.waiting else 0
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek_request()
-            if req.num_prompt_tokens > long_prompt or self._must_wait(req):
+            if req.priority != prio or self._must_wait(req):
                 break
+            if req.num_prompt_tokens > long_prompt:
+                held.append(self.waiting.pop_request())
+                continue
             hit_blocks, n_hit, start = self._start_point(req)
             n = req.num_tokens - start
             if n > budget or not self.kv.allocate_slots(req.request_id, start + n, hit_blocks):
@@ -596,6 +602,8 @@ class Scheduler:
             self._start(req, start, n_hit, now)
             scheduled[req.request_id] = n
             budget -= n
+        if held:
+            self.waiting.prepend_requests(held)
         return budget
 
     def _start_point(self, req: Request) -> tuple[list, int, int]:

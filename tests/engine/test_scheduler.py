@@ -180,9 +180,9 @@ def test_a_paced_prompt_behind_a_waiting_long_one_is_not_starved():
 def test_short_prompts_pass_a_long_prefill():
     """Nothing decodes and a 200-token prompt prefills with the whole budget (64); a 12-token
     prompt arriving then starts in the next step, whole, and the long prompt advances by the paced
-    6 tokens beside it; then beside its decode. A long prompt at the queue's front is not passed
-    (queue order holds among waiting prompts); pacing off or unmeasured: the long prompt keeps the
-    budget and the short one waits for it."""
+    6 tokens beside it; then beside its decode. A long prompt waiting at the queue's front is
+    passed; pacing off or unmeasured: the long prompt keeps the budget and the
+    short one waits for it."""
     def with_long_running(pace: int, enable: bool = True) -> Scheduler:
         s = make_scheduler(budget=64, block_size=4, num_blocks=128)
         s.config.enable_prefill_pacing = enable
@@ -206,11 +206,15 @@ def test_short_prompts_pass_a_long_prefill():
     assert composition(drive_step(s)[0]) == [("m", 14, 1), ("m2", 0, 6)]
     check_kv_invariants(s)
 
+    # the short one behind a waiting long prompt passes it (it waited out the running long
+    # prompt's prefill before: 10 s at the 1B shape); the waiting 40-token prompt, shorter than
+    # the running one's 136 left, then takes the paced tokens
     s = with_long_running(6)
     s.add_request(make_request("L2", 40, max_tokens=2))
     s.add_request(make_request("s", 12, max_tokens=20))
-    assert composition(drive_step(s)[0]) == [("L", 64, 64)]
-    assert [r.request_id for r in s.waiting] == ["L2", "s"]
+    assert composition(drive_step(s)[0]) == [("s", 0, 12), ("L2", 0, 6)]
+    assert not s.waiting
+    check_kv_invariants(s)
 
     for off in (with_long_running(6, enable=False), with_long_running(0)):
         off.add_request(make_request("s", 12, max_tokens=20))
