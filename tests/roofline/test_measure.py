@@ -134,7 +134,8 @@ def _fake_model(policy, quant_method, dtype):
 
 def test_quantized_steps_count_the_served_bytes_and_kernel_peak(tiny_dir, local_hw):
     """A step on quantized weights counts their stored bytes (not the dense dtype's) and the
-    kernel's int8-dot peak; a step above the crossover stays dense."""
+    kernel's int8-dot peak, the best of the largest step's row count and its own (each
+    measured once); a step above the crossover stays dense."""
     import types
     from sloserve.tools import roofline_measure as mm
     spec = get_model(tiny_dir)
@@ -146,12 +147,16 @@ def test_quantized_steps_count_the_served_bytes_and_kernel_peak(tiny_dir, local_
     eng = types.SimpleNamespace(runner=types.SimpleNamespace(model=model))
     calls = []
     orig = mm.kernel_peak
-    mm.kernel_peak = lambda f, m: calls.append(m) or 7e11
+    measured = {4: 7e11, 3: 8e11, 1: 1e11}
+    mm.kernel_peak = lambda f, m: calls.append(m) or measured[m]
     try:
         peaks: dict = {}
-        q = mm.served_format(eng, 3, peaks)
+        q3 = mm.served_format(eng, 3, peaks)
+        assert q3.peak == 8e11  # its own row count ran faster than the largest step's
         assert mm.served_format(eng, 5, peaks) is None
-        assert mm.served_format(eng, 1, peaks) == q and calls == [4]  # measured once
+        q = mm.served_format(eng, 1, peaks)
+        assert mm.served_format(eng, 3, peaks) == q3
+        assert sorted(calls) == [1, 3, 4]  # each row count measured once
     finally:
         mm.kernel_peak = orig
     assert q.weight_bytes == 12_345 and q.peak == 7e11 and "int8" in q.name
