@@ -278,10 +278,12 @@ def measure(config: EngineConfig, spec: ModelSpec, hw: Hardware, *,
         t = [x.forward_s for x in time_prefill_steps(eng, n, prefill_warmup, prefill_repeats)]
         points.append(theory(spec, Workload("prefill", 1, n, dt, dt, kv_dt), hw, peak_dtype,
                              statistics.median(t), t, served=served_format(eng, n, peaks)))
-    for m_tok, pk in peaks.items():
+    if peaks:
         notes.append(f"quantized steps: weights {fmt_bytes(eng.runner.model.quantized_weight_bytes)} per step "
-                     f"as stored; int8-dot peak {fmt_flops_rate(pk)} measured on the engine's own "
-                     f"kernel ({m_tok} rows, cache-resident weight)")
+                     f"as stored; int8-dot peak measured on the engine's own kernel (cache-resident "
+                     f"weight; a point's bound takes the best of the largest step's rows and its "
+                     f"own): " + ", ".join(f"{fmt_flops_rate(pk)} at {m_tok} rows"
+                                           for m_tok, pk in sorted(peaks.items())))
     notes.append(f"decode: timed steps at contexts {context_len - (repeats - 1) // 2}.."
                  f"{context_len + repeats // 2}, theory at {context_len}; prefill: batch 1, "
                  f"one step per chunk, median of {prefill_repeats} after {prefill_warmup} warm-up")
