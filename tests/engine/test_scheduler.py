@@ -121,15 +121,22 @@ def test_long_prompts_share_one_paced_chunk_per_step_in_queue_order():
     check_kv_invariants(s)
 
 
+def _one_decoding(pace: int, decode_tokens: int = 20, **kw) -> Scheduler:
+    """A scheduler (budget 64, blocks of 4) with ``pace`` paced tokens and one request "d" (3
+    prompt tokens) past its prefill, decoding."""
+    s = make_scheduler(budget=64, block_size=4, **kw)
+    s.paced_prefill_tokens = pace
+    s.add_request(make_request("d", 3, max_tokens=decode_tokens))
+    drive_step(s)
+    return s
+
+
 def test_a_prompt_costing_over_two_decode_steps_is_paced():
     """Paced 6 tokens a step (about one decode step's time): a prompt of more than 2 x 6 tokens
     would add more than two decode steps to its step, so a 14-token prompt (under the 16 of
     long_prompt_tokens) is paced beside a decode; a 12-token one still goes whole."""
-    s = make_scheduler(budget=64, block_size=4)
-    s.paced_prefill_tokens = 6
+    s = _one_decoding(6)
     assert s.config.long_prompt_tokens == 16
-    s.add_request(make_request("d", 3, max_tokens=20))
-    drive_step(s)
     s.add_request(make_request("m", 14, max_tokens=2))
     s.add_request(make_request("s", 12, max_tokens=2))
     seen = [composition(drive_step(s)[0]) for _ in range(3)]
@@ -143,10 +150,7 @@ def test_a_shorter_paced_prompt_takes_the_pace_before_a_long_one():
     """A 40-token prompt is paced beside a decode (6 a step); a 14-token prompt arriving then
     (also paced) takes the pace first, shortest rest first, so it does not wait out the long
     prefill; the long one gets what the short one leaves, then the whole pace again."""
-    s = make_scheduler(budget=64, block_size=4, num_blocks=128)
-    s.paced_prefill_tokens = 6
-    s.add_request(make_request("d", 3, max_tokens=60))
-    drive_step(s)
+    s = _one_decoding(6, 60, num_blocks=128)
     s.add_request(make_request("L", 40, max_tokens=1))
     assert composition(drive_step(s)[0]) == [("d", 3, 1), ("L", 0, 6)]
     s.add_request(make_request("m", 14, max_tokens=1))
@@ -162,10 +166,7 @@ def test_a_paced_prompt_behind_a_waiting_long_one_is_not_starved():
     """A 40-token prompt prefills paced beside a decode; a 60-token prompt then waits at the
     queue's front with a 14-token one behind it: the 14-token one (the shortest rest, waiting
     or running) takes the pace and starts; the 60-token one keeps its place at the front."""
-    s = make_scheduler(budget=64, block_size=4, num_blocks=128)
-    s.paced_prefill_tokens = 6
-    s.add_request(make_request("d", 3, max_tokens=60))
-    drive_step(s)
+    s = _one_decoding(6, 60, num_blocks=128)
     s.add_request(make_request("L", 40, max_tokens=1))
     assert composition(drive_step(s)[0]) == [("d", 3, 1), ("L", 0, 6)]
     s.add_request(make_request("W", 60, max_tokens=1))

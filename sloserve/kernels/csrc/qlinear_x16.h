@@ -217,6 +217,13 @@ inline void x16_tile8(const ActQ& a, const int32_t* isum, int64_t K, const uint8
 
 // ------------------------------------------------------------------ AVX2
 #if SL_ISA == 1
+// one group's 8 lanes into the accumulator: the integer sums dp times the scales dv and the
+// activations' scale dx, plus the offsets mv times the activations' group sum s (mn: it has them)
+inline __m256 x16_acc8(__m256 acc, __m256i dp, __m256 dv, __m256 mv, float dx, float s, bool mn) {
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp), _mm256_mul_ps(dv, _mm256_set1_ps(dx)), acc);
+  return mn ? _mm256_fmadd_ps(mv, _mm256_set1_ps(s), acc) : acc;
+}
+
 template <int MC>
 inline void x16_tile(const ActQ& a, int64_t K, const uint8_t* w, const X16Fmt& f, int64_t G,
                      float* y, int64_t N) {
@@ -245,10 +252,8 @@ inline void x16_tile(const ActQ& a, int64_t K, const uint8_t* w, const X16Fmt& f
           p = _mm256_add_epi16(p, _mm256_maddubs_epi16(lo[c], _mm256_set1_epi32(xq[c])));
           p = _mm256_add_epi16(p, _mm256_maddubs_epi16(hi[c], _mm256_set1_epi32(xq[4 + c])));
         }  // 8 pair sums of |.| <= 3810: |p| <= 30480 fits int16
-        const __m256i dp = _mm256_madd_epi16(p, ones);
-        acc[mi][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp),
-                                     _mm256_mul_ps(dv, _mm256_set1_ps(a.d[mi * G + g])), acc[mi][h]);
-        if (f.mn) acc[mi][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.s[mi * G + g]), acc[mi][h]);
+        acc[mi][h] = x16_acc8(acc[mi][h], _mm256_madd_epi16(p, ones), dv, mv, a.d[mi * G + g],
+                              a.s[mi * G + g], f.mn);
       }
     }
   }
@@ -282,9 +287,7 @@ inline void x16_tile8(const ActQ& a, const int32_t* isum, int64_t K, const uint8
           dp = _mm256_add_epi32(dp, _mm256_madd_epi16(
               _mm256_maddubs_epi16(_mm256_abs_epi8(xb), _mm256_sign_epi8(wv[c], xb)), ones));
         }
-        acc[mi][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dp),
-                                     _mm256_mul_ps(dv, _mm256_set1_ps(a.d[mi * G + g])), acc[mi][h]);
-        if (f.mn) acc[mi][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.s[mi * G + g]), acc[mi][h]);
+        acc[mi][h] = x16_acc8(acc[mi][h], dp, dv, mv, a.d[mi * G + g], a.s[mi * G + g], f.mn);
       }
     }
   }
