@@ -9,13 +9,12 @@ transformers is imported and every ``from_pretrained`` call passes ``local_files
 from __future__ import annotations
 
 import glob
-import mmap
 import os
-import struct
 from typing import Any, Iterable
 
 from sloserve.config import LOAD_FORMAT_CHOICES
 from sloserve.embedded import default_model_path
+from sloserve.gguf_file import read_gguf_header
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -85,8 +84,9 @@ class Tokenizer:
 
         Raises:
             NoTokenizerError: a GGUF without ``tokenizer.*`` metadata.
-        ValueError / KeyError / struct.error / OSError: the file is no GGUF, is truncated,
-                or carries a tokenizer transformers cannot convert.
+            ValueError / KeyError / OSError: the file is no GGUF, is truncated (a
+                :class:`~sloserve.gguf_file.GGUFError` saying where), or carries a tokenizer
+                transformers cannot convert.
         """
         hf = _hf_tokenizer_from_gguf(os.path.abspath(gguf_path))
         return cls(hf, extra_eos_token_ids, chat_template=chat_template)
@@ -168,75 +168,16 @@ def load_tokenizer(path: str) -> Tokenizer:
 
 
 # ------------------------------------------------------------------------------ GGUF metadata
-#: GGUF metadata value types of a fixed size -> struct format (8 is a string, 9 an array)
-_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-                 10: "<Q", 11: "<q", 12: "<d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
 def read_gguf_metadata(path: str) -> dict[str, Any]:
     """A GGUF file's metadata (``{key: value}``: numbers, bools, strings, and lists of them),
-    read from the header alone (no tensor is touched; the values transformers' own GGUF reader
-    returns for the same keys).
+    read from the header alone (:func:`sloserve.gguf_file.read_gguf_header`; no tensor is
+    touched; the values transformers' own GGUF reader returns for the same keys).
 
     Raises:
-        ValueError: no GGUF magic, an unknown GGUF version or value type.
-        struct.error / UnicodeDecodeError / OSError: a truncated or corrupt header, an empty or
-            unreadable file.
+        sloserve.gguf_file.GGUFError (a ValueError): not a GGUF file, an unknown version, a
+            truncated or corrupt header; OSError: an unreadable file.
     """
-    with open(path, "rb") as f:
-        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    try:
-        magic, version, _n_tensors, n_kv = struct.unpack_from("<4sIQQ", data, 0)
-        if magic != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file (no GGUF magic bytes)")
-        if version not in (2, 3):
-            raise ValueError(f"{path} is GGUF v{version}; v2 and v3 are read")
-
-        def string(pos: int) -> tuple[str, int]:
-            (n,) = struct.unpack_from("<Q", data, pos)
-            end = pos + 8 + n
-            if end > len(data):
-                raise struct.error(f"a string runs past the end of {path}")
-            return data[pos + 8:end].decode("utf-8"), end
-
-        def value(kind: int, pos: int) -> tuple[Any, int]:
-            if kind in _GGUF_SCALARS:
-                fmt = _GGUF_SCALARS[kind]
-                return struct.unpack_from(fmt, data, pos)[0], pos + struct.calcsize(fmt)
-            if kind == _GGUF_STRING:
-                return string(pos)
-            if kind == _GGUF_ARRAY:
-                elem, n = struct.unpack_from("<IQ", data, pos)
-                pos += 12
-                if elem in _GGUF_SCALARS:
-                    fmt = _GGUF_SCALARS[elem]
-                    return (list(struct.unpack_from(f"<{n}{fmt[1]}", data, pos)),
-                            pos + n * struct.calcsize(fmt))
-                out = []
-                if elem == _GGUF_STRING:  # a vocabulary or merge table: the loop inlined
-                    for _ in range(n):
-                        (length,) = struct.unpack_from("<Q", data, pos)
-                        out.append(data[pos + 8:pos + 8 + length].decode("utf-8"))
-                        pos += 8 + length
-                    if pos > len(data):
-                        raise struct.error(f"a string array runs past the end of {path}")
-                    return out, pos
-                for _ in range(n):
-                    v, pos = value(elem, pos)
-                    out.append(v)
-                return out, pos
-            raise ValueError(f"{path}: GGUF metadata value of unknown type {kind}")
-
-        metadata: dict[str, Any] = {}
-        pos = 24
-        for _ in range(n_kv):
-            key, pos = string(pos)
-            (kind,) = struct.unpack_from("<I", data, pos)
-            metadata[key], pos = value(kind, pos + 4)
-        return metadata
-    finally:
-        data.close()
+    return read_gguf_header(path, tensors=False).metadata
 
 
 class NoTokenizerError(ValueError):
@@ -367,7 +308,7 @@ def load_model_tokenizer(path: str | None, load_format: str = "auto") -> Tokeniz
             return Tokenizer.from_gguf(gguf_path)
         except NoTokenizerError:
             raise
-        except Exception as e:  # struct / Index / Unicode errors from a bad file, transformers' own
+        except Exception as e:  # a bad file (GGUFError: where), transformers' own errors
             raise ValueError(f"cannot build the tokenizer of {gguf_path}: {_first_line(e)}") from e
     folder = source if os.path.isdir(source) else os.path.dirname(source)
     if not has_tokenizer_files(folder):

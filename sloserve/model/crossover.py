@@ -23,13 +23,15 @@ from sloserve.model.layers.linear import onednn_linear
 
 def quant_crossover(model, sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192,
                                   256, 384, 512, 768, 1024, 1536, 2048),
-                    repeats: int = 7, max_tokens: int | None = None) -> int:
+                    repeats: int = 7, max_tokens: int | None = None, prepare=None) -> int:
     """The most tokens at which the quantized product of layer 0's gate/up and down weights is
     still faster than the dense one (as the dense method serves it, AMX included) here (~50 ms
     at start-up where the dense GEMM wins above 32 tokens, ~1 s where the quantized one wins up
     to 2,048). The sizes go past a decode batch: on an AVX512-VNNI CPU without AMX the int8
     product can beat oneDNN's bf16 GEMM at prefill sizes too. With ``max_tokens`` (the most
-    tokens a step will have) the sizes stop there, that size included."""
+    tokens a step will have) the sizes stop there, that size included. ``prepare()`` runs
+    before a race (not when the crossover is read from the cache): it makes the dense
+    weights the race needs."""
     if max_tokens is not None and max_tokens <= sizes[-1]:
         sizes = (*(s for s in sizes if s < max_tokens), max_tokens)
     mlp = model.model.layers[0].mlp
@@ -44,7 +46,12 @@ def quant_crossover(model, sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 
     def dense(x, xf):
         gu.method.swiglu(gu, x, act, torch.float32)
         down.method.apply(down, xf, torch.float32)
-    return _cached(key, lambda: _crossover(model.config, sizes, quant, dense, repeats))
+
+    def measure() -> int:
+        if prepare is not None:
+            prepare()
+        return _crossover(model.config, sizes, quant, dense, repeats)
+    return _cached(key, measure)
 
 
 def amx_crossover(model, sizes=(32, 64, 96, 128, 192, 256, 320, 384, 512, 768, 1024, 1536,

@@ -1,8 +1,8 @@
 """Load a llama.cpp GGUF file into a Hugging Face-named state dict.
 
-Reading and dequantization go through the ``gguf`` package (``gguf.GGUFReader`` for the header and
-the memory-mapped tensor data, ``gguf.quants.dequantize`` for every encoding: F32/F16/BF16, Q4_0,
-Q4_1, Q8_0, Q5_x, the K-quants, the IQ types). Tensors are renamed from llama.cpp's names to Hugging
+The header is read by :func:`sloserve.gguf_file.read_gguf_header`, the tensor data memory-mapped;
+dequantization goes through the ``gguf`` package (``gguf.quants.dequantize`` for every encoding:
+F32/F16/BF16, Q4_0, Q4_1, Q8_0, Q5_x, the K-quants, the IQ types). Tensors are renamed from llama.cpp's names to Hugging
 Face's, and the Q/K rows of the ``llama`` architecture are un-permuted (llama.cpp's converter
 interleaves each head's two RoPE halves; Hugging Face's ``rotate_half`` wants them split).
 
@@ -21,52 +21,46 @@ import numpy as np
 import torch
 
 from sloserve.model.config import ModelConfig
-from sloserve.model.gguf_check import gguf_problem
-from sloserve.model.gguf_check import gguf_version as _gguf_version
+from sloserve.gguf_file import GGUFError, GGUFTensorInfo, gguf_version, read_gguf_header
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
 
 @dataclass
-class GGUFTensorInfo:
-    """One entry of the GGUF tensor table.
-
-    Attributes:
-        name: llama.cpp tensor name, e.g. ``blk.0.attn_q.weight``.
-        shape: torch-order shape (ggml's ``[ne0, ne1]`` reversed to ``(ne1, ne0)``), elements.
-        ggml_type: ``gguf.GGMLQuantizationType`` value of the stored encoding.
-        offset: byte offset of the tensor data from the start of the file.
-        nbytes: bytes the tensor occupies in the file.
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    ggml_type: int
-    offset: int
-    nbytes: int
-
-
-@dataclass
 class GGUFFile:
-    """A GGUF file read by ``gguf.GGUFReader``: metadata key/values and the tensor table.
+    """A GGUF file: its header (:func:`sloserve.gguf_file.read_gguf_header`) and its tensor data
+    memory-mapped on first use.
 
     Attributes:
         path: absolute path of the file.
         metadata: every key/value; scalars as Python numbers/bools/str, arrays as lists.
         tensors: tensor table in file order, keyed by llama.cpp name.
-        reader: the ``gguf.GGUFReader`` (tensor data stays memory-mapped there).
+        byte_order: ``"<"`` or ``">"`` (a big-endian file's float tensors are swapped on read).
     """
 
     path: str
     metadata: dict[str, Any]
     tensors: dict[str, GGUFTensorInfo]
-    reader: Any = field(repr=False)
-    _by_name: dict[str, Any] | None = field(default=None, repr=False)
+    byte_order: str = "<"
+    _data: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def architecture(self) -> str:
         """``general.architecture`` (e.g. ``"llama"``, ``"qwen2"``)."""
         return str(self.metadata.get("general.architecture", ""))
+
+    def raw(self, name: str) -> np.ndarray:
+        """Tensor ``name``'s stored bytes, memory-mapped: uint8 of shape (rows..., bytes per
+        row), the layout ``gguf.quants.dequantize`` takes.
+
+        Raises:
+            KeyError: no tensor of that name.
+        """
+        info = self.tensors[name]
+        if self._data is None:
+            self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        rows = info.shape[:-1] or (1,)
+        return self._data[info.offset:info.offset + info.nbytes].reshape(*rows, -1)
 
     def dequantize(self, name: str) -> torch.Tensor:
         """Tensor ``name`` dequantized by ``gguf.quants.dequantize`` to float32, shape ``info.shape``.
@@ -80,25 +74,23 @@ class GGUFFile:
 
         info = self.tensors[name]
         qtype = GGMLQuantizationType(info.ggml_type)
-        try:
-            arr = dequantize(self.reader_tensors[name].data, qtype)
-        except NotImplementedError as e:
-            raise ValueError(f"{self.path}: tensor {name!r} is stored as {qtype.name}, an "
-                             f"unsupported quantization type (gguf {_gguf_version()} cannot "
-                             f"dequantize it: {e})") from e
+        data = self.raw(name)
+        swapped = {GGMLQuantizationType.F32: ">f4", GGMLQuantizationType.F16: ">f2"}
+        if self.byte_order == ">" and qtype in swapped:
+            arr = data.view(swapped[qtype]).astype(np.float32)
+        else:
+            try:
+                arr = dequantize(data, qtype)
+            except NotImplementedError as e:
+                raise ValueError(f"{self.path}: tensor {name!r} is stored as {qtype.name}, an "
+                                 f"unsupported quantization type (gguf {gguf_version()} cannot "
+                                 f"dequantize it: {e})") from e
         arr = np.array(arr, dtype=np.float32, order="C").reshape(info.shape)
         return torch.from_numpy(arr)
 
-    @property
-    def reader_tensors(self) -> dict[str, Any]:
-        """llama.cpp name -> ``gguf.ReaderTensor`` (memory-mapped data)."""
-        if self._by_name is None:
-            self._by_name = {t.name: t for t in self.reader.tensors}
-        return self._by_name
-
 
 def read_gguf(path: str | os.PathLike) -> GGUFFile:
-    """Read a GGUF file's metadata and tensor table with ``gguf.GGUFReader``.
+    """Read a GGUF file's metadata and tensor table (:func:`sloserve.gguf_file.read_gguf_header`).
 
     Args:
         path: a ``.gguf`` file.
@@ -110,23 +102,16 @@ def read_gguf(path: str | os.PathLike) -> GGUFFile:
         FileNotFoundError: ``path`` does not exist.
         ValueError: ``"{path} is not a readable GGUF file: ..."``: not a GGUF file, a truncated
             one (where it ends), a corrupt one (which field), an unsupported version or tensor
-            type (see :func:`~sloserve.model.gguf_check.gguf_problem`); else the reader's error.
+            type (the :class:`~sloserve.gguf_file.GGUFError` phrase).
     """
-    from gguf import GGUFReader
-
     path = os.path.abspath(os.fspath(path))
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
     try:
-        reader = GGUFReader(path, "r")
-    except Exception as e:  # the reader raises ValueError/struct errors/IndexError on bad input
-        problem = gguf_problem(path) or f"{type(e).__name__}: {e}"
-        raise ValueError(f"{path} is not a readable GGUF file: {problem}") from e
-    meta = {k: f.contents() for k, f in reader.fields.items()}
-    tensors = {t.name: GGUFTensorInfo(t.name, tuple(int(d) for d in reversed(t.shape.tolist())),
-                                      int(t.tensor_type), int(t.data_offset), int(t.n_bytes))
-               for t in reader.tensors}
-    return GGUFFile(path=path, metadata=meta, tensors=tensors, reader=reader)
+        h = read_gguf_header(path)
+    except GGUFError as e:
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
+    return GGUFFile(path=path, metadata=h.metadata, tensors=h.tensors, byte_order=h.byte_order)
 
 
 # --------------------------------------------------------------------------------------- config
@@ -401,7 +386,7 @@ def load_gguf_quantized(gf: GGUFFile, config: ModelConfig, mode: str = "gguf") -
 
 def raw_bytes(gf: GGUFFile, name: str) -> np.ndarray:
     """Tensor ``name``'s stored bytes (memory-mapped), uint8."""
-    return np.asarray(gf.reader_tensors[name].data).view(np.uint8)
+    return gf.raw(name)
 
 
 def load_gguf_state_dict(gf: GGUFFile, config: ModelConfig,

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import threading
 
 import torch
 
 HUGE_PAGE = 2 << 20
+#: madvise(2) advice that faults pages in writable without changing them (Linux 5.14)
+_MADV_POPULATE_WRITE = 23
 _ALIGN = 64  # each packed tensor starts on a cache line
 
 
@@ -50,6 +53,36 @@ def zeros(shape, dtype: torch.dtype, touch: bool = True) -> torch.Tensor:
     if touch:
         t.zero_()
     return t.view(dtype).view(shape)
+
+
+def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread | None:
+    """Commit the memory of ``tensors`` (from :func:`zeros` with ``touch=False``) on a daemon
+    thread: ``madvise(MADV_POPULATE_WRITE)`` faults every page in writable and changes no byte,
+    so steps may write the tensors meanwhile. A 1 GiB KV cache takes 0.3-1.3 s to fault in on
+    2 MB pages (the kernel zeroes and compacts them), which start-up no longer waits for.
+    Where the kernel has no such advice (before 5.14, or no ``madvise``) the tensors are
+    written here, now, as :func:`zeros` would have. Returns the thread, or None."""
+    ranges = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t.numel()]
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        page = mmap.PAGESIZE
+        first, n = ranges[0] if ranges else (0, 0)
+        start = first - first % page
+        if ranges and madvise(start, first + n - start, _MADV_POPULATE_WRITE) != 0:
+            raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE)")
+    except (OSError, AttributeError):
+        for t in tensors:
+            t.zero_()
+        return None
+
+    def run(keep=tensors) -> None:  # ``keep``: the tensors stay mapped while it runs
+        for addr, n in ranges[1:]:
+            start = addr - addr % page
+            madvise(start, addr + n - start, _MADV_POPULATE_WRITE)  # ctypes lets go of the GIL
+    th = threading.Thread(target=run, name="kv-populate", daemon=True)
+    th.start()
+    return th
 
 
 def packed_size(t: torch.Tensor) -> int:

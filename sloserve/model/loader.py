@@ -199,14 +199,9 @@ def load_model_tokenizer(path: str | None, load_format: str = "auto") -> Tokeniz
         return _load_tokenizer(source, fmt)
     try:
         return _load_tokenizer(source, fmt)
-    except ValueError as e:  # say why, as the weights' loader would
+    except ValueError:  # say why, as the weights' loader would
         from sloserve.model import gguf_loader as gl
-        from sloserve.model.gguf_check import gguf_problem
-        gguf_path = _single_gguf(source)
-        problem = gguf_problem(gguf_path)  # what read_gguf would say, without its slow parse first
-        if problem:
-            raise ValueError(f"{gguf_path} is not a readable GGUF file: {problem}") from e
-        gl.read_gguf(gguf_path)  # raises "{path} is not a readable GGUF file: ..." if it is not
+        gl.read_gguf(_single_gguf(source))  # "{path} is not a readable GGUF file: ..." if not
         raise  # it carries no tokenizer, or one that cannot be built
 
 

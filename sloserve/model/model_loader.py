@@ -225,13 +225,15 @@ def use_kernels(model, kernels, int8_activations: bool = True,
     policy.amx_max_tokens = _given_or(amx_max_tokens, use_amx,
                                       lambda: crossover.amx_crossover(model))
     mlp0 = [model.model.layers[0].mlp.gate_up_proj, model.model.layers[0].mlp.down_proj]
-    raced = quantized and quant_max_tokens is None and bool(model.materialize_dense(mlp0))
+    raced = []  # layer 0's dense MLP, made for a race (not when the crossover is cached)
     policy.quant_max_tokens = _given_or(
         quant_max_tokens, quantized,
-        lambda: crossover.quant_crossover(model, max_tokens=max_tokens))
+        lambda: crossover.quant_crossover(
+            model, max_tokens=max_tokens,
+            prepare=lambda: raced.append(model.materialize_dense(mlp0))))
     if quantized and policy.quant_max_tokens < (ALL_ROWS if max_tokens is None else max_tokens):
         model.materialize_dense()  # the steps above the crossover run on it
-    elif raced:
+    elif any(raced):
         model.drop_dense(mlp0)
     for lin in linears:
         if lin.quant_method is not None:

@@ -135,11 +135,17 @@ class ModelRunner:
     def allocate_kv(config: ModelConfig, num_blocks: int, block_size: int,
                     kv_cache_dtype: torch.dtype, attn_backend) -> list[torch.Tensor]:
         """A model's KV cache tensors, one per layer in ``attn_backend``'s layout, on 2 MB
-        pages where the OS allows (see hugepages: a decode step streams the cache)."""
+        pages where the OS allows (see hugepages: a decode step streams the cache), zero (the
+        OS's pages) and committed in the background, all but the first layer's
+        (:func:`hugepages.populate_in_background`: start-up does not wait for ~1 s of page
+        faults; the size was fitted to the memory left, ``determine_available_memory``)."""
         spec = kv_cache_spec(config, block_size, kv_cache_dtype)
         shape = attn_backend.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads,
                                             spec.entry_width)
-        return [hugepages.zeros(shape, kv_cache_dtype) for _ in range(config.num_hidden_layers)]
+        kv = [hugepages.zeros(shape, kv_cache_dtype, touch=False)
+              for _ in range(config.num_hidden_layers)]
+        hugepages.populate_in_background(kv)
+        return kv
 
     @torch.inference_mode()
     def measure_verify_cost(self, context: int = 256, repeats: int = 9) -> list[float]:

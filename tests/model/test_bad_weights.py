@@ -13,10 +13,11 @@ import struct
 
 import numpy as np
 import pytest
+import torch
 
+from sloserve.gguf_file import gguf_problem, gguf_version
 from sloserve.model import hf_loader
 from sloserve.model.config import ModelConfig
-from sloserve.model.gguf_check import gguf_problem, gguf_version
 from sloserve.model.loader import dummy_state_dict, load_model_tokenizer, load_weights
 
 _SHAPES = {"token_embd.weight": (16, 32), "blk.0.attn_norm.weight": (32,),
@@ -115,9 +116,30 @@ def test_truncated_gguf_says_where_it_ends(tiny_gguf, tmp_path):
         assert gguf_problem(p) == problem
 
 
-def test_a_big_endian_gguf_is_walked_in_its_byte_order(tmp_path):
+def test_the_header_reader_reads_what_gguf_reader_reads(tiny_gguf, gguf_path):
+    """Metadata, the tensor table and each tensor's bytes as ``gguf.GGUFReader`` has them."""
+    from sloserve.model.gguf_loader import read_gguf
+    for path in (tiny_gguf, gguf_path):
+        r, gf = _layout(path), read_gguf(path)
+        ref = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
+        assert gf.metadata == ref
+        assert list(gf.tensors) == [t.name for t in r.tensors]
+        for t in r.tensors:
+            info = gf.tensors[t.name]
+            assert (info.shape, info.ggml_type, info.offset, info.nbytes) == (
+                tuple(int(d) for d in reversed(t.shape.tolist())), int(t.tensor_type),
+                int(t.data_offset), int(t.n_bytes))
+            assert gf.raw(t.name).tobytes() == np.asarray(t.data).tobytes()
+
+
+def test_a_big_endian_gguf_is_walked_in_its_byte_order(tmp_path, tiny_gguf):
     p = write_tiny_gguf(tmp_path / "be.gguf", big_endian=True)
     assert gguf_problem(p) is None
+    from sloserve.model.gguf_loader import read_gguf
+    be, le = read_gguf(p), read_gguf(tiny_gguf)
+    assert be.byte_order == ">" and be.metadata == le.metadata
+    for name in le.tensors:  # the same float32 values, swapped on read
+        assert torch.equal(be.dequantize(name), le.dequantize(name)), name
     end, last = max((t.data_offset + t.n_bytes, t.name) for t in _layout(p).tensors)
     cut = _variant(tmp_path, p, lambda d: d[:end - 10], "be-cut.gguf")
     assert gguf_problem(cut) == (f"truncated: tensor data runs to byte {end} (tensor {last!r}), "

@@ -198,7 +198,7 @@ def test_gguf_name_mapping():
     ("model.gguf", "model"),
 ])
 def test_gguf_model_name_strips_quant_tag(fname, expected):
-    gf = gl.GGUFFile(path=f"/x/{fname}", metadata={}, tensors={}, reader=None)
+    gf = gl.GGUFFile(path=f"/x/{fname}", metadata={}, tensors={})
     assert gl.gguf_model_name(gf) == expected
 
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from sloserve.model.gguf_check import gguf_problem, gguf_version
+from sloserve.gguf_file import gguf_problem, gguf_version
 from sloserve.model.hf_loader import safetensors_problem
 
 CLI = [sys.executable, "-m", "sloserve.cli"]
