@@ -41,8 +41,48 @@ def _serve(a: argparse.Namespace) -> int:
         return 0
     run_server(engine_config_from_args(a), host=a.host, port=a.port, log_level=a.log_level,
                drain_timeout_s=a.shutdown_timeout, step_trace=a.step_trace,
-               max_request_body_bytes=a.max_request_body_bytes)
+               max_request_body_bytes=a.max_request_body_bytes, chat=chat_config_from_args(a))
     return 0
+
+
+def add_chat_args(p: argparse.ArgumentParser) -> None:
+    """The chat endpoint's flags (vLLM's names; ``sloserve.server.tools``)."""
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template to use instead of the model's (e.g. one that "
+                        "renders tools: sloserve/templates/hermes_chatml.jinja for ChatML "
+                        "models such as the embedded SmolLM2)")
+    p.add_argument("--chat-template-content-format", default="auto",
+                   choices=("auto", "string", "openai"),
+                   help="message content as the template gets it: one string (auto, string) "
+                        "or OpenAI's list of text parts (openai)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": the --tool-call-parser reads tool calls out of '
+                        "the model's text (the default choice where a request gives tools)")
+    p.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json"),
+                   help="how tool calls are written in the model's text")
+    p.add_argument("--reasoning-parser", default=None, choices=("deepseek_r1", "qwen3"),
+                   help="<think>...</think> text goes to reasoning_content")
+
+
+def chat_config_from_args(a: argparse.Namespace):
+    """The ``ChatConfig`` of ``serve``'s flags, the template file read.
+
+    Raises:
+        ValueError: a template file that cannot be read (one line naming it).
+    """
+    from sloserve.server.tools import ChatConfig
+    template = None
+    if a.chat_template is not None:
+        try:
+            with open(a.chat_template, encoding="utf-8") as f:
+                template = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template: cannot read {a.chat_template}: "
+                             f"{getattr(e, 'strerror', None) or e}") from None
+    return ChatConfig(enable_auto_tool_choice=a.enable_auto_tool_choice,
+                      tool_call_parser=a.tool_call_parser, reasoning_parser=a.reasoning_parser,
+                      chat_template=template,
+                      chat_template_content_format=a.chat_template_content_format)
 
 
 def _generate(a: argparse.Namespace) -> int:
@@ -143,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--step-trace", default=None, metavar="FILE.jsonl",
                    help="write one JSON line per engine step (composition and times), for "
                         "`sloserve profile --from-trace`")
+    add_chat_args(s)
     s.set_defaults(func=_serve)
 
     g = sub.add_parser("generate", help="generate text for one prompt offline", allow_abbrev=False)

@@ -111,25 +111,32 @@ class Tokenizer:
         """Text of ``ids`` (ints in ``[0, vocab_size)``)."""
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                             tools: list[dict] | None = None,
+                             chat_template: str | None = None) -> str:
         """The chat prompt as text (see :meth:`apply_chat_template`).
 
         Raises:
-            ValueError: the model has no chat template.
+            ValueError: the model has no chat template (and none is given).
         """
-        if not self.chat_template:
+        if not (chat_template or self.chat_template):
             raise ValueError("this model's tokenizer has no chat template; send a plain completion "
                              "prompt instead, or use a model that ships tokenizer.chat_template")
-        return self.hf.apply_chat_template(messages, tokenize=False,
+        return self.hf.apply_chat_template(messages, tokenize=False, tools=tools,
+                                           chat_template=chat_template,
                                            add_generation_prompt=add_generation_prompt)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None,
+                            chat_template: str | None = None) -> list[int]:
         """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) with the chat template and
         tokenize without adding special tokens again (the template writes them itself).
 
         Args:
             messages: OpenAI-style chat messages.
             add_generation_prompt: end with the assistant header (e.g. ``<|im_start|>assistant\\n``).
+            tools: OpenAI-style tools for the template (``tools`` in its namespace).
+            chat_template: a template to use instead of the model's (``--chat-template``).
 
         Returns:
             Prompt token ids.
@@ -137,7 +144,7 @@ class Tokenizer:
         Raises:
             ValueError: the model has no chat template.
         """
-        text = self.render_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = self.render_chat_template(messages, add_generation_prompt, tools, chat_template)
         return self.encode(text, add_special_tokens=False)
 
     def __len__(self) -> int:

@@ -41,6 +41,7 @@ class IncrementalDetokenizer:
         self.text = ""            # all text decoded so far (truncated at a stop string)
         self._emitted = 0         # characters of self.text already returned
         self.stopped = False      # a stop string matched
+        self.matched: str | None = None  # which one
 
     def _decode_new(self) -> str:
         dec = self.tokenizer.decode
@@ -79,14 +80,15 @@ class IncrementalDetokenizer:
         return delta
 
     def _match_stop(self, search_from: int) -> None:
-        best = -1
+        best, which = -1, None
         for s in self.stop:
             i = self.text.find(s, search_from)
             if i != -1 and (best == -1 or i < best):
-                best = i
+                best, which = i, s
         if best != -1:
             self.text = self.text[:best]
             self.stopped = True
+            self.matched = which
 
     def _holdback(self) -> int:
         """Length of the longest tail of text that is a proper prefix of some stop string."""

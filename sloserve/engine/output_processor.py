@@ -225,6 +225,7 @@ class OutputProcessor:
             request_id=st.request.request_id, new_text=delta, new_token_ids=new_ids,
             text=st.detok.text if st.detok else "", token_ids=list(st.output_token_ids),
             finished=finished, finish_reason=reason,
+            stop_reason=st.detok.matched if finished and st.detok else None,
             num_prompt_tokens=len(st.request.prompt_token_ids),
             num_output_tokens=len(st.output_token_ids),
             num_cached_tokens=st.num_cached_tokens, error=error,

@@ -40,6 +40,8 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None
+    #: the stop string that finished it (vLLM's ``stop_reason``), else None
+    stop_reason: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0

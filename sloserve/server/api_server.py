@@ -32,6 +32,7 @@ import uvicorn
 
 from sloserve.config import EngineConfig
 from sloserve.server.app import DEFAULT_MAX_BODY_BYTES, create_engine_and_app
+from sloserve.server.tools import ChatConfig
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,8 @@ def _listen(host: str, port: int) -> socket.socket:
 def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                log_level: str = "info", drain_timeout_s: float = 30.0,
                step_trace: str | None = None,
-               max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+               max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               chat: ChatConfig | None = None) -> None:
     """Start the engine core, serve HTTP until SIGINT / SIGTERM, drain, stop.
 
     Blocks until the server stops.
@@ -130,6 +132,7 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
         drain_timeout_s: most seconds requests in flight get to finish on shutdown.
         step_trace: the engine core writes one JSON line per step to this file.
         max_request_body_bytes: larger request bodies get 413.
+        chat: the chat endpoint's tool calling, reasoning and template flags.
 
     Raises:
         FileNotFoundError / ValueError / OSError: the engine core refused the model or the
@@ -143,6 +146,8 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
     if not (isinstance(max_request_body_bytes, int) and max_request_body_bytes >= 1):
         raise ValueError(f"--max-request-body-bytes must be an integer >= 1, got "
                          f"{max_request_body_bytes}")
+    if chat is not None:
+        chat.validate()
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sock = _listen(host, port)
@@ -160,7 +165,8 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
     try:
         engine, app = create_engine_and_app(config, manage_engine=True, step_trace=step_trace,
                                             log_level=log_level,
-                                            max_request_body_bytes=max_request_body_bytes)
+                                            max_request_body_bytes=max_request_body_bytes,
+                                            chat=chat)
     except StartupInterrupted:
         pass  # in pending; the load cleaned up after itself
     finally:

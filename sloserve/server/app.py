@@ -20,6 +20,7 @@ from sloserve.server.errors import install_error_handlers
 from sloserve.server.metrics import PrometheusStatLogger
 from sloserve.server.openapi import install_openapi_constraints
 from sloserve.server.routes import build_router
+from sloserve.server.tools import ChatConfig
 from sloserve.server.utf8_body import Utf8BodyMiddleware
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,8 @@ class InFlightMiddleware:
 
 def build_app(engine: AsyncLLM, metrics: PrometheusStatLogger, *,
               manage_engine: bool = False,
-              max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              chat: ChatConfig | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     Args:
@@ -63,6 +65,7 @@ def build_app(engine: AsyncLLM, metrics: PrometheusStatLogger, *,
         manage_engine: start the engine on app startup and shut it down on app shutdown.
         max_request_body_bytes: larger request bodies get 413 (OpenAI's error body, the
             connection kept); a JSON body that is not UTF-8 gets 400.
+        chat: the chat endpoint's tool calling, reasoning and template flags (None: off).
 
     Returns:
         The app; ``app.state.engine``, ``app.state.metrics``, ``app.state.in_flight`` (requests
@@ -91,15 +94,15 @@ def build_app(engine: AsyncLLM, metrics: PrometheusStatLogger, *,
     app.add_middleware(BodyLimitMiddleware, limit=max_request_body_bytes)
     app.add_middleware(InFlightMiddleware, counter=app.state.in_flight)
     install_error_handlers(app)
-    app.include_router(build_router(engine, metrics, app.state))
+    app.include_router(build_router(engine, metrics, app.state, chat or ChatConfig()))
     install_openapi_constraints(app, engine)
     return app
 
 
 def create_engine_and_app(config: EngineConfig, *, manage_engine: bool = False,
                           step_trace: str | None = None, log_level: str = "info",
-                          max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-                          ) -> tuple[AsyncLLM, FastAPI]:
+                          max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                          chat: ChatConfig | None = None) -> tuple[AsyncLLM, FastAPI]:
     """Start an engine core process for ``config``, an AsyncLLM with a Prometheus exporter in
     front of it, and its app.
 
@@ -116,6 +119,6 @@ def create_engine_and_app(config: EngineConfig, *, manage_engine: bool = False,
                                    else 0)
     engine = AsyncLLM(config, stat_loggers=[metrics], step_trace=step_trace, log_level=log_level)
     app = build_app(engine, metrics, manage_engine=manage_engine,
-                    max_request_body_bytes=max_request_body_bytes)
+                    max_request_body_bytes=max_request_body_bytes, chat=chat)
     engine.start()
     return engine, app

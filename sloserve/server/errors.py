@@ -111,17 +111,28 @@ def route_error_message(detail: str, method: str, path: str, headers: dict | Non
     return f"{detail}: {method} {shown}" + (f" (allowed: {allow})" if allow else "")
 
 
+def _shaped(request: Request, err: APIError, headers: dict | None = None) -> JSONResponse:
+    """``err`` in the error shape of the API asked: Anthropic's under ``/v1/messages``, else
+    OpenAI's."""
+    if request.url.path.startswith("/v1/messages"):
+        from sloserve.server.messages_api import error_body
+        return ErrorJSONResponse(error_body(err.status, err.message), status_code=err.status,
+                                 headers=headers if headers is not None else err.headers)
+    return err.response(headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    """Answer APIError, validation errors and HTTP errors with OpenAI's body."""
+    """Answer APIError, validation errors and HTTP errors with OpenAI's body (Anthropic's on
+    its Messages routes)."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _shaped(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(exc)
-        return error_response(400, message, param)
+        return _shaped(request, APIError(400, message, param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -129,8 +140,8 @@ def install_error_handlers(app: FastAPI) -> None:
         message = str(exc.detail)
         if exc.status_code in (404, 405):  # the router's: no such route / method
             message = route_error_message(message, request.method, request.url.path, headers)
-        return APIError(exc.status_code, message).response(headers)
+        return _shaped(request, APIError(exc.status_code, message), headers)
 
     @app.exception_handler(Exception)
-    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-        return engine_error(exc).response()  # an engine or server bug: 500, never a 4xx
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        return _shaped(request, engine_error(exc))  # an engine or server bug: 500, never 4xx

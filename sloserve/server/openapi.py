@@ -81,7 +81,53 @@ def constraints(engine) -> dict[str, dict[str, dict[str, Any]]]:
         "max_tokens": {"integer": {"minimum": 1, "maximum": max_len - 1}},
         "kv_transfer_params": {"object": kv_transfer_object(info)},
     }
+    # Anthropic's and the Responses API's bodies: their messages, tools and formats as this
+    # server takes them (``messages_api``, ``responses_api``)
+    text_message = {"object": {"properties": {"role": {"enum": ["user", "assistant"]},
+                                              "content": {"type": "string"}},
+                               "required": ["role", "content"]}}
+    user_first = {"array": {"minItems": 1, "maxItems": 1}, "items": {
+        "object": {**text_message["object"], "properties": {
+            "role": {"const": "user"}, "content": {"type": "string", "minLength": 1}}}}}
+    schema_object = {"type": "object", "properties": {"type": {"const": "object"}},
+                     "required": ["type"]}
+    name = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
+    anthropic_tools = {"array": {"maxItems": 4}, "items": {"object": {
+        "properties": {"name": name, "input_schema": schema_object},
+        "required": ["name", "input_schema"]}}}
+    messages_fields = {
+        "model": sampling["model"],
+        "messages": user_first,
+        "system": {"string": {}, "array": {}, "items": {"object": {
+            "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+            "required": ["type", "text"]}}},
+        "tools": anthropic_tools,
+        "tool_choice": {"object": {"properties": {"type": {"enum": ["auto", "any", "none"]}},
+                                   "required": ["type"]}},
+    }
     return {
+        "MessagesRequest": {
+            **messages_fields,
+            "max_tokens": {"integer": {"minimum": 1, "maximum": max_len - 1}},
+            "temperature": sampling["temperature"], "top_p": sampling["top_p"],
+            "top_k": sampling["top_k"], "stop_sequences": sampling["stop"],
+        },
+        "CountTokensRequest": messages_fields,
+        "ResponsesRequest": {
+            "model": sampling["model"],
+            "input": {"string": {"minLength": 1}, **user_first},
+            "max_output_tokens": {"integer": {"minimum": 1, "maximum": max_len - 1}},
+            "temperature": sampling["temperature"], "top_p": sampling["top_p"],
+            "tools": {"array": {"maxItems": 4}, "items": {"object": {
+                "properties": {"type": {"const": "function"}, "name": name,
+                               "parameters": schema_object},
+                "required": ["type", "name"]}}},
+            "tool_choice": {"string": {"enum": ["auto", "none", "required"]},
+                            "object": {"not": {}}},
+            "text": {"object": {"properties": {"format": {
+                "type": "object", "properties": {"type": {"enum": ["text", "json_object"]}},
+                "required": ["type"]}}}},
+        },
         "CompletionRequest": {
             **sampling,
             "prompt": {"string": {"minLength": 1}, "array": {"minItems": 1},
@@ -96,7 +142,6 @@ def constraints(engine) -> dict[str, dict[str, dict[str, Any]]]:
             "messages": {"array": {"minItems": 1}},
             "max_completion_tokens": {"integer": {"minimum": 1, "maximum": max_len - 1}},
             "top_logprobs": {"integer": {"minimum": 0, "maximum": k}},
-            "tools": {"array": {"maxItems": 0}},
         },
         "DetokenizeRequest": {"tokens": {"array": {}, "items": token},
                               "model": sampling["model"]},

@@ -479,12 +479,20 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    #: an assistant turn's calls: ``[{"id", "type": "function", "function": {"name",
+    #: "arguments": JSON text}}]``
+    tool_calls: list[dict[str, Any]] | None = None
+    #: a ``tool`` message: the call it answers
+    tool_call_id: str | None = None
 
-    def to_template_dict(self) -> dict[str, Any]:
-        """The message as the chat template expects it (content parts joined into one string).
+    def to_template_dict(self, content_format: str = "auto") -> dict[str, Any]:
+        """The message as the chat template expects it (content parts joined into one string,
+        or with ``content_format`` ``openai`` kept as a list of ``{"type": "text", "text"}``
+        parts; a call's arguments as an object, as templates render them with ``tojson``).
 
         Raises:
-            ParamError: a non-text content part.
+            ParamError: a non-text content part, a call without a function name or whose
+                arguments are not a JSON object.
         """
         content = self.content
         if isinstance(content, list):
@@ -497,11 +505,35 @@ class ChatMessage(BaseModel):
                     raise ParamError("a text content part needs a string 'text' field, got "
                                      f"{part.get('text')!r}", "messages")
                 texts.append(part["text"])
-            content = "\n".join(texts)
+            content = ([{"type": "text", "text": t} for t in texts] if content_format == "openai"
+                       else "\n".join(texts))
         d: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             d["name"] = self.name
+        if self.tool_calls:
+            d["tool_calls"] = [_template_call(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
         return d
+
+
+def _template_call(call: Any) -> dict[str, Any]:
+    """An assistant message's tool call as chat templates take it (arguments parsed)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise ParamError("each tool call of a message needs function.name", "messages")
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise ParamError(f"the arguments of tool call {call.get('id')!r} are not JSON: "
+                             f"{args[:80]!r}", "messages") from None
+    if not isinstance(args, dict):
+        raise ParamError(f"the arguments of tool call {call.get('id')!r} must be a JSON object",
+                         "messages")
+    return {"id": call.get("id"), "type": "function",
+            "function": {"name": fn["name"], "arguments": args}}
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -516,8 +548,19 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: Int | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto"] | None = None  # no tools, so nothing else
+    #: "none", "auto", "required" or {"type": "function", "function": {"name": ...}}
+    #: (sloserve.server.tools.plan_tools reads it)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True  # extension
+    #: a required or named tool_choice's constraint (set by the route, never by the client)
+    _forced_structured: StructuredOutputsParams | None = PrivateAttr(default=None)
+
+    def structured_spec(self) -> StructuredOutputsParams | None:
+        """A forced tool choice's constraint, else as for both endpoints."""
+        if self._forced_structured is not None:
+            return self._forced_structured
+        return super().structured_spec()
 
     @property
     def max_tokens_param(self) -> str:
@@ -530,8 +573,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise ParamError("messages must contain at least one message", "messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs needs logprobs: true", "top_logprobs")
-        if self.tools:
-            raise ParamError("tools are not supported", "tools")
         self.kv_transfer()
 
     def _kv_transfer_unsupported(self) -> None:
@@ -552,9 +593,44 @@ class ChatCompletionRequest(_SamplingFields):
             raise
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallModel(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
-    content: str
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallModel] = Field(default_factory=list)
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCallModel(BaseModel):
+    """A streamed piece of a call: index, then id, type and name once, arguments in pieces."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatTopLogprob(BaseModel):
@@ -597,6 +673,8 @@ class DeltaMessage(BaseModel):
 
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCallModel] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):

@@ -1,7 +1,12 @@
 """The HTTP routes.
 
     POST /v1/completions        text completion (streamed as SSE with ``"stream": true``)
-    POST /v1/chat/completions   chat completion through the model's chat template
+    POST /v1/chat/completions   chat completion through the model's chat template (tool calling
+                                and reasoning: ``sloserve.server.tools``)
+    POST /v1/messages, /v1/messages/count_tokens   Anthropic's Messages API over the chat path
+                                (``sloserve.server.messages_api``; errors in its shape)
+    POST /v1/responses, GET /v1/responses/{id}     OpenAI's Responses API over the chat path
+                                (``sloserve.server.responses_api``)
     GET  /v1/models             the served model
     GET  /health                200 while the engine core runs; 503 when it is down or
                                 stalled (--engine-stall-timeout) or the server drains
@@ -36,15 +41,23 @@ from sloserve.server.spec_check import SpecChecker
 from sloserve.server.serving import (ChatBuilder, Choice, CompletionBuilder, stream_response,
                                      whole_response)
 from sloserve.server.tokenization import build_tokenization_router
+from sloserve.server.messages_api import (CountTokensRequest, MessagesBuilder, MessagesRequest,
+                                          to_chat_request)
+from sloserve.server.responses_api import (ResponsesBuilder, ResponsesRequest, ResponseStore,
+                                           input_messages)
+from sloserve.server.responses_api import to_chat_request as responses_chat_request
+from sloserve.server.tools import ChatConfig, ToolPlan, check_tool_messages, plan_tools
 
 
 #: text longer than this (characters) is tokenized off the event loop
 OFFLOAD_CHARS = 20_000
 
 
-def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIRouter:
+def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state,
+                 chat: ChatConfig = ChatConfig()) -> APIRouter:
     """The routes over ``engine``; ``state.draining`` (set on SIGTERM) turns new generations
-    and /health into 503."""
+    and /health into 503; ``chat``: tool calling, reasoning and the chat template
+    (``sloserve.server.tools``)."""
     r = APIRouter()
     model_name = engine.model_name
     spec_checker = state.spec_checker = SpecChecker()  # closed by the app's lifespan
@@ -90,8 +103,7 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
                 try:
                     spec_checker.check(sp.structured_outputs)  # off this process's GIL
                 except ValueError as e:
-                    raise ParamError(str(e), "response_format" if body.response_format
-                                     else "structured_outputs") from None
+                    raise ParamError(str(e), _spec_param(body)) from None
             n = body.n or 1
             echo = bool(getattr(body, "echo", False))
             choices: list[Choice] = []
@@ -207,33 +219,128 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state) -> APIR
             return stream_response(engine, choices, body.include_usage, b, res)
         return await whole_response(engine, choices, raw, b, res)
 
-    @r.post("/v1/chat/completions", response_model=None)
-    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
-        """OpenAI chat completion via the chat template. Errors: 400, 404, 500, 503."""
-        check_model(body.model)
-        check_admitting()
-        b = ChatBuilder(random_id("chatcmpl"), now_s(), model_name, fmt,
-                        logprobs=bool(body.logprobs))
+    async def chat_prompt(body: ChatCompletionRequest) -> tuple[ToolPlan, list[int]]:
+        """A chat request's tool plan and prompt (the template rendered, tokenized).
+
+        Raises:
+            APIError: 400 for no tokenizer, bad tools or messages, a template that fails.
+        """
         tok = engine.tokenizer
         if tok is None:
             raise APIError(400, "this model has no tokenizer, so no chat template", "messages")
+        try:
+            plan = plan_tools(body, chat)
+        except ParamError as e:
+            raise APIError(400, str(e), e.param) from e
+        body._forced_structured = plan.structured
+
         def render() -> list[int]:
             try:
                 body.unsupported()
-                messages = [m.to_template_dict() for m in body.messages]
+                messages = [m.to_template_dict(chat.chat_template_content_format)
+                            for m in body.messages]
+                check_tool_messages(messages)
                 return tok.apply_chat_template(messages,
-                                               add_generation_prompt=body.add_generation_prompt)
+                                               add_generation_prompt=body.add_generation_prompt,
+                                               tools=plan.tools, chat_template=chat.chat_template)
             except ParamError as e:
                 raise APIError(400, str(e), e.param) from e
             except Exception as e:  # no template (ValueError), template errors (jinja2), ...
                 raise APIError(400, f"cannot apply the chat template: {e}", "messages") from e
         long = sum(len(str(m.content or "")) for m in body.messages) > OFFLOAD_CHARS
-        ids = await asyncio.to_thread(render) if long else render()
+        return plan, (await asyncio.to_thread(render) if long else render())
+
+    @r.post("/v1/chat/completions", response_model=None)
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
+        """OpenAI chat completion via the chat template. Errors: 400, 404, 500, 503."""
+        check_model(body.model)
+        check_admitting()
+        plan, ids = await chat_prompt(body)
+        b = ChatBuilder(random_id("chatcmpl"), now_s(), model_name, fmt,
+                        logprobs=bool(body.logprobs), plan=plan,
+                        reasoning_parser=chat.reasoning_parser)
         choices = await make_choices([ids], body, b.id)
         res = reserve(choices, raw)
         if body.stream:
             return stream_response(engine, choices, body.include_usage, b, res)
         return await whole_response(engine, choices, raw, b, res)
 
+    def messages_body(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
+        try:
+            return to_chat_request(body)
+        except ParamError as e:
+            raise APIError(400, str(e), e.param) from e
+        except ValueError as e:  # the chat request's own validation
+            raise APIError(400, f"invalid request: {e}") from e
+
+    @r.post("/v1/messages", response_model=None)
+    async def create_message(body: MessagesRequest, raw: Request) -> Response:
+        """Anthropic's Messages API over the chat path (``messages_api``); errors in its
+        shape. Errors: 400, 404, 429, 500, 503."""
+        check_model(body.model)
+        check_admitting()
+        chat_body = messages_body(body)
+        plan, ids = await chat_prompt(chat_body)
+        b = MessagesBuilder(random_id("msg"), model_name, plan, chat.reasoning_parser)
+        choices = await make_choices([ids], chat_body, b.id)
+        res = reserve(choices, raw)
+        if body.stream:
+            return stream_response(engine, choices, False, b, res)
+        return await whole_response(engine, choices, raw, b, res)
+
+    responses = ResponseStore()
+
+    @r.post("/v1/responses", response_model=None)
+    async def create_response(body: ResponsesRequest, raw: Request) -> Response:
+        """OpenAI's Responses API over the chat path (``responses_api``). Errors: 400, 404
+        (an unknown previous_response_id), 429, 500, 503."""
+        check_model(body.model)
+        check_admitting()
+        history: list[dict] = []
+        if body.previous_response_id is not None:
+            got = responses.get(body.previous_response_id)
+            if got is None:
+                raise APIError(404, f"response {body.previous_response_id!r} not found (never "
+                                    f"stored here, or evicted: the server keeps the "
+                                    f"{responses.capacity} most recent)", "previous_response_id")
+            history = got[1]
+        try:
+            conversation = history + input_messages(body.input)
+            chat_body = responses_chat_request(body, conversation)
+        except ParamError as e:
+            raise APIError(400, str(e), e.param) from e
+        except ValueError as e:  # the chat request's own validation
+            raise APIError(400, f"invalid request: {e}") from e
+        plan, ids = await chat_prompt(chat_body)
+        b = ResponsesBuilder(body, model_name, plan, conversation, responses,
+                             chat.reasoning_parser)
+        choices = await make_choices([ids], chat_body, b.id)
+        res = reserve(choices, raw)
+        if body.stream:
+            return stream_response(engine, choices, False, b, res)
+        return await whole_response(engine, choices, raw, b, res)
+
+    @r.get("/v1/responses/{response_id}", response_model=None)
+    async def get_response(response_id: str) -> dict:
+        """A stored response (404: unknown or evicted)."""
+        got = responses.get(response_id)
+        if got is None:
+            raise APIError(404, f"response {response_id!r} not found", "response_id")
+        return got[0]
+
+    @r.post("/v1/messages/count_tokens", response_model=None)
+    async def count_message_tokens(body: CountTokensRequest) -> dict:
+        """The prompt tokens a Messages request would have (``{"input_tokens": N}``)."""
+        check_model(body.model)
+        _, ids = await chat_prompt(messages_body(body))
+        return {"input_tokens": len(ids)}
+
     r.include_router(build_tokenization_router(engine, check_model))
     return r
+
+
+def _spec_param(body) -> str:
+    """The request field a structured-output spec that does not compile came from."""
+    if getattr(body, "_forced_structured", None) is not None:
+        return "tools"
+    return "response_format" if body.response_format else "structured_outputs"

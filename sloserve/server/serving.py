@@ -29,9 +29,12 @@ from sloserve.server.logprobs_format import LogprobsFormatter
 from sloserve.server.protocol import (ChatCompletionChoice, ChatCompletionResponse,
                                       ChatCompletionStreamChoice, ChatCompletionStreamResponse,
                                       ChatLogProbs, ChatResponseMessage, CompletionChoice,
-                                      CompletionResponse, CompletionStreamResponse, DeltaMessage,
-                                      UsageInfo, kv_transfer_params_to_json)
+                                      CompletionResponse, CompletionStreamResponse,
+                                      DeltaFunctionCall, DeltaMessage, DeltaToolCallModel,
+                                      FunctionCall, ToolCallModel, UsageInfo,
+                                      kv_transfer_params_to_json)
 from sloserve.server.sse import DONE, SSEResponse, sse
+from sloserve.server.tools import ChoiceOutput, ToolPlan, finish_reason
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +67,8 @@ class ChoiceState:
     lp_offset: int = 0
     started: bool = False    # its first output arrived
     final: RequestOutput | None = None
+    #: chat: its streamed text through the reasoning and tool parsers (ChatBuilder's)
+    parsed: ChoiceOutput | None = None
 
     def add(self, out: RequestOutput) -> None:
         self.text.append(out.new_text)
@@ -143,8 +148,18 @@ def _chunk_kv_transfer(out: RequestOutput) -> dict | None:
     return kv_transfer_params_to_json(out.kv_transfer_params) if out.finished else None
 
 
+class _OpenAIEvents:
+    """How OpenAI's streams end and fail."""
+
+    def done(self) -> str:
+        return DONE
+
+    def error_event(self, err: APIError) -> str:
+        return sse(err.body().model_dump())  # a dict: rendered ASCII-safe
+
+
 @dataclass
-class CompletionBuilder:
+class CompletionBuilder(_OpenAIEvents):
     """JSON shapes of ``/v1/completions``."""
 
     id: str
@@ -210,7 +225,7 @@ class CompletionBuilder:
 
 
 @dataclass
-class ChatBuilder:
+class ChatBuilder(_OpenAIEvents):
     """JSON shapes of ``/v1/chat/completions``."""
 
     id: str
@@ -218,6 +233,11 @@ class ChatBuilder:
     model: str
     fmt: LogprobsFormatter
     logprobs: bool = False
+    plan: ToolPlan = field(default_factory=ToolPlan)
+    reasoning_parser: str | None = None
+
+    def _output(self) -> ChoiceOutput:
+        return ChoiceOutput(self.plan, self.reasoning_parser)
 
     def preamble(self, st: ChoiceState) -> list[str]:
         """The role chunk, sent with the choice's first token (as vLLM does), so a client that
@@ -235,14 +255,18 @@ class ChatBuilder:
 
     def chunk(self, st: ChoiceState, out: RequestOutput, first: bool) -> str | None:
         lp = self._logprobs(out.new_logprobs)
-        if not out.new_text and not out.finished and not (lp and lp.content):
+        if st.parsed is None:
+            st.parsed = self._output()
+        reasoning, content, calls = st.parsed.feed(out.new_text, last=out.finished)
+        if not (reasoning or content or calls) and not out.finished and not (lp and lp.content):
             return None
-        delta = DeltaMessage(content=out.new_text) if out.new_text else DeltaMessage()
+        delta = DeltaMessage(content=content or None, reasoning_content=reasoning or None,
+                             tool_calls=[_delta_call(d) for d in calls] or None)
+        reason = finish_reason(out.finish_reason, st.parsed.called) if out.finished else None
         return sse(ChatCompletionStreamResponse(
             id=self.id, created=self.created, model=self.model,
             choices=[ChatCompletionStreamChoice(
-                index=st.index, delta=delta, logprobs=lp,
-                finish_reason=out.finish_reason if out.finished else None)],
+                index=st.index, delta=delta, logprobs=lp, finish_reason=reason)],
             kv_transfer_params=_chunk_kv_transfer(out)))
 
     def usage_chunk(self, usage: UsageInfo) -> str:
@@ -250,15 +274,33 @@ class ChatBuilder:
                                                 model=self.model, choices=[], usage=usage))
 
     def response(self, states: list[ChoiceState]) -> BaseModel:
+        choices = []
+        for st in states:
+            parsed = self._output()
+            reasoning, content, calls = parsed.whole("".join(st.text))
+            if content is None and not (calls or reasoning):
+                content = ""  # a plain answer's content is a string, also when empty
+            choices.append(ChatCompletionChoice(
+                index=st.index, message=ChatResponseMessage(
+                    content=content, reasoning_content=reasoning,
+                    tool_calls=[ToolCallModel(id=c.id, function=FunctionCall(
+                        name=c.name, arguments=c.arguments)) for c in calls]),
+                logprobs=self._logprobs(st.logprobs),
+                finish_reason=finish_reason(st.final.finish_reason, bool(calls))))
         return ChatCompletionResponse(
-            id=self.id, created=self.created, model=self.model,
-            choices=[ChatCompletionChoice(
-                index=st.index, message=ChatResponseMessage(content="".join(st.text)),
-                logprobs=self._logprobs(st.logprobs), finish_reason=st.final.finish_reason)
-                for st in states],
+            id=self.id, created=self.created, model=self.model, choices=choices,
             usage=usage_of(states), kv_transfer_params=kv_transfer_of(states))
 
 
+def _delta_call(d) -> DeltaToolCallModel:
+    """A ``tool_parsers.ToolCallDelta`` as OpenAI streams it."""
+    if d.id is not None:
+        return DeltaToolCallModel(index=d.index, id=d.id, type="function",
+                                  function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
+    return DeltaToolCallModel(index=d.index, function=DeltaFunctionCall(arguments=d.arguments))
+
+
+#: (``sloserve.server.messages_api.MessagesBuilder`` has the same methods)
 ResponseBuilder = CompletionBuilder | ChatBuilder
 
 
@@ -266,10 +308,6 @@ def _failed(out: RequestOutput) -> APIError:
     """The error of a choice the engine failed: 400 when the request itself cannot be served
     (a structured-output spec no string satisfies), else 500."""
     return APIError(400 if out.bad_request else 500, out.error)
-
-
-def _error_event(err: APIError) -> str:
-    return sse(err.body().model_dump())  # a dict: rendered ASCII-safe
 
 
 async def _events(engine: AsyncLLM, choices: list[Choice], include_usage: bool,
@@ -287,7 +325,7 @@ async def _events(engine: AsyncLLM, choices: list[Choice], include_usage: bool,
             async for i, out in outs:
                 if out.error:
                     logger.error("request %s failed: %s", out.request_id, out.error)
-                    yield _error_event(_failed(out))
+                    yield b.error_event(_failed(out))
                     failed = True
                     break
                 for st, o in share.release(states[i], out):
@@ -302,11 +340,14 @@ async def _events(engine: AsyncLLM, choices: list[Choice], include_usage: bool,
                     if ev is not None:
                         yield ev
     except Exception as e:  # engine died or refused (CancelledError is not an Exception)
-        yield _error_event(engine_error(e))
+        yield b.error_event(engine_error(e))
     else:
         if include_usage and not failed and all(st.final is not None for st in states):
-            yield b.usage_chunk(usage_of(states))
-    yield DONE
+            ev = b.usage_chunk(usage_of(states))
+            if ev:
+                yield ev
+    if b.done():
+        yield b.done()
 
 
 def stream_response(engine: AsyncLLM, choices: list[Choice], include_usage: bool,
@@ -347,4 +388,5 @@ async def whole_response(engine: AsyncLLM, choices: list[Choice], raw: Request,
     share = PromptLogprobsShare(states)
     for st in states:
         share.fill(st)
-    return JSONResponse(b.response(states).model_dump())
+    body = b.response(states)
+    return JSONResponse(body if isinstance(body, dict) else body.model_dump())

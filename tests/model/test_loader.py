@@ -207,14 +207,18 @@ def test_gguf_model_name_strips_quant_tag(fname, expected):
 _HF_TO_GGUF = {v: k for k, v in gl._BLOCK_NAMES.items()}
 
 
-def write_gguf_from_hf(folder: str, out_path: str, tokenizer_src: str) -> None:
-    """A miniature convert_hf_to_gguf.py: F32 tensors, llama Q/K permuted, llama3 rope_freqs,
-    tokenizer metadata copied from the embedded GGUF."""
+def write_gguf_from_hf(folder: str, out_path: str, tokenizer_src: str,
+                       qtype: str | None = None) -> None:
+    """A miniature convert_hf_to_gguf.py: F32 tensors (``qtype``, e.g. ``"Q4_0"``: the 2-D ones
+    in that encoding, as llama.cpp's quantize would), llama Q/K permuted, llama3 rope_freqs,
+    tokenizer metadata copied from the embedded GGUF; a Mistral is written as llama.cpp writes
+    one (architecture ``llama``)."""
     import gguf
+    from gguf.quants import quantize
     from safetensors.torch import load_file
 
     cfg = json.load(open(os.path.join(folder, "config.json")))
-    arch = cfg["model_type"]
+    arch = {"mistral": "llama"}.get(cfg["model_type"], cfg["model_type"])
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
     w = gguf.GGUFWriter(out_path, arch)
@@ -260,7 +264,12 @@ def write_gguf_from_hf(folder: str, out_path: str, tokenizer_src: str) -> None:
             gname = f"blk.{layer}.{_HF_TO_GGUF[mod]}.{kind}"
         else:
             gname = {v: k for k, v in gl._GLOBAL_NAMES.items()}[name]
-        w.add_tensor(gname, t.float().numpy())
+        t = t.float().numpy()
+        if qtype is not None and t.ndim == 2:
+            q = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(gname, quantize(t, q), raw_dtype=q)
+        else:
+            w.add_tensor(gname, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -291,6 +300,42 @@ def test_synthetic_gguf_round_trips_to_hf_weights(fixture, request, tmp_path, gg
     for k in hf.state_dict:
         assert torch.equal(lw.state_dict[k], hf.state_dict[k]), k
     assert lw.tokenizer.encode("<|im_start|>user") == hf.tokenizer.encode("<|im_start|>user")
+
+
+@pytest.mark.parametrize("fixture,qtype", [("tiny_qwen2_dir", "Q4_0"), ("tiny_qwen2_dir", "Q8_0"),
+                                           ("tiny_mistral_dir", "Q4_1")])
+def test_quantized_gguf_of_each_architecture_on_the_fast_path_matches_torch(
+        fixture, qtype, request, tmp_path, gguf_path):
+    """Qwen2 (q/k/v bias) and Mistral GGUFs served as stored on the fused x16 kernels give the
+    torch reference's greedy tokens (--enforce-eager: the same weight values, dense) in
+    float32."""
+    from sloserve import kernels
+    from sloserve.config import EngineConfig
+    from sloserve.engine.llm_engine import LLMEngine
+    from sloserve.sampling_params import SamplingParams
+    if kernels.load() is None:
+        pytest.skip("no CPU kernels on this machine")
+    out = str(tmp_path / f"tiny.{qtype}.gguf")
+    write_gguf_from_hf(request.getfixturevalue(fixture), out, gguf_path, qtype=qtype)
+    base = dict(model=out, dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64)
+    fast, eager = LLMEngine(EngineConfig(**base)), LLMEngine(EngineConfig(**base, enforce_eager=True))
+    model = fast.runner.model
+    assert all(lin.quant_method is not None for lin in model.linear_layers())  # as stored
+    assert eager.runner.model.kernels is None
+    assert model.config.attention_bias == (fixture == "tiny_qwen2_dir")
+    # at the default dtype (int8 activations) each layer runs as one x16 kernel call
+    default = LLMEngine(EngineConfig(model=out, num_kv_blocks=64, max_num_batched_tokens=64))
+    assert default.runner.model.fused_layers
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    got = []
+    for eng in (fast, eager):
+        rid = eng.add_request("The quick brown fox jumps over the lazy dog. In 1969,", sp)
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.request_id == rid and o.finished:
+                    got.append(o)
+    a, b = got
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 24
 
 
 def test_auto_format_detection(tmp_path, gguf_path, tiny_llama_dir):

@@ -3,6 +3,7 @@ SmolLM2-135M-Instruct in float32; driven with the official `openai` client and h
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 import time
@@ -13,11 +14,17 @@ import openai
 import pytest
 import uvicorn
 
+import sloserve
 from sloserve.config import EngineConfig
 from sloserve.engine.async_llm import AsyncLLM
 from sloserve.engine.outputs import RequestOutput
 from sloserve.sampling_params import SamplingParams
 from sloserve.server.app import create_engine_and_app
+from sloserve.server.tools import ChatConfig
+
+#: the template shipped for ChatML models with tools (renders exactly as SmolLM2's own without)
+HERMES_TEMPLATE = os.path.join(os.path.dirname(sloserve.__file__), "templates",
+                               "hermes_chatml.jinja")
 
 
 @dataclass
@@ -41,10 +48,11 @@ class LiveServer:
         self.engine.shutdown()
 
 
-def start_server(config: EngineConfig, step_trace: str | None = None) -> LiveServer:
+def start_server(config: EngineConfig, step_trace: str | None = None,
+                 chat: ChatConfig | None = None) -> LiveServer:
     """Build engine + app and serve it with uvicorn on a free port in a daemon thread (the core
-    writes its step trace to ``step_trace`` if given)."""
-    engine, app = create_engine_and_app(config, step_trace=step_trace)
+    writes its step trace to ``step_trace`` if given; ``chat``: the chat flags)."""
+    engine, app = create_engine_and_app(config, step_trace=step_trace, chat=chat)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -69,9 +77,13 @@ COMPILE_TIMEOUT_S = 1.0
 
 @pytest.fixture(scope="session")
 def live_server():
+    with open(HERMES_TEMPLATE) as f:
+        chat = ChatConfig(enable_auto_tool_choice=True, tool_call_parser="hermes",
+                          chat_template=f.read())
     srv = start_server(EngineConfig(model=None, dtype="float32", num_kv_blocks=512,
                                     max_model_len=2048, max_num_batched_tokens=512,
-                                    structured_outputs_compile_timeout=COMPILE_TIMEOUT_S))
+                                    structured_outputs_compile_timeout=COMPILE_TIMEOUT_S),
+                       chat=chat)
     yield srv
     srv.stop()
 

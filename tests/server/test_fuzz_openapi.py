@@ -2,7 +2,8 @@
 from the schema (which states the real limits: ``sloserve.server.openapi``), bounded by example
 count and by caps on ``max_tokens`` / ``n`` so a case costs at most a few decode steps.
 
-Checks: no 5xx; every 4xx carries an OpenAI-style error body; the server is healthy and answers
+Checks: no 5xx; every 4xx carries its API's error body (OpenAI's; Anthropic's on /v1/messages);
+the server is healthy and answers
 a normal request the same way afterwards. The status counts are printed (``-s`` shows them):
 the share of 200s says how often the engine itself was reached.
 """
@@ -24,10 +25,13 @@ SKIP = {"POST /reset_prefix_cache"}
 def _cap(case) -> None:
     body = case.body
     if isinstance(body, dict):
-        for key in ("max_tokens", "max_completion_tokens"):
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             if isinstance(body.get(key), int) and not isinstance(body.get(key), bool):
                 body[key] = max(1, min(body[key], MAX_TOKENS))
-        if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        if "input" in body:  # the Responses API's: null means "up to max_model_len"
+            if body.get("max_output_tokens") is None:
+                body["max_output_tokens"] = MAX_TOKENS
+        elif body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
             body["max_tokens"] = MAX_TOKENS  # null means "up to max_model_len"
         if isinstance(body.get("n"), int) and not isinstance(body.get("n"), bool):
             body["n"] = max(1, min(body["n"], MAX_N))
@@ -66,11 +70,17 @@ def test_fuzz_every_operation(live_server, http):
                     failures.append(f"{op.label} -> {r.status_code}: {kw.get('json')!r:.300} "
                                     f"{r.text[:300]}")
                 elif r.status_code >= 400:
-                    err = r.json().get("error") if r.headers.get(
-                        "content-type", "").startswith("application/json") else None
-                    if not (isinstance(err, dict) and err.get("message")
-                            and err.get("code") == r.status_code and "type" in err):
-                        failures.append(f"{op.label} -> {r.status_code} without an OpenAI "
+                    body = r.json() if r.headers.get(
+                        "content-type", "").startswith("application/json") else {}
+                    err = body.get("error")
+                    if op.label.startswith("POST /v1/messages"):  # Anthropic's error shape
+                        ok = (body.get("type") == "error" and isinstance(err, dict)
+                              and err.get("message") and err.get("type"))
+                    else:
+                        ok = (isinstance(err, dict) and err.get("message")
+                              and err.get("code") == r.status_code and "type" in err)
+                    if not ok:
+                        failures.append(f"{op.label} -> {r.status_code} without its API's "
                                         f"error body: {r.text[:300]}")
 
             run()

@@ -1,6 +1,7 @@
 """Prefix caching and overload control through the HTTP API: cached-token usage, cache_salt,
 POST /reset_prefix_cache, the vLLM prefix-cache counters, priority validation, and 429 with
-Retry-After past --max-waiting-requests while admitted requests finish intact."""
+Retry-After past --max-waiting-requests (on the completions, Messages and Responses APIs, each in
+its own error shape) while admitted requests finish intact."""
 from __future__ import annotations
 
 import re
@@ -100,6 +101,15 @@ def test_past_the_queue_limit_requests_get_429_at_once_and_admitted_ones_finish(
         assert body["type"] == "RateLimitError" and body["code"] == 429
         assert "2 requests are waiting, the limit is 2" in body["message"]
         assert int(r.headers["Retry-After"]) >= 1
+        # the other APIs refuse the same way, each in its own error shape
+        model = srv.engine.model_name
+        r = httpx.post(base + "/v1/messages", timeout=60, json={
+            "model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1, r.text
+        assert r.json()["type"] == "error" and r.json()["error"]["type"] == "rate_limit_error"
+        r = httpx.post(base + "/v1/responses", timeout=60, json={
+            "model": model, "max_output_tokens": 4, "input": "hi"})
+        assert r.status_code == 429 and r.json()["error"]["type"] == "RateLimitError", r.text
         for t in (first, *queued):
             t.join(timeout=600)
         assert [done[i].status_code for i in range(3)] == [200, 200, 200]

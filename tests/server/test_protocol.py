@@ -44,9 +44,34 @@ def test_unimplemented_sampling_fields_pass_only_when_off(field, off, on, messag
     assert str(e.value) == f"{field} is not supported {message}"
 
 
-def test_tool_choice_only_none_or_auto():
-    for ok in (None, "none", "auto"):
-        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tool_choice=ok)
-    for bad in (5, "required", {"type": "function"}):
-        with pytest.raises(ValueError):
-            ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tool_choice=bad)
+def test_tool_choice_plans():
+    """Each tool_choice's plan; auto needs the server's flags; a bad choice is a ParamError
+    naming tool_choice (the route's 400)."""
+    import json
+
+    from sloserve.server.tools import ChatConfig, plan_tools
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}}}}]
+    on = ChatConfig(enable_auto_tool_choice=True, tool_call_parser="hermes")
+
+    def plan(cfg=on, **kw):
+        return plan_tools(ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **kw),
+                          cfg)
+    assert plan().mode == "none" and plan(tool_choice="none").mode == "none"
+    assert plan(tools=tools).mode == "auto" and plan(tools=tools).parser.name == "hermes"
+    assert plan(tools=tools, tool_choice="none").tools[0]["function"]["name"] == "f"
+    named = plan(tools=tools, tool_choice={"type": "function", "function": {"name": "f"}})
+    assert named.mode == "named" and json.loads(named.structured.json)["properties"] == {
+        "a": {"type": "integer"}}
+    req = plan(tools=tools, tool_choice="required", parallel_tool_calls=False)
+    schema = json.loads(req.structured.json)
+    assert schema["type"] == "array" and schema["maxItems"] == 1
+    assert schema["items"]["properties"]["name"] == {"type": "string", "const": "f"}
+    for cfg, kw in ((ChatConfig(), {"tools": tools}),  # auto (the default) without the flags
+                    (on, {"tool_choice": "auto"}),  # a choice without tools
+                    (on, {"tools": tools, "tool_choice": "sometimes"}),
+                    (on, {"tools": tools, "tool_choice": {"type": "function"}}),
+                    (on, {"tools": [{"type": "function", "function": {"name": "f"}}] * 2})):
+        with pytest.raises(ParamError) as e:
+            plan(cfg, **kw)
+        assert e.value.param in ("tool_choice", "tools"), kw

@@ -1,0 +1,155 @@
+"""Tool calling on /v1/chat/completions with the official ``openai`` client (the session server
+runs --enable-auto-tool-choice --tool-call-parser hermes and the shipped hermes_chatml
+template): forced calls (required, named) always parse and match their schema, streamed and
+not; ``auto`` answers what the hermes parser reads out of the same greedy text; tool results
+go back in the next turn; bad tool input is a 400 in OpenAI's error shape."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from sloserve.server.tool_parsers import HermesToolParser
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                            "days": {"type": "integer", "minimum": 1,
+                                                     "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+        "required": ["zone"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
+                                           "The weather forecast of a city", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "The time now",
+                                           "parameters": TIME}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ASK = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _check_calls(calls, names=None):
+    assert calls
+    for c in calls:
+        assert c.type == "function" and c.id.startswith("chatcmpl-tool-")
+        assert names is None or c.function.name in names
+        jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED])
+def test_forced_tool_choice_gives_calls_that_match_the_schema(client, live_server, choice):
+    r = client.chat.completions.create(model=live_server.model, messages=ASK, tools=TOOLS,
+                                       tool_choice=choice, max_tokens=120, temperature=0,
+                                       parallel_tool_calls=False)
+    m = r.choices[0]
+    _check_calls(m.message.tool_calls, None if choice == "required" else ["get_weather"])
+    assert len(m.message.tool_calls) == 1
+    assert m.finish_reason == "tool_calls" and m.message.content is None
+
+
+def test_parallel_calls_cut_short_keep_the_whole_ones(client, live_server):
+    """Parallel calls allowed, the small model keeps adding calls until max_tokens: the calls
+    that were completed are answered, the one cut short is not."""
+    r = client.chat.completions.create(model=live_server.model, messages=ASK, tools=TOOLS,
+                                       tool_choice="required", max_tokens=120, temperature=0)
+    m = r.choices[0]
+    _check_calls(m.message.tool_calls)
+    assert m.finish_reason in ("tool_calls", "length")
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED])
+def test_streamed_forced_calls_reassemble_to_the_whole_answer(client, live_server, choice):
+    kw = dict(model=live_server.model, messages=ASK, tools=TOOLS, tool_choice=choice,
+              max_tokens=120, temperature=0, parallel_tool_calls=False)
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    calls: dict[int, dict] = {}
+    finish = None
+    pieces = 0
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            finish = ch.finish_reason or finish
+            for d in ch.delta.tool_calls or ():
+                c = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+                if d.id:
+                    assert c["id"] is None, "id sent twice"
+                    c["id"], c["name"] = d.id, d.function.name
+                c["arguments"] += d.function.arguments or ""
+                pieces += 1
+    assert finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
+        [(w.function.name, json.loads(w.function.arguments)) for w in whole]
+    assert pieces > len(calls) + 1  # arguments in pieces, not one delta per call
+
+
+def test_fifty_concurrent_forced_requests_give_fifty_valid_calls(live_server):
+    async def one(client, i):
+        r = await client.chat.completions.create(
+            model=live_server.model, tools=TOOLS, max_tokens=120, temperature=0.8, seed=i,
+            tool_choice="required" if i % 2 else NAMED, parallel_tool_calls=False,
+            messages=[{"role": "user", "content": f"Weather and time in city number {i}?"}])
+        return r.choices[0].message.tool_calls
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=live_server.base_url + "/v1", api_key="x",
+                                      max_retries=0, timeout=600) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(50)))
+    results = asyncio.run(run())
+    assert len(results) == 50
+    for calls in results:
+        _check_calls(calls)
+
+
+def test_auto_reads_the_calls_out_of_the_text_the_model_wrote(client, live_server):
+    """Greedy: ``none`` gives the raw text (the same prompt: the tools are rendered either
+    way); ``auto`` answers what the hermes parser reads out of it, streamed and not."""
+    kw = dict(model=live_server.model, tools=TOOLS, max_tokens=60, temperature=0,
+              messages=[{"role": "user", "content": "Call get_time for UTC, in a <tool_call>."}])
+    raw = client.chat.completions.create(tool_choice="none", **kw).choices[0]
+    assert not raw.message.tool_calls
+    want = HermesToolParser().extract(raw.message.content)
+    got = client.chat.completions.create(tool_choice="auto", **kw).choices[0]
+    assert got.message.content == want.content
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in got.message.tool_calls or []] \
+        == [(c.name, json.loads(c.arguments)) for c in want.tool_calls]
+    assert got.finish_reason == ("tool_calls" if want.tool_calls else raw.finish_reason)
+    content = "".join(ch.delta.content or "" for chunk in
+                      client.chat.completions.create(stream=True, tool_choice="auto", **kw)
+                      for ch in chunk.choices)
+    assert content == (want.content or "")
+
+
+def test_a_tool_result_turn_is_accepted(client, live_server):
+    first = client.chat.completions.create(model=live_server.model, messages=ASK, tools=TOOLS,
+                                           tool_choice=NAMED, max_tokens=120, temperature=0)
+    call = first.choices[0].message.tool_calls[0]
+    msgs = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                  {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C all week."}]
+    r = client.chat.completions.create(model=live_server.model, messages=msgs, tools=TOOLS,
+                                       tool_choice="none", max_tokens=8, temperature=0)
+    assert r.choices[0].message.content and r.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("body,param,phrase", [
+    ({"tool_choice": "required"}, "tool_choice", "tool_choice needs tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice", "names function 'nope'"),
+    ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools",
+     "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "strin"}}}}}], "tool_choice": "required"},
+     "tools", ""),
+    ({"tools": TOOLS, "messages": ASK + [{"role": "tool", "tool_call_id": "call_x", "content": "1"}]},
+     "messages", "tool_call_id 'call_x' matches no tool call"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "tool_choice must be"),
+])
+def test_bad_tool_input_is_a_400_and_the_server_keeps_serving(http, live_server, body, param,
+                                                                phrase):
+    r = http.post("/v1/chat/completions", json={"model": live_server.model, "messages": ASK,
+                                                "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and phrase in err["message"]
+    ok = http.post("/v1/chat/completions", json={"model": live_server.model, "messages": ASK,
+                                                 "max_tokens": 2})
+    assert ok.status_code == 200
