@@ -77,13 +77,9 @@ COMPILE_TIMEOUT_S = 1.0
 
 @pytest.fixture(scope="session")
 def live_server():
-    with open(HERMES_TEMPLATE) as f:
-        chat = ChatConfig(enable_auto_tool_choice=True, tool_call_parser="hermes",
-                          chat_template=f.read())
     srv = start_server(EngineConfig(model=None, dtype="float32", num_kv_blocks=512,
                                     max_model_len=2048, max_num_batched_tokens=512,
-                                    structured_outputs_compile_timeout=COMPILE_TIMEOUT_S),
-                       chat=chat)
+                                    structured_outputs_compile_timeout=COMPILE_TIMEOUT_S))
     yield srv
     srv.stop()
 
@@ -165,5 +161,6 @@ def helpers():
         sse_events = staticmethod(sse_events)
         start_server = staticmethod(start_server)
         wait_healthy = staticmethod(wait_healthy)
+        hermes_template = HERMES_TEMPLATE
 
     return H

@@ -1,6 +1,6 @@
-"""Tool calling on /v1/chat/completions with the official ``openai`` client (the session server
-runs --enable-auto-tool-choice --tool-call-parser hermes and the shipped hermes_chatml
-template): forced calls (required, named) always parse and match their schema, streamed and
+"""Tool calling on /v1/chat/completions with the official ``openai`` client (a server with
+--enable-auto-tool-choice --tool-call-parser hermes and the shipped hermes_chatml template):
+forced calls (required, named) always parse and match their schema, streamed and
 not; ``auto`` answers what the hermes parser reads out of the same greedy text; tool results
 go back in the next turn; bad tool input is a 400 in OpenAI's error shape."""
 from __future__ import annotations
@@ -8,11 +8,14 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
 
+from sloserve.config import EngineConfig
 from sloserve.server.tool_parsers import HermesToolParser
+from sloserve.server.tools import ChatConfig
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                             "days": {"type": "integer", "minimum": 1,
@@ -27,6 +30,30 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 ASK = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def live_server(helpers):
+    """The session server's settings, with the tool flags and template."""
+    with open(helpers.hermes_template) as f:
+        chat = ChatConfig(enable_auto_tool_choice=True, tool_call_parser="hermes",
+                          chat_template=f.read())
+    srv = helpers.start_server(EngineConfig(model=None, dtype="float32", num_kv_blocks=512,
+                                    max_model_len=2048, max_num_batched_tokens=512), chat=chat)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(live_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="x", max_retries=0,
+                         timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(live_server):
+    with httpx.Client(base_url=live_server.base_url, timeout=120) as c:
+        yield c
 
 
 def _check_calls(calls, names=None):
