@@ -102,12 +102,6 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:
-    """The parser named ``name``.
-
-    Raises:
-        ValueError: an unknown name (the message lists the known ones).
-    """
-    if name not in REASONING_PARSERS:
-        raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, "
-                         f"got {name!r}")
-    return REASONING_PARSERS[name]()
+    """The parser named ``name`` (ValueError for an unknown one)."""
+    from sloserve.server.tool_parsers import named
+    return named(REASONING_PARSERS, name, "--reasoning-parser")

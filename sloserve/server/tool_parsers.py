@@ -397,13 +397,17 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParse
                                                                   Llama3JsonToolParser)}
 
 
-def get_tool_parser(name: str) -> ToolParser:
-    """The parser named ``name``.
+def named(registry: dict, name: str, flag: str):
+    """A new instance of ``registry[name]``.
 
     Raises:
-        ValueError: an unknown name (the message lists the known ones).
+        ValueError: an unknown name (the message names ``flag`` and lists the known ones).
     """
-    if name not in TOOL_PARSERS:
-        raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_PARSERS)}, "
-                         f"got {name!r}")
-    return TOOL_PARSERS[name]()
+    if name not in registry:
+        raise ValueError(f"{flag} must be one of {', '.join(registry)}, got {name!r}")
+    return registry[name]()
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    """The parser named ``name`` (ValueError for an unknown one)."""
+    return named(TOOL_PARSERS, name, "--tool-call-parser")

@@ -89,15 +89,22 @@ def engine(live_server) -> AsyncLLM:
     return live_server.engine
 
 
+def openai_client(srv: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def http_client(srv: LiveServer) -> httpx.Client:
+    return httpx.Client(base_url=srv.base_url, timeout=120)
+
+
 @pytest.fixture(scope="session")
 def client(live_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="x", max_retries=0,
-                         timeout=120)
+    return openai_client(live_server)
 
 
 @pytest.fixture(scope="session")
 def http(live_server):
-    with httpx.Client(base_url=live_server.base_url, timeout=120) as c:
+    with http_client(live_server) as c:
         yield c
 
 
@@ -162,5 +169,7 @@ def helpers():
         start_server = staticmethod(start_server)
         wait_healthy = staticmethod(wait_healthy)
         hermes_template = HERMES_TEMPLATE
+        openai_client = staticmethod(openai_client)
+        http_client = staticmethod(http_client)
 
     return H

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx
 import jsonschema
 import openai
 import pytest
@@ -45,14 +44,13 @@ def live_server(helpers):
 
 
 @pytest.fixture(scope="module")
-def client(live_server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=live_server.base_url + "/v1", api_key="x", max_retries=0,
-                         timeout=120)
+def client(live_server, helpers) -> openai.OpenAI:
+    return helpers.openai_client(live_server)
 
 
 @pytest.fixture(scope="module")
-def http(live_server):
-    with httpx.Client(base_url=live_server.base_url, timeout=120) as c:
+def http(live_server, helpers):
+    with helpers.http_client(live_server) as c:
         yield c
 
 
