@@ -1,4 +1,6 @@
-"""One API request's HTTP flow, shared by ``/v1/completions`` and ``/v1/chat/completions``.
+"""One API request's HTTP flow, shared by ``/v1/completions``, ``/v1/chat/completions`` and the
+APIs that run as chat completions (``messages_api``, ``responses_api``: their builders have the
+same methods).
 
 An API request becomes one engine request per choice (``n`` per prompt; completions may carry
 several prompts): choice ``i`` of prompt ``p`` has index ``p * n + i``, as in vLLM. The choices
@@ -300,7 +302,7 @@ def _delta_call(d) -> DeltaToolCallModel:
     return DeltaToolCallModel(index=d.index, function=DeltaFunctionCall(arguments=d.arguments))
 
 
-#: (``sloserve.server.messages_api.MessagesBuilder`` has the same methods)
+#: (``messages_api.MessagesBuilder`` and ``responses_api.ResponsesBuilder`` have the same methods)
 ResponseBuilder = CompletionBuilder | ChatBuilder
 
 

@@ -303,10 +303,10 @@ class Llama3JsonToolParser(ToolParser):
         return Extracted(None, calls) if calls else Extracted(text, [])
 
     def streamer(self) -> ToolStreamer:
-        return _Llama3Streamer(self)
+        return Llama3Streamer(self)
 
 
-class _Llama3Streamer(ToolStreamer):
+class Llama3Streamer(ToolStreamer):
     def __init__(self, parser: Llama3JsonToolParser):
         self.p = parser
         self.text = ""

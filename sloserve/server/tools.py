@@ -26,7 +26,7 @@ from typing import Any
 from sloserve.sampling_params import ParamError, StructuredOutputsParams
 from sloserve.server.reasoning_parsers import ReasoningStreamer, get_reasoning_parser
 from sloserve.server.tool_parsers import (ToolCall, ToolCallDelta, ToolParser, ToolStreamer,
-                                          _Llama3Streamer, Llama3JsonToolParser,
+                                          Llama3Streamer, Llama3JsonToolParser,
                                           get_tool_parser, new_tool_call_id)
 
 
@@ -161,7 +161,7 @@ def check_tool_messages(messages: list[dict[str, Any]]) -> None:
                                  f"of an earlier assistant message", "messages")
 
 
-class _RequiredStreamer(_Llama3Streamer):
+class _RequiredStreamer(Llama3Streamer):
     """``required``'s output, a JSON array of ``{"name", "parameters"}`` objects, streamed
     as calls (the objects as llama3_json's, the brackets and commas between them skipped)."""
 
