@@ -91,11 +91,12 @@ def _part_text(content: Any, where: str) -> str:
         raise ParamError(f"{where}.content must be a string or a list of parts", "input")
     out = []
     for j, p in enumerate(content):
-        if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text") \
-                or not isinstance(p.get("text"), str):
-            kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+        kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+        if kind not in ("input_text", "output_text", "text"):
             raise ParamError(f"{where}.content[{j}]: part type {kind!r} is not served here "
                              f"(input_text, output_text)", "input")
+        if not isinstance(p.get("text"), str):
+            raise ParamError(f"{where}.content[{j}]: a {kind} part needs a string text", "input")
         out.append(p["text"])
     return "\n".join(out)
 
@@ -194,6 +195,19 @@ def to_chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]
         parallel_tool_calls=req.parallel_tool_calls, max_tokens=req.max_output_tokens,
         temperature=req.temperature, top_p=req.top_p, stream=req.stream,
         response_format=_response_format(req.text))
+
+
+#: the chat request's fields -> the Responses request's, for its errors
+_FIELDS = {"max_tokens": "max_output_tokens", "response_format": "text", "messages": "input"}
+
+
+def responses_error(err):
+    """An ``errors.APIError`` of the chat path in the Responses API's field names."""
+    from sloserve.server.errors import APIError
+    message = err.message.replace("response_format json_schema needs json_schema.schema",
+                                  "text.format json_schema needs a schema")
+    message = message.replace("max_tokens", "max_output_tokens")
+    return APIError(err.status, message, _FIELDS.get(err.param, err.param), headers=err.headers)
 
 
 # ----------------------------------------------------------------------------------- answers

@@ -44,7 +44,7 @@ from sloserve.server.tokenization import build_tokenization_router
 from sloserve.server.messages_api import (CountTokensRequest, MessagesBuilder, MessagesRequest,
                                           to_chat_request)
 from sloserve.server.responses_api import (ResponsesBuilder, ResponsesRequest, ResponseStore,
-                                           input_messages)
+                                           input_messages, responses_error)
 from sloserve.server.responses_api import to_chat_request as responses_chat_request
 from sloserve.server.tools import ChatConfig, ToolPlan, check_tool_messages, plan_tools
 
@@ -311,10 +311,13 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state,
             raise APIError(400, str(e), e.param) from e
         except ValueError as e:  # the chat request's own validation
             raise APIError(400, f"invalid request: {e}") from e
-        plan, ids = await chat_prompt(chat_body)
-        b = ResponsesBuilder(body, model_name, plan, conversation, responses,
-                             chat.reasoning_parser)
-        choices = await make_choices([ids], chat_body, b.id)
+        try:  # the chat path's 400s, in the Responses API's field names
+            plan, ids = await chat_prompt(chat_body)
+            b = ResponsesBuilder(body, model_name, plan, conversation, responses,
+                                 chat.reasoning_parser)
+            choices = await make_choices([ids], chat_body, b.id)
+        except APIError as e:
+            raise responses_error(e) from e
         res = reserve(choices, raw)
         if body.stream:
             return stream_response(engine, choices, False, b, res)

@@ -106,7 +106,9 @@ def test_unknown_or_unstored_previous_response_is_a_404(client, live_server):
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text"),
     ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]},
-     "messages"),
+     "input"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text"),
 ])
 def test_bad_input_is_a_400(http, live_server, body, param):
     r = http.post("/v1/responses", json={"model": live_server.model, "max_output_tokens": 2,
