@@ -15,15 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sloserve.server.tool_parsers import named, partial_tag
+
 START, END = "<think>", "</think>"
-
-
-def _held(buf: str, tag: str) -> int:
-    """Characters at the end of ``buf`` that begin ``tag``."""
-    for n in range(min(len(tag) - 1, len(buf)), 0, -1):
-        if tag.startswith(buf[-n:]):
-            return n
-    return 0
 
 
 @dataclass
@@ -57,7 +51,7 @@ class ReasoningStreamer:
         if self.mode == "reasoning":
             i = self.buf.find(END)
             if i < 0:
-                keep = _held(self.buf, END)
+                keep = partial_tag(self.buf, END)
                 reasoning, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
                 return reasoning, ""
             reasoning, self.buf, self.mode = self.buf[:i], self.buf[i + len(END):], "content"
@@ -103,5 +97,4 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
 
 def get_reasoning_parser(name: str) -> ReasoningParser:
     """The parser named ``name`` (ValueError for an unknown one)."""
-    from sloserve.server.tool_parsers import named
     return named(REASONING_PARSERS, name, "--reasoning-parser")

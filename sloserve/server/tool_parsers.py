@@ -65,6 +65,14 @@ def _arguments_text(value) -> str:
     return json.dumps({} if value is None else value, ensure_ascii=False)
 
 
+def _parse_call(text: str, arg_keys: tuple[str, ...]) -> ToolCall | None:
+    """The call in JSON ``text`` (see :func:`_call_of`), or None where it is not one."""
+    try:
+        return _call_of(json.loads(text), arg_keys)
+    except ValueError:
+        return None
+
+
 def _call_of(obj, arg_keys: tuple[str, ...]) -> ToolCall | None:
     """A call from a parsed object with a string ``name`` (its arguments under one of
     ``arg_keys``), else None."""
@@ -148,7 +156,7 @@ class _CallStream:
         return [ToolCallDelta(self.index, arguments=call.arguments)]
 
 
-def _partial_tag(buf: str, tag: str) -> int:
+def partial_tag(buf: str, tag: str) -> int:
     """The length of the longest end of ``buf`` that begins ``tag`` (held back: a tag may be
     arriving)."""
     for n in range(min(len(tag) - 1, len(buf)), 0, -1):
@@ -197,10 +205,7 @@ class HermesToolParser(ToolParser):
             return Extracted(text, [])
         calls, kept, pos = [], [], 0
         for m in self._CALL.finditer(text):
-            try:
-                call = _call_of(json.loads(m.group(1)), self.ARG_KEYS)
-            except ValueError:
-                call = None
+            call = _parse_call(m.group(1), self.ARG_KEYS)
             if call is None:  # not a call: left in the content as written
                 continue
             kept.append(text[pos:m.start()])
@@ -228,7 +233,7 @@ class _HermesStreamer(ToolStreamer):
             if self.call is None:
                 i = self.buf.find(self.p.START)
                 if i < 0:
-                    keep = _partial_tag(self.buf, self.p.START)
+                    keep = partial_tag(self.buf, self.p.START)
                     content.append(self.buf[:len(self.buf) - keep])
                     self.buf = self.buf[len(self.buf) - keep:]
                     break
@@ -239,7 +244,7 @@ class _HermesStreamer(ToolStreamer):
                 continue
             j = self.buf.find(self.p.END)
             if j < 0:  # the call grows: feed what cannot be part of the end tag
-                keep = _partial_tag(self.buf, self.p.END)
+                keep = partial_tag(self.buf, self.p.END)
                 deltas += self.call.feed(self.buf[:len(self.buf) - keep])
                 self.buf = self.buf[len(self.buf) - keep:]
                 break
@@ -250,10 +255,7 @@ class _HermesStreamer(ToolStreamer):
 
     def _end_call(self, content: list[str], end: str = "") -> list[ToolCallDelta]:
         cs, self.call = self.call, None
-        try:
-            call = _call_of(json.loads(cs.text), self.p.ARG_KEYS)
-        except ValueError:
-            call = None
+        call = _parse_call(cs.text, self.p.ARG_KEYS)
         if call is None and cs.id is None:  # never a call: its text is content
             self.calls -= 1
             content.append(self.p.START + cs.text + end)
@@ -358,10 +360,7 @@ class Llama3Streamer(ToolStreamer):
             if end < 0:
                 return deltas
             cs, self.call = self.call, None
-            try:
-                call = _call_of(json.loads(cs.text[:end]), self.p.ARG_KEYS)
-            except ValueError:
-                call = None
+            call = _parse_call(cs.text[:end], self.p.ARG_KEYS)
             self.failed = call is None
             deltas += cs.finish(call)
             self.call_from += end
@@ -380,10 +379,7 @@ class Llama3Streamer(ToolStreamer):
         deltas = []
         if self.mode == "calls" and self.call is not None:  # stopped inside an object
             cs, self.call = self.call, None
-            try:
-                call = _call_of(json.loads(cs.text), self.p.ARG_KEYS)
-            except ValueError:
-                call = None
+            call = _parse_call(cs.text, self.p.ARG_KEYS)
             deltas = cs.finish(call)
             self.went_out = self.went_out or any(d.id for d in deltas)
         if self.mode != "calls" or not self.went_out:  # no call: the text is content
