@@ -1,5 +1,7 @@
-"""What a forced tool call costs: TPOT of ``tool_choice: "required"`` chat requests against plain
-ones at 1 and 16 concurrent streams (HTTP, streamed, the same prompts), and structured
+"""What a forced tool call costs: TPOT of ``tool_choice: "required"`` chat requests against the
+same prompts answered in text (``tool_choice: "none"``: the tools still rendered into the prompt,
+so only the forcing differs) and against plain chat requests without tools (a shorter prompt),
+at 1 and 16 concurrent streams (HTTP, streamed), and structured
 decoding's per-step mask time (xgrammar's ``fill_next_token_bitmask`` on the tool schema's
 grammar, along a valid output, in this process).
 
@@ -13,6 +15,7 @@ sum / count from ``/metrics`` before and after it: per request (last token - fir
 biased: a forced call's first visible chunk comes several tokens in (the parser holds back
 ``[{"name": ...`` until the name is read). The plain requests run to the same token count as
 the forced ones gave (``max_tokens`` set to it, ``ignore_eos``).
+At 16 streams the tool schema's longer prompts also mean more prefill between decode steps.
 """
 from __future__ import annotations
 
@@ -35,14 +38,21 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "The weather forecast of a city", "parameters": WEATHER}}]
 
 
-async def one(client, model: str, i: int, forced: bool, max_tokens: int) -> tuple[float, int]:
-    kw = dict(model=model, temperature=0.7, seed=i, stream=True,
+#: the three kinds of request compared: the forced call, the same prompt (tools rendered by
+#: the template) answered in free text, and a plain chat request without tools
+KINDS = ("required", "tools_none", "plain")
+
+
+async def one(client, model: str, i: int, kind: str, max_tokens: int) -> tuple[float, int]:
+    kw = dict(model=model, temperature=0.7, seed=i, stream=True, max_tokens=max_tokens,
               stream_options={"include_usage": True},
               messages=[{"role": "user", "content": f"Weather in city {i} for a few days?"}])
-    if forced:
-        kw.update(tools=TOOLS, tool_choice="required", max_tokens=max_tokens)
+    if kind == "required":
+        kw.update(tools=TOOLS, tool_choice="required")
+    elif kind == "tools_none":
+        kw.update(tools=TOOLS, tool_choice="none", extra_body={"ignore_eos": True})
     else:
-        kw.update(max_tokens=max_tokens, extra_body={"ignore_eos": True})
+        kw.update(extra_body={"ignore_eos": True})
     times, tokens = [], 0
     async for chunk in await client.chat.completions.create(**kw):
         if chunk.choices and (chunk.choices[0].delta.content or chunk.choices[0].delta.tool_calls):
@@ -53,7 +63,7 @@ async def one(client, model: str, i: int, forced: bool, max_tokens: int) -> tupl
             tokens)
 
 
-async def run(base: str, conc: int, n: int, forced: bool, max_tokens: int) -> list[tuple]:
+async def run(base: str, conc: int, n: int, kind: str, max_tokens: int) -> list[tuple]:
     async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0,
                                   timeout=600) as client:
         model = (await client.models.list()).data[0].id
@@ -61,7 +71,7 @@ async def run(base: str, conc: int, n: int, forced: bool, max_tokens: int) -> li
 
         async def limited(i):
             async with sem:
-                return await one(client, model, i, forced, max_tokens)
+                return await one(client, model, i, kind, max_tokens)
         return await asyncio.gather(*(limited(i) for i in range(n)))
 
 
@@ -73,10 +83,10 @@ def server_tpot(base: str) -> tuple[float, float]:
     return got[0], got[1]
 
 
-def timed(base: str, conc: int, n: int, forced: bool, max_tokens: int) -> tuple[float, list]:
+def timed(base: str, conc: int, n: int, kind: str, max_tokens: int) -> tuple[float, list]:
     """(the server's mean TPOT over the batch in ms, the batch's (client TPOT, tokens))."""
     s0, c0 = server_tpot(base)
-    out = asyncio.run(run(base, conc, n, forced, max_tokens))
+    out = asyncio.run(run(base, conc, n, kind, max_tokens))
     s1, c1 = server_tpot(base)
     return 1e3 * (s1 - s0) / max(1.0, c1 - c0), out
 
@@ -116,20 +126,29 @@ def main() -> None:
     ap.add_argument("--base-url", default="http://127.0.0.1:8000")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--tokenizer", default=None, help="the served model (default: embedded)")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="rounds of the three kinds in turn; medians over rounds are reported")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     result: dict = {"mask": mask_time(a.tokenizer)}
     print(f"mask: {result['mask']}")
     for conc in (1, 16):
         n = a.num_prompts if conc > 1 else max(4, a.num_prompts // 4)
-        tpot_forced, forced = timed(a.base_url, conc, n, True, 64)
-        length = int(statistics.median(t for _, t in forced))
-        tpot_plain, _ = timed(a.base_url, conc, n, False, length)
-        row = {"concurrency": conc, "requests": n, "tokens_median": length,
-               "tpot_ms_required": tpot_forced, "tpot_ms_plain": tpot_plain}
-        row["ratio"] = row["tpot_ms_required"] / row["tpot_ms_plain"]
+        rounds: list[dict] = []
+        for _ in range(a.rounds):  # the kinds alternate, so the host's drift touches all
+            tpot_forced, forced = timed(a.base_url, conc, n, "required", 64)
+            length = int(statistics.median(t for _, t in forced))
+            got = {"tokens_median": length, "required": tpot_forced}
+            for kind in KINDS[1:]:
+                got[kind] = timed(a.base_url, conc, n, kind, length)[0]
+            rounds.append(got)
+        row = {"concurrency": conc, "requests_per_kind_per_round": n, "rounds": rounds}
+        for kind in KINDS:
+            row[f"tpot_ms_{kind}"] = statistics.median(r[kind] for r in rounds)
+        for kind in KINDS[1:]:
+            row[f"ratio_{kind}"] = statistics.median(r["required"] / r[kind] for r in rounds)
         result[f"c{conc}"] = row
-        print(json.dumps(row))
+        print(json.dumps({k: v for k, v in row.items() if k != "rounds"}))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)
