@@ -151,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="on SIGTERM/SIGINT, seconds requests in flight get to finish (new ones "
                         "get 503) before the server exits 0")
     s.add_argument("--max-request-body-bytes", type=pos_int, default=DEFAULT_MAX_BODY_BYTES,
-                   metavar="N", help=f"larger request bodies get HTTP 413 with an OpenAI error "
-                                     f"body (default {DEFAULT_MAX_BODY_BYTES} = "
+                   metavar="N", help=f"larger request bodies get HTTP 413 in the API's error "
+                                     f"shape (default {DEFAULT_MAX_BODY_BYTES} = "
                                      f"{DEFAULT_MAX_BODY_BYTES / 2 ** 20:g} MiB)")
     s.add_argument("--engine-stall-timeout", type=float,
                    default=DEFAULT_ENGINE_STALL_TIMEOUT_S, metavar="S",

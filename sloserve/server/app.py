@@ -63,7 +63,7 @@ def build_app(engine: AsyncLLM, metrics: PrometheusStatLogger, *,
         metrics: the Prometheus exporter rendered at ``/metrics``; bound here to the engine's
             model name, max_model_len and token budget.
         manage_engine: start the engine on app startup and shut it down on app shutdown.
-        max_request_body_bytes: larger request bodies get 413 (OpenAI's error body, the
+        max_request_body_bytes: larger request bodies get 413 (in the API's error shape, the
             connection kept); a JSON body that is not UTF-8 gets 400.
         chat: the chat endpoint's tool calling, reasoning and template flags (None: off).
 

@@ -1,4 +1,4 @@
-"""Request bodies over ``--max-request-body-bytes`` get HTTP 413 with OpenAI's error body.
+"""Request bodies over ``--max-request-body-bytes`` get HTTP 413 in the API's error shape.
 
 A body announced larger by its Content-Length is refused before a byte of it is read (the
 server then discards the rest it is sent, and the connection stays open for the next request);
@@ -32,7 +32,7 @@ class BodyLimitMiddleware:
             return
         for k, v in scope.get("headers", ()):
             if k == b"content-length" and v.isdigit() and int(v) > self.limit:
-                await self._reject(send, int(v))
+                await self._reject(scope, send, int(v))
                 return
         seen, started = 0, False
 
@@ -54,11 +54,12 @@ class BodyLimitMiddleware:
             await self.app(scope, limited_receive, tracking_send)
         except BodyTooLarge:
             if not started:
-                await self._reject(send, seen)
+                await self._reject(scope, send, seen)
 
-    async def _reject(self, send: Send, size: int) -> None:
-        from sloserve.server.errors import APIError
-        r = APIError(413, f"request body of {size} bytes is over the limit of {self.limit} "
-                          f"bytes (--max-request-body-bytes)").response()
+    async def _reject(self, scope: Scope, send: Send, size: int) -> None:
+        from sloserve.server.errors import APIError, shaped_response
+        r = shaped_response(scope.get("path", ""), APIError(
+            413, f"request body of {size} bytes is over the limit of {self.limit} "
+                 f"bytes (--max-request-body-bytes)"))
         await send({"type": "http.response.start", "status": 413, "headers": r.raw_headers})
         await send({"type": "http.response.body", "body": r.body})

@@ -112,9 +112,13 @@ def route_error_message(detail: str, method: str, path: str, headers: dict | Non
 
 
 def _shaped(request: Request, err: APIError, headers: dict | None = None) -> JSONResponse:
-    """``err`` in the error shape of the API asked: Anthropic's under ``/v1/messages``, else
-    OpenAI's."""
-    if request.url.path.startswith("/v1/messages"):
+    return shaped_response(request.url.path, err, headers)
+
+
+def shaped_response(path: str, err: APIError, headers: dict | None = None) -> JSONResponse:
+    """``err`` in the error shape of the API asked (by the request's ``path``): Anthropic's
+    under ``/v1/messages``, else OpenAI's."""
+    if path.startswith("/v1/messages"):
         from sloserve.server.messages_api import error_body
         return ErrorJSONResponse(error_body(err.status, err.message), status_code=err.status,
                                  headers=headers if headers is not None else err.headers)

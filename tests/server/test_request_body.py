@@ -192,13 +192,15 @@ def _stub_app(limit: int):
     return build_app(engine, PrometheusStatLogger(), max_request_body_bytes=limit)
 
 
-def _asgi_post(app, chunks: list[bytes], content_length: bool = True) -> tuple[int, dict]:
-    """POST ``chunks`` (one ASGI message each) to ``app``; its status and JSON body."""
+def _asgi_post(app, chunks: list[bytes], content_length: bool = True,
+               path: str = "/v1/completions") -> tuple[int, dict]:
+    """POST ``chunks`` (one ASGI message each) to ``app`` at ``path``; its status and JSON
+    body."""
     headers = [(b"content-type", b"application/json")]
     if content_length:
         headers.append((b"content-length", str(sum(map(len, chunks))).encode()))
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "scheme": "http", "path": path, "raw_path": path.encode(),
              "query_string": b"", "root_path": "", "headers": headers,
              "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
     messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
@@ -227,6 +229,17 @@ def test_the_limit_is_the_apps_setting():
     assert _asgi_post(app, [b'{"prompt": "\xff"}' + b" " * 60])[0] == 413
 
 
+def test_anthropics_routes_get_its_error_shape_for_both_refusals():
+    app = _stub_app(64)
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        assert _asgi_post(app, [b"{" + b" " * 64], path=path) == (413, {
+            "type": "error", "error": {"type": "request_too_large", "message": _too_large(
+                65, 64)["error"]["message"]}})
+        assert _asgi_post(app, [b'{"model": "m", "\xff": 1}'], path=path) == (400, {
+            "type": "error", "error": {"type": "invalid_request_error", "message": _not_utf8(
+                0xFF, 16, "invalid start byte")["error"]["message"]}})
+
+
 def test_the_flag_is_checked_and_documented():
     cli = [sys.executable, "-m", "sloserve.cli", "serve"]
     p = subprocess.run([*cli, "--max-request-body-bytes", "0"], capture_output=True, text=True,
@@ -236,8 +249,8 @@ def test_the_flag_is_checked_and_documented():
         "got 0")
     help_text = " ".join(subprocess.run([*cli, "--help"], capture_output=True, text=True,
                                         timeout=60).stdout.split())
-    assert (f"--max-request-body-bytes N larger request bodies get HTTP 413 with an OpenAI "
-            f"error body (default {DEFAULT_MAX_BODY_BYTES} = 10 MiB)") in help_text
+    assert (f"--max-request-body-bytes N larger request bodies get HTTP 413 in the API's "
+            f"error shape (default {DEFAULT_MAX_BODY_BYTES} = 10 MiB)") in help_text
 
 
 def test_the_cli_default_is_the_servers_without_importing_the_server():
