@@ -11,6 +11,7 @@ import contextlib
 import logging
 
 from fastapi import FastAPI
+from prometheus_fastapi_instrumentator import Instrumentator
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sloserve.config import EngineConfig
@@ -68,7 +69,8 @@ def build_app(engine: AsyncLLM, metrics: PrometheusStatLogger, *,
         chat: the chat endpoint's tool calling, reasoning and template flags (None: off).
 
     Returns:
-        The app; ``app.state.engine``, ``app.state.metrics``, ``app.state.in_flight`` (requests
+        The app, its routes counted by endpoint at ``/metrics`` as vLLM's are
+        (``http_requests_total{handler=...}``); ``app.state.engine``, ``app.state.metrics``, ``app.state.in_flight`` (requests
         in progress) and ``app.state.draining`` are set.
     """
     metrics.bind(engine.model_name, engine.max_model_len, engine.info.max_num_batched_tokens)
@@ -96,6 +98,10 @@ def build_app(engine: AsyncLLM, metrics: PrometheusStatLogger, *,
     install_error_handlers(app)
     app.include_router(build_router(engine, metrics, app.state, chat or ChatConfig()))
     install_openapi_constraints(app, engine)
+    # vLLM's per-endpoint HTTP metrics (http_requests_total{handler,method,status},
+    # http_request_duration_seconds, ...), by route template, in the exporter's registry
+    Instrumentator(excluded_handlers=["/metrics", "/health"],
+                   registry=metrics.registry).instrument(app)
     return app
 
 

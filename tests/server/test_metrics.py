@@ -131,3 +131,32 @@ def test_spec_decode_per_position_series_exist_from_the_start():
     assert sorted(dict(lbl)["position"] for n, lbl in s if n == name) == ["0", "1", "2"]
     assert _get(s, name) == 0
     assert not [n for n, _ in _samples(plain.render().decode()) if n == name]
+
+
+def test_http_requests_are_counted_by_endpoint_as_vllm_counts_them(http, live_server):
+    """``http_requests_total{handler,method,status}`` (vLLM's per-endpoint counter, by route
+    template): one request to each API and a 4xx, counted under its own handler; /metrics and
+    /health are not counted."""
+    model = live_server.model
+    calls = [("/v1/chat/completions", {"model": model, "max_tokens": 2, "messages": [
+                 {"role": "user", "content": "hi"}]}, "2xx"),
+             ("/v1/responses", {"model": model, "max_output_tokens": 2, "input": "hi"}, "2xx"),
+             ("/v1/messages", {"model": model, "max_tokens": 2, "messages": [
+                 {"role": "user", "content": "hi"}]}, "2xx"),
+             ("/v1/messages", {"model": model, "messages": []}, "4xx")]
+
+    def counts():
+        s = _samples(http.get("/metrics").text)
+        return {(dict(lbl)["handler"], dict(lbl)["method"], dict(lbl)["status"]): v
+                for (n, lbl), v in s.items() if n == "http_requests_total"}
+    before = counts()
+    for path, body, _ in calls:
+        http.post(path, json=body)
+    http.get("/v1/responses/resp_unknown")
+    http.get("/health")
+    after = counts()
+    grew = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
+    assert grew == {("/v1/chat/completions", "POST", "2xx"): 1.0,
+                    ("/v1/responses", "POST", "2xx"): 1.0,
+                    ("/v1/messages", "POST", "2xx"): 1.0, ("/v1/messages", "POST", "4xx"): 1.0,
+                    ("/v1/responses/{response_id}", "GET", "4xx"): 1.0}
