@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import jsonschema
 import openai
@@ -178,3 +179,60 @@ def test_bad_tool_input_is_a_400_and_the_server_keeps_serving(http, live_server,
     ok = http.post("/v1/chat/completions", json={"model": live_server.model, "messages": ASK,
                                                  "max_tokens": 2})
     assert ok.status_code == 200
+
+
+#: a reply shaped as a reasoning model with tools answers (forced by a regex over the model's
+#: own sampled tokens, so the streamed pieces split wherever its tokenizer splits them)
+THINK_THEN_CALL = (r'<think>[a-z]{1,8}( [a-z]{1,8}){0,4}</think>Sure\.\n<tool_call>\n\{"name": '
+                   r'"get_weather", "arguments": \{"city": "[A-Z][a-z]{1,9}", "days": [1-7]\}\}'
+                   r'\n</tool_call>')
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(helpers):
+    with open(helpers.hermes_template) as f:
+        chat = ChatConfig(enable_auto_tool_choice=True, tool_call_parser="hermes",
+                          reasoning_parser="deepseek_r1", chat_template=f.read())
+    srv = helpers.start_server(EngineConfig(model=None, dtype="float32", num_kv_blocks=256,
+                                            max_model_len=2048, max_num_batched_tokens=512),
+                               chat=chat)
+    yield srv
+    srv.stop()
+
+
+def test_streamed_reasoning_then_a_call_arrives_whole_in_twenty_seeded_runs(reasoning_server,
+                                                                            helpers):
+    """The public failure case (a reasoning parser and a tool parser together lose streamed
+    calls): 20 sampled runs through the server, each streamed: the reasoning arrives as
+    ``reasoning_content``, the call whole (one id, its name once, arguments that parse and
+    match the schema); for the first 5 seeds the stream says what the same seed's whole answer
+    says."""
+    client = helpers.openai_client(reasoning_server)
+    for seed in range(20):
+        kw = dict(model=reasoning_server.model, messages=ASK, tools=TOOLS, tool_choice="auto",
+                  max_tokens=120, temperature=1.0, seed=seed,
+                  extra_body={"structured_outputs": {"regex": THINK_THEN_CALL}})
+        reasoning, content, calls, finish = "", "", {}, None
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            for ch in chunk.choices:
+                reasoning += getattr(ch.delta, "reasoning_content", None) or ""
+                content += ch.delta.content or ""
+                for d in ch.delta.tool_calls or []:
+                    c = calls.setdefault(d.index, {"ids": [], "names": [], "arguments": ""})
+                    c["ids"] += [d.id] if d.id else []
+                    c["names"] += [d.function.name] if d.function and d.function.name else []
+                    c["arguments"] += (d.function.arguments or "") if d.function else ""
+                finish = ch.finish_reason or finish
+        assert finish == "tool_calls", seed
+        assert re.fullmatch(r"[a-z]{1,8}( [a-z]{1,8}){0,4}", reasoning), (seed, reasoning)
+        assert content.strip() == "Sure.", (seed, content)
+        assert list(calls) == [0] and calls[0]["names"] == ["get_weather"], (seed, calls)
+        assert len(calls[0]["ids"]) == 1 and calls[0]["ids"][0].startswith("chatcmpl-tool-")
+        args = json.loads(calls[0]["arguments"])
+        jsonschema.validate(args, WEATHER)
+        if seed < 5:
+            whole = client.chat.completions.create(**kw).choices[0]
+            assert (whole.finish_reason, whole.message.reasoning_content,
+                    whole.message.content.strip()) == ("tool_calls", reasoning, "Sure."), seed
+            assert [(c.function.name, json.loads(c.function.arguments))
+                    for c in whole.message.tool_calls] == [("get_weather", args)], seed
