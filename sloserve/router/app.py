@@ -2,15 +2,23 @@
 
     POST /v1/completions, /v1/chat/completions   proxied to a worker (streamed or not); with
                                                  --prefill/--decode, in two halves (disagg)
+    POST /v1/messages, /v1/messages/count_tokens,
+         /v1/responses                           proxied whole to a replica (with --prefill/
+                                                 --decode: to a decode server, not split); a
+                                                 Responses turn with previous_response_id
+                                                 goes to the worker that stored that response
+    GET  /v1/responses/{id}                      the stored response, from the worker that has
+                                                 it (404 when none has)
     GET  /v1/models                              a healthy worker's answer
     GET  /health                                 200 while at least one worker of each role it
                                                  needs is healthy, else 503; JSON either way:
                                                  {"status", "policy", "workers": [...]}
     GET  /metrics                                Prometheus text (``metrics``)
 
-Errors are OpenAI's ``{"error": {"message", "type", "param", "code"}}``: 400 for a body that is
-not a JSON object, 502 when a worker failed the request, 503 when no worker can take it; a
-worker's own errors pass through as it gave them.
+Errors are in the API's own shape (OpenAI's ``{"error": {"message", "type", "param",
+"code"}}``, Anthropic's on ``/v1/messages``): 400 for a body that is not a JSON object, 502 when
+a worker failed the request, 503 when no worker can take it; a worker's own errors pass through
+as it gave them.
 """
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ import asyncio
 import json
 import logging
 from contextlib import asynccontextmanager
+from urllib.parse import quote
 
 import httpx
 from fastapi import FastAPI, Request
@@ -29,7 +38,7 @@ from sloserve.router.disagg import Disaggregated
 from sloserve.router.errors import RouterError, error_response
 from sloserve.router.kv_subscriber import KVEventSubscriber
 from sloserve.router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
-from sloserve.router.policies import LeastOutstanding, RouteContext, make_policy
+from sloserve.router.policies import LeastOutstanding, Pinned, RouteContext, make_policy
 from sloserve.router.prefix_index import PrefixIndex
 from sloserve.router.prompt import PromptTokenizer
 from sloserve.router.proxy import Proxy, forward_headers
@@ -106,23 +115,60 @@ class Router:
             self._zmq_ctx.term()
 
     # ------------------------------------------------------------------ requests
-    async def generate(self, request: Request, path: str, chat: bool) -> Response:
+    async def generate(self, request: Request, path: str, chat: bool,
+                       whole: bool = False) -> Response:
+        """Proxy a generation request. ``whole``: never split in two halves (the agent APIs,
+        whose bodies the prefill/decode flow does not speak: a decode server serves them
+        alone, as any server serves a request without ``kv_transfer_params``)."""
         raw = await request.body()
         try:
             body = json.loads(raw)
         except ValueError as e:
-            return error_response(400, f"the body is not JSON: {e}")
+            return error_response(400, f"the body is not JSON: {e}", path=path)
         if not isinstance(body, dict):
-            return error_response(400, "the body must be a JSON object")
+            return error_response(400, "the body must be a JSON object", path=path)
         headers = forward_headers(request)
-        if self.disagg is not None:
+        if self.disagg is not None and not whole:
             return await self.disagg.handle(body, path, chat, headers)
+        role = "decode" if self.disagg is not None else "replica"
+        policy = self.disagg.decode_policy if self.disagg is not None else self.policy
+        previous = body.get("previous_response_id") if path == "/v1/responses" else None
+        if isinstance(previous, str) and previous:
+            holder = await self._holder(role, previous)
+            if holder is not None:
+                policy = Pinned(holder[0], policy, self.metrics)
         ctx = RouteContext(body, chat, self.tokenizer)
         try:
-            up = await self.proxy.open("replica", self.policy, ctx, path, raw, headers)
+            up = await self.proxy.open(role, policy, ctx, path, raw, headers)
         except RouterError as e:
-            return e.response()
+            return e.response(path)
         return await self.proxy.respond(up, bool(body.get("stream")))
+
+    async def _holder(self, role: str, response_id: str) -> tuple[Worker, httpx.Response] | None:
+        """The worker of ``role`` that stores response ``response_id`` (each server keeps its
+        own, in memory), and its answer to ``GET /v1/responses/{id}``: all asked at once."""
+        workers = self.pool.available(role)
+
+        async def ask(w: Worker):
+            try:
+                r = await self.client.get(f"{w.url}/v1/responses/{quote(response_id, safe='')}",
+                                          timeout=5.0)
+            except httpx.HTTPError:
+                return None
+            return (w, r) if r.status_code == 200 else None
+        for got in await asyncio.gather(*(ask(w) for w in workers)):
+            if got is not None:
+                return got
+        return None
+
+    async def stored_response(self, response_id: str) -> Response:
+        role = "decode" if self.disagg is not None else "replica"
+        got = await self._holder(role, response_id)
+        if got is None:
+            return error_response(404, f"no response with id {response_id!r} is stored on any "
+                                       f"{'decode server' if role == 'decode' else 'replica'}",
+                                  "response_id")
+        return Response(got[1].content, status_code=200, media_type="application/json")
 
     async def models(self) -> Response:
         role = "decode" if self.disagg is not None else "replica"
@@ -164,7 +210,7 @@ def build_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None =
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        return error_response(exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, str(exc.detail), path=request.url.path)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -173,6 +219,23 @@ def build_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None =
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await router.generate(request, "/v1/chat/completions", chat=True)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await router.generate(request, "/v1/messages", chat=False, whole=True)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        return await router.generate(request, "/v1/messages/count_tokens", chat=False,
+                                     whole=True)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await router.generate(request, "/v1/responses", chat=False, whole=True)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str) -> Response:
+        return await router.stored_response(response_id)
 
     @app.get("/v1/models")
     async def models() -> Response:

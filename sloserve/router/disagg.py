@@ -129,7 +129,7 @@ class Disaggregated:
                 return await self.serial(body, path, chat, headers)
             return await self.concurrent(body, path, chat, headers)
         except RouterError as e:
-            return e.response()
+            return e.response(path)
 
     # ------------------------------------------------------------------ serial
     async def serial(self, body: dict, path: str, chat: bool, headers: dict) -> Response:

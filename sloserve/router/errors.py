@@ -1,27 +1,20 @@
-"""The router's errors, in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``
-(the servers' own), as a JSON response or, once a stream has started, as an SSE error event
-followed by ``data: [DONE]``."""
+"""The router's errors, in the shape of the API asked (the servers' own,
+``sloserve.error_shapes``: OpenAI's, Anthropic's on ``/v1/messages``), as a JSON response or,
+once a stream has started, as that API's error event."""
 from __future__ import annotations
 
 import json
 
 from fastapi.responses import Response
 
-_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-          500: "InternalServerError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
-          504: "GatewayTimeoutError"}
+from sloserve.error_shapes import error_for, is_anthropic, stream_error
 
 DONE = b"data: [DONE]\n\n"
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "APIError"),
-                      "param": param, "code": status}}
-
-
 def error_response(status: int, message: str, param: str | None = None,
-                   headers: dict | None = None) -> Response:
-    return Response(json.dumps(error_body(status, message, param), ensure_ascii=True),
+                   headers: dict | None = None, path: str = "") -> Response:
+    return Response(json.dumps(error_for(path, status, message, param), ensure_ascii=True),
                     status_code=status, media_type="application/json", headers=headers)
 
 
@@ -48,20 +41,24 @@ class RouterError(Exception):
         self.body = body
         self.content_type = content_type
 
-    def response(self) -> Response:
+    def response(self, path: str = "") -> Response:
+        """The answer to a request to ``path``: the worker's own error body, else the router's
+        in that API's shape."""
         if self.body is not None:
             return Response(self.body, status_code=self.status,
                             media_type=self.content_type or "application/json")
-        return error_response(self.status, self.message)
+        return error_response(self.status, self.message, path=path)
 
-    def sse(self) -> bytes:
-        """The error event and ``[DONE]`` that end a stream already under way."""
+    def sse(self, path: str = "") -> bytes:
+        """The error event(s) that end a stream to ``path`` already under way (a worker's own
+        OpenAI error body is passed on in the chunk)."""
         body = None
         if self.body is not None:
             try:
                 body = json.loads(self.body)
             except ValueError:
                 body = None
-        if not (isinstance(body, dict) and isinstance(body.get("error"), dict)):
-            body = error_body(self.status, self.message)
-        return b"data: " + json.dumps(body, ensure_ascii=True).encode() + b"\n\n" + DONE
+        if not (is_anthropic(path) or path.startswith("/v1/responses")) and \
+                isinstance(body, dict) and isinstance(body.get("error"), dict):
+            return b"data: " + json.dumps(body, ensure_ascii=True).encode() + b"\n\n" + DONE
+        return stream_error(path, self.status, self.message)

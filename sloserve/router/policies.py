@@ -19,6 +19,9 @@ prefix-aware        vllm-router's / sglang-router's ``cache_aware`` on the worke
     speculation is off, nor when the load is imbalanced.
 
 A policy sees only available workers, at least one.
+
+``Pinned`` sends a request to the one worker that holds its state (a Responses turn's
+``previous_response_id``), or by its fallback policy when that worker is not available.
 """
 from __future__ import annotations
 
@@ -96,6 +99,22 @@ class LeastOutstanding:
         if self.metrics is not None:
             self.metrics.decision(self.name, "least")
         return self.least(workers)
+
+
+class Pinned:
+    """``worker`` if it is available, else ``fallback``'s choice."""
+
+    name = "pinned"
+
+    def __init__(self, worker: Worker, fallback, metrics=None):
+        self.worker, self.fallback, self.metrics = worker, fallback, metrics
+
+    async def choose(self, workers: Sequence[Worker], ctx: RouteContext) -> Worker:
+        if self.worker in workers:
+            if self.metrics is not None:
+                self.metrics.decision(self.name, "holder")
+            return self.worker
+        return await self.fallback.choose(workers, ctx)
 
 
 class PrefixAware:

@@ -64,8 +64,8 @@ class ProxyStream(StreamingResponse):
 
 
 async def relay_events(up: Upstream) -> AsyncIterator[bytes]:
-    """The worker's SSE body, whole events at a time; an error event and ``[DONE]`` if the
-    request fails before its end (a partial event is dropped)."""
+    """The worker's SSE body, whole events at a time; the API's error event if the request
+    fails before its end (a partial event is dropped)."""
     buf = b""
     try:
         async for chunk in up.chunks():
@@ -77,7 +77,7 @@ async def relay_events(up: Upstream) -> AsyncIterator[bytes]:
         if buf:
             yield buf
     except RouterError as e:
-        yield e.sse()
+        yield e.sse(up.path)
 
 
 class Proxy:
@@ -147,7 +147,7 @@ class Proxy:
         try:
             content = await up.read()
         except RouterError as e:
-            return e.response()
+            return e.response(up.path)
         finally:
             for close in closers:
                 await close()

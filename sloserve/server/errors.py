@@ -21,13 +21,11 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sloserve.engine.async_llm import EngineDeadError, EngineShutdownError
+from sloserve.error_shapes import OPENAI_TYPES, error_for, is_anthropic
 from sloserve.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-                413: "RequestTooLargeError", 429: "RateLimitError", 499: "ClientClosedRequest",
-                500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
 class ErrorJSONResponse(JSONResponse):
@@ -57,7 +55,7 @@ class APIError(Exception):
 
     @property
     def type(self) -> str:
-        return _ERROR_TYPES.get(self.status, "APIError")
+        return OPENAI_TYPES.get(self.status, "APIError")
 
     def body(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type,
@@ -118,9 +116,8 @@ def _shaped(request: Request, err: APIError, headers: dict | None = None) -> JSO
 def shaped_response(path: str, err: APIError, headers: dict | None = None) -> JSONResponse:
     """``err`` in the error shape of the API asked (by the request's ``path``): Anthropic's
     under ``/v1/messages``, else OpenAI's."""
-    if path.startswith("/v1/messages"):
-        from sloserve.server.messages_api import error_body
-        return ErrorJSONResponse(error_body(err.status, err.message), status_code=err.status,
+    if is_anthropic(path):
+        return ErrorJSONResponse(error_for(path, err.status, err.message), status_code=err.status,
                                  headers=headers if headers is not None else err.headers)
     return err.response(headers)
 

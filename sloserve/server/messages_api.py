@@ -18,21 +18,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from sloserve.error_shapes import anthropic_error
 from sloserve.sampling_params import ParamError
 from sloserve.server.protocol import ChatCompletionRequest, Int
 from sloserve.server.tools import ChoiceOutput, ToolPlan
 
-#: Anthropic's error type of each status
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-               403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
-               413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-               503: "overloaded_error", 529: "overloaded_error"}
-
-
-def error_body(status: int, message: str) -> dict[str, Any]:
-    """Anthropic's error body."""
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"),
-                                       "message": message}}
 
 
 class MessagesRequest(BaseModel):
@@ -309,4 +299,4 @@ class MessagesBuilder:
 
     def error_event(self, err) -> str:
         """A failure mid-stream (an ``errors.APIError``): Anthropic's error event."""
-        return _sse("error", error_body(err.status, err.message))
+        return _sse("error", anthropic_error(err.status, err.message))

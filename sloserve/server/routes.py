@@ -333,9 +333,14 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state,
 
     @r.post("/v1/messages/count_tokens", response_model=None)
     async def count_message_tokens(body: CountTokensRequest) -> dict:
-        """The prompt tokens a Messages request would have (``{"input_tokens": N}``)."""
+        """The prompt tokens a Messages request would have (``{"input_tokens": N}``); the
+        tools render into the prompt whatever the choice, so an ``auto`` choice counts on a
+        server without --enable-auto-tool-choice too."""
         check_model(body.model)
-        _, ids = await chat_prompt(messages_body(body))
+        chat_body = messages_body(body)
+        if chat_body.tools and chat_body.tool_choice in (None, "auto"):
+            chat_body = chat_body.model_copy(update={"tool_choice": "none"})
+        _, ids = await chat_prompt(chat_body)
         return {"input_tokens": len(ids)}
 
     r.include_router(build_tokenization_router(engine, check_model))

@@ -46,6 +46,10 @@ def test_a_forced_tool_call_whole_and_streamed(ac, live_server, choice):
     uses = [b for b in m.content if b.type == "tool_use"]
     assert m.stop_reason == "tool_use" and len(uses) >= 1 and uses[0].name == "get_weather"
     jsonschema.validate(uses[0].input, WEATHER)
+    # counted with the default (auto) choice on this server without auto tool choice: the
+    # tools render into the prompt either way
+    assert ac.messages.count_tokens(model=live_server.model, messages=ASK,
+                                    tools=TOOLS).input_tokens == m.usage.input_tokens
     kinds = []
     with ac.messages.stream(**kw) as s:
         for ev in s:
