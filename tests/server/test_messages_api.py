@@ -101,6 +101,9 @@ def test_stop_sequences_say_which_one_stopped(ac, live_server):
                                      "content": "1"}]}]},
      "invalid_request_error", "matches no tool call"),
     ({"max_tokens": 4, "messages": ASK, "model": "other"}, "not_found_error", "other"),
+    ({"max_tokens": 4, "messages": ASK, "tool_choice": {"type": "any"}, "tools": [
+        {"name": "f", "input_schema": {"type": "object", "properties": {"x": {"type": "strin"}}}}]},
+     "invalid_request_error", "strin"),  # a schema the grammar compiler refuses
 ])
 def test_errors_are_in_anthropics_shape(http, live_server, body, kind, phrase):
     r = http.post("/v1/messages", json={"model": live_server.model, **body})

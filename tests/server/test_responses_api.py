@@ -109,6 +109,8 @@ def test_unknown_or_unstored_previous_response_is_a_404(client, live_server):
      "input"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text"),
+    ({"input": "x", "tool_choice": "required", "tools": [{"type": "function", "name": "f",
+      "parameters": {"type": "object", "properties": {"x": {"type": "strin"}}}}]}, "tools"),
 ])
 def test_bad_input_is_a_400(http, live_server, body, param):
     r = http.post("/v1/responses", json={"model": live_server.model, "max_output_tokens": 2,
