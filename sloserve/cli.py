@@ -14,6 +14,7 @@ from sloserve.config import (DEFAULT_ENGINE_STALL_TIMEOUT_S, DEFAULT_MAX_BODY_BY
                              DEFAULT_MAX_PENDING_COMPILES_PER_CLIENT, EngineConfig,
                              add_engine_args, engine_config_from_args)
 from sloserve.router.args import add_router_args
+from sloserve.slo import add_goodput_arg
 
 
 #: signals that arrived while the server's modules imported (see _stop_before_start)
@@ -39,9 +40,11 @@ def _serve(a: argparse.Namespace) -> int:
     from sloserve.server.api_server import run_server
     if _signals_before_start:  # swallowed where it landed: stop now, before any model loads
         return 0
+    from sloserve.slo import parse_goodput
     run_server(engine_config_from_args(a), host=a.host, port=a.port, log_level=a.log_level,
                drain_timeout_s=a.shutdown_timeout, step_trace=a.step_trace,
-               max_request_body_bytes=a.max_request_body_bytes, chat=chat_config_from_args(a))
+               max_request_body_bytes=a.max_request_body_bytes, chat=chat_config_from_args(a),
+               goodput=parse_goodput(a.goodput))
     return 0
 
 
@@ -154,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                    metavar="N", help=f"larger request bodies get HTTP 413 in the API's error "
                                      f"shape (default {DEFAULT_MAX_BODY_BYTES} = "
                                      f"{DEFAULT_MAX_BODY_BYTES / 2 ** 20:g} MiB)")
+    add_goodput_arg(s, "; /metrics counts sloserve:requests_slo_met_total and "
+                       "sloserve:requests_slo_missed_total{reason} as requests finish")
     s.add_argument("--engine-stall-timeout", type=float,
                    default=DEFAULT_ENGINE_STALL_TIMEOUT_S, metavar="S",
                    help="/health answers 503 while the engine core has had requests in hand "

@@ -12,7 +12,7 @@ from typing import Any
 
 from sloserve.bench.datasets import PromptFactory
 from sloserve.bench.metric_args import add_metric_args, check_metric_flags, shown_metrics
-from sloserve.bench.metrics import parse_goodput
+from sloserve.slo import add_goodput_arg, parse_goodput
 from sloserve.argtypes import client_port as _port
 from sloserve.argtypes import pos_float as _pos_float
 from sloserve.argtypes import pos_int as _pos_int
@@ -44,8 +44,7 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
                         "fails (a stalled server does not hang the run)")
     o = p.add_argument_group("metrics and output")
     add_metric_args(o)
-    o.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS",
-                   help="SLOs for goodput, e.g. ttft:2000 tpot:200 e2el:10000")
+    add_goodput_arg(o, "; goodput = requests/s that meet it")
     o.add_argument("--save-result", action="store_true")
     o.add_argument("--save-detailed", action="store_true", help="per-request arrays in the JSON")
     o.add_argument("--result-dir", default=".")

@@ -11,8 +11,9 @@ Definitions (also in ``docs/bench.md``), over the successful requests of a run:
 * Throughputs: completed requests, output tokens and input + output tokens divided by the
   run's wall time (``duration``: first send to last response).
 * Goodput (DistServe, Zhong et al. OSDI'24, section 2): requests per second that meet every
-  SLO given (``ttft``, ``tpot``, ``e2el`` in ms); a request with undefined TPOT meets a TPOT SLO;
-  failed requests are never good.
+  SLO given (``ttft``, ``tpot``, ``e2el`` in ms; ``sloserve.slo``, the rule the server's SLO
+  counters use too); a request with undefined TPOT meets a TPOT SLO; failed requests are never
+  good.
 
 Statistics: mean, median, population std and linear-interpolated percentiles (numpy's default,
 as vLLM's bench); an empty sample gives 0 for every statistic.
@@ -20,40 +21,17 @@ as vLLM's bench); an empty sample gives 0 for every statistic.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 
+from sloserve.slo import missed_slo
 from sloserve.workload import RequestRecord
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 DEFAULT_PERCENTILES = (50.0, 90.0, 95.0, 99.0)
 METRIC_NAMES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
                 "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
-
-
-def parse_goodput(items: Iterable[str]) -> dict[str, float]:
-    """``["ttft:500", "tpot:50"]`` -> ``{"ttft": 500.0, "tpot": 50.0}`` (ms).
-
-    Raises:
-        ValueError: an item without ``:``, an unknown metric (allowed: ttft, tpot, e2el) or a
-            limit that is not a number > 0.
-    """
-    out: dict[str, float] = {}
-    for item in items:
-        name, sep, val = item.partition(":")
-        if not sep:
-            raise ValueError(f"goodput SLO must look like NAME:MS (e.g. ttft:500), got {item!r}")
-        if name not in ("ttft", "tpot", "e2el"):
-            raise ValueError(f"goodput SLO metric must be ttft, tpot or e2el, got {name!r}")
-        try:
-            ms = float(val)
-        except ValueError:
-            raise ValueError(f"goodput SLO for {name} must be a number of ms, got {val!r}") from None
-        if not ms > 0 or ms == float("inf"):
-            raise ValueError(f"goodput SLO for {name} must be a finite number of ms > 0, got {val!r}")
-        out[name] = ms
-    return out
 
 
 @dataclass
@@ -121,11 +99,7 @@ class BenchmarkMetrics:
 
 def is_good(r: RequestRecord, slos: dict[str, float]) -> bool:
     """True when ``r`` succeeded and meets every SLO in ``slos`` (ms)."""
-    if not r.success:
-        return False
-    tpot = r.tpot
-    vals = {"ttft": r.ttft * 1e3, "e2el": r.latency * 1e3, "tpot": 0.0 if tpot is None else tpot * 1e3}
-    return all(vals[k] <= v for k, v in slos.items())
+    return r.success and missed_slo(slos, r.ttft, r.tpot, r.latency) is None
 
 
 def _per_second_peak(counts: dict[int, int]) -> int:

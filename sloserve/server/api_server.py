@@ -119,7 +119,7 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                log_level: str = "info", drain_timeout_s: float = 30.0,
                step_trace: str | None = None,
                max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               chat: ChatConfig | None = None) -> None:
+               chat: ChatConfig | None = None, goodput: dict[str, float] | None = None) -> None:
     """Start the engine core, serve HTTP until SIGINT / SIGTERM, drain, stop.
 
     Blocks until the server stops.
@@ -133,6 +133,7 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
         step_trace: the engine core writes one JSON line per step to this file.
         max_request_body_bytes: larger request bodies get 413.
         chat: the chat endpoint's tool calling, reasoning and template flags.
+        goodput: the per-request SLO the SLO counters judge by (ms limits by metric).
 
     Raises:
         FileNotFoundError / ValueError / OSError: the engine core refused the model or the
@@ -166,7 +167,7 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
         engine, app = create_engine_and_app(config, manage_engine=True, step_trace=step_trace,
                                             log_level=log_level,
                                             max_request_body_bytes=max_request_body_bytes,
-                                            chat=chat)
+                                            chat=chat, goodput=goodput)
     except StartupInterrupted:
         pass  # in pending; the load cleaned up after itself
     finally:

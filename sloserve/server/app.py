@@ -100,7 +100,7 @@ def build_app(engine: AsyncLLM, metrics: PrometheusStatLogger, *,
     install_openapi_constraints(app, engine)
     # vLLM's per-endpoint HTTP metrics (http_requests_total{handler,method,status},
     # http_request_duration_seconds, ...), by route template, in the exporter's registry
-    Instrumentator(excluded_handlers=["/metrics", "/health"],
+    Instrumentator(excluded_handlers=["/metrics", "/health", "/stats", "/stats/stream"],
                    registry=metrics.registry).instrument(app)
     return app
 
@@ -108,9 +108,11 @@ def build_app(engine: AsyncLLM, metrics: PrometheusStatLogger, *,
 def create_engine_and_app(config: EngineConfig, *, manage_engine: bool = False,
                           step_trace: str | None = None, log_level: str = "info",
                           max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                          chat: ChatConfig | None = None) -> tuple[AsyncLLM, FastAPI]:
+                          chat: ChatConfig | None = None,
+                          goodput: dict[str, float] | None = None) -> tuple[AsyncLLM, FastAPI]:
     """Start an engine core process for ``config``, an AsyncLLM with a Prometheus exporter in
-    front of it, and its app.
+    front of it (counting the requests that meet the ``goodput`` SLO, ms limits by metric,
+    ``sloserve.slo``), and its app.
 
     Returns:
         (engine, app); the engine runs. Call ``engine.shutdown()`` when done.
@@ -122,7 +124,7 @@ def create_engine_and_app(config: EngineConfig, *, manage_engine: bool = False,
     spec = config.speculative
     metrics = PrometheusStatLogger(max_num_batched_tokens=config.max_num_batched_tokens,
                                    num_speculative_tokens=spec.num_speculative_tokens if spec
-                                   else 0)
+                                   else 0, slos=goodput)
     engine = AsyncLLM(config, stat_loggers=[metrics], step_trace=step_trace, log_level=log_level)
     app = build_app(engine, metrics, manage_engine=manage_engine,
                     max_request_body_bytes=max_request_body_bytes, chat=chat)

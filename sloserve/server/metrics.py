@@ -21,6 +21,13 @@ Metric names, types and histogram buckets follow vLLM (v1) so existing Grafana d
   429s), histogram ``sloserve:batched_tokens_per_step`` (tokens), gauges
   ``sloserve:kv_cache_usage_peak_perc`` (fraction 0..1), ``sloserve:grammar_compiles``
   (structured-output grammars compiling or waiting to);
+* SLO (``serve --goodput ttft:MS tpot:MS [e2el:MS]``, ``sloserve.slo``'s rule, decided as
+  each request finishes, aborted requests left out): counters ``sloserve:requests_slo_met``
+  and ``sloserve:requests_slo_missed`` (label ``reason``: the first of ttft, tpot, e2el
+  missed, so the reasons add up to the requests missed); the latency histograms keep vLLM's
+  edges and add each limit as an edge, and ITL / TPOT edges below 10 ms (1, 2.5, 5, 7.5 ms);
+* ``sloserve:stats_sequence``: the records taken so far (``GET /stats`` carries the same number:
+  a snapshot and a scrape with one sequence show the same counters);
 * prefill/decode disaggregation (zero without a KV connector): counters
   ``sloserve:kv_transfer_bytes`` (label ``direction``: ``sent`` / ``received``; KV payload
   bytes) and ``sloserve:kv_transfer_failures``, advanced to the core's totals at scrape time;
@@ -34,11 +41,14 @@ Each instance owns its ``CollectorRegistry`` (several apps may live in one proce
 from __future__ import annotations
 
 import threading
+import time
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
 
 from sloserve.engine.metrics import FinishedRequestStats, IterationStats
+from sloserve.server.stats import LatencyWindow, registry_values
+from sloserve.slo import SLO_METRICS, missed_slo
 
 __all__ = ["PrometheusStatLogger", "build_1_2_5_buckets", "CONTENT_TYPE_LATEST"]
 
@@ -49,6 +59,13 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 FINISH_REASONS = ("stop", "length", "abort")
+#: ITL / TPOT edges below vLLM's lowest (10 ms): decode steps here take 4-15 ms
+FINE_ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.0075]
+
+
+def with_edges(buckets: list[float], *edges: float | None) -> list[float]:
+    """``buckets`` with ``edges`` (seconds; None skipped) added, sorted, no duplicates."""
+    return sorted(set(buckets) | {e for e in edges if e is not None})
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -80,12 +97,19 @@ class PrometheusStatLogger:
         max_model_len: largest token-count bucket (tokens; None: set later by bind, default 8192).
         max_num_batched_tokens: largest ``sloserve:batched_tokens_per_step`` bucket (tokens).
         registry: where to register (default: a new private ``CollectorRegistry``).
+        slos: the per-request SLO limits in ms (``sloserve.slo.parse_goodput``; None or {}:
+            no SLO counters).
     """
 
     def __init__(self, model_name: str | None = None, max_model_len: int | None = None,
                  max_num_batched_tokens: int | None = None,
-                 registry: CollectorRegistry | None = None, num_speculative_tokens: int = 0):
+                 registry: CollectorRegistry | None = None, num_speculative_tokens: int = 0,
+                 slos: dict[str, float] | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.slos = dict(slos or {})
+        #: records taken (steps and front-end aborts): the snapshot's sequence number
+        self.seq = 0
+        self.window = LatencyWindow()
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -125,6 +149,8 @@ class PrometheusStatLogger:
             return Histogram(n, doc, lbl, buckets=buckets, registry=r).labels(name)
 
         token_buckets = build_1_2_5_buckets(self.max_model_len)
+        limit = {k: v / 1e3 for k, v in self.slos.items()}  # seconds
+        itl_buckets = with_edges(FINE_ITL_BUCKETS + ITL_BUCKETS, limit.get("tpot"))
         self.g_running = gauge("vllm:num_requests_running",
                                "Number of requests in model execution batches.")
         self.g_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
@@ -139,13 +165,15 @@ class PrometheusStatLogger:
                                         ["model_name", "finished_reason"], registry=r)
         self.c_request_success = {fr: self._request_success.labels(name, fr) for fr in FINISH_REASONS}
         self.h_ttft = hist("vllm:time_to_first_token_seconds",
-                           "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+                           "Histogram of time to first token in seconds.",
+                           with_edges(TTFT_BUCKETS, limit.get("ttft")))
         self.h_itl = hist("vllm:inter_token_latency_seconds",
-                          "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+                          "Histogram of inter-token latency in seconds.", itl_buckets)
         self.h_tpot = hist("vllm:request_time_per_output_token_seconds",
-                           "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
+                           "Histogram of time_per_output_token_seconds per request.", itl_buckets)
         self.h_e2e = hist("vllm:e2e_request_latency_seconds",
-                          "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS)
+                          "Histogram of e2e request latency in seconds.",
+                          with_edges(REQUEST_LATENCY_BUCKETS, limit.get("e2el")))
         self.h_queue = hist("vllm:request_queue_time_seconds",
                             "Histogram of time spent in WAITING phase for request.",
                             REQUEST_LATENCY_BUCKETS)
@@ -197,6 +225,16 @@ class PrometheusStatLogger:
         self.g_waiting_for_kv = gauge(
             "sloserve:num_requests_waiting_for_kv",
             "Requests holding KV blocks while their KV is transferred.")
+        self.c_slo_met = counter("sloserve:requests_slo_met",
+                                 "Finished requests within every --goodput limit.")
+        self._slo_missed = Counter("sloserve:requests_slo_missed",
+                                   "Finished requests over a --goodput limit, by the first "
+                                   "limit missed (ttft, tpot, e2el).",
+                                   ["model_name", "reason"], registry=r)
+        self.c_slo_missed = {m: self._slo_missed.labels(name, m) for m in SLO_METRICS
+                             if m in self.slos}
+        self.g_seq = gauge("sloserve:stats_sequence",
+                           "Records taken by the exporter (GET /stats carries the same number).")
         self.h_kv_transfer = hist("sloserve:kv_transfer_seconds",
                                   "Histogram of a decode request's wait for its KV transfer "
                                   "in seconds.", TTFT_BUCKETS)
@@ -207,11 +245,15 @@ class PrometheusStatLogger:
         the front end aborted, counted at once)."""
         if not self._bound:
             self.bind()
+        now = time.monotonic()
         with self._record_lock:
             if it is not None:
                 self._record_step(it)
+                self.window.add_itls(now, it.itls)
             for f in finished:
-                self._record_finished(f)
+                self._record_finished(f, now)
+            self.seq += 1
+            self.g_seq.set(self.seq)
 
     def _record_step(self, it: IterationStats) -> None:
         self.g_running.set(it.num_running)
@@ -239,8 +281,17 @@ class PrometheusStatLogger:
         for t in it.itls:
             self.h_itl.observe(t)
 
-    def _record_finished(self, f: FinishedRequestStats) -> None:
+    def _record_finished(self, f: FinishedRequestStats, now: float) -> None:
         reason = f.finish_reason or "abort"
+        missed = None
+        if reason != "abort" and f.ttft is not None:
+            if self.slos:
+                missed = missed_slo(self.slos, f.ttft, f.tpot, f.e2e_latency) or ""
+                if missed:
+                    self.c_slo_missed[missed].inc()
+                else:
+                    self.c_slo_met.inc()
+            self.window.add_request(now, f.ttft, f.tpot, f.e2e_latency, missed)
         if reason not in self.c_request_success:
             self.c_request_success[reason] = self._request_success.labels(self.model_name, reason)
         self.c_request_success[reason].inc()
@@ -315,3 +366,14 @@ class PrometheusStatLogger:
             self.bind()
         with self._record_lock:
             return generate_latest(self.registry)
+
+    def snapshot(self) -> dict:
+        """``GET /stats`` (``sloserve.server.stats``): the sequence number, the registry's
+        values and the last minute's finished requests, taken together."""
+        if not self._bound:
+            self.bind()
+        with self._record_lock:
+            return {"object": "stats", "seq": self.seq, "time": time.time(),
+                    "model": self.model_name, "slo_ms": self.slos,
+                    "cumulative": registry_values(self.registry),
+                    "window": self.window.summary(time.monotonic())}

@@ -11,6 +11,8 @@
     GET  /health                200 while the engine core runs; 503 when it is down or
                                 stalled (--engine-stall-timeout) or the server drains
     GET  /metrics               Prometheus text format (from the core's published snapshot)
+    GET  /stats, /stats/stream  the same values as one JSON snapshot with a sequence number and
+                                the last minute's latency percentiles (``server.stats``); as SSE
     POST /reset_prefix_cache    forget every cached prefix block (vLLM's endpoint)
     POST /tokenize, /detokenize, GET /tokenizer_info   vLLM's tokenizer endpoints
                                 (``sloserve.server.tokenization``)
@@ -26,7 +28,7 @@ import asyncio
 from dataclasses import replace
 
 import msgspec
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from sloserve.engine.admission import Rejection
@@ -38,6 +40,7 @@ from sloserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from sloserve.server.protocol import (ChatCompletionRequest, CompletionRequest, KVTransferInfo,
                                       ModelCard, ModelList, now_s, random_id)
 from sloserve.server.spec_check import SpecChecker
+from sloserve.server.sse import SSEResponse, sse
 from sloserve.server.serving import (ChatBuilder, Choice, CompletionBuilder, stream_response,
                                      whole_response)
 from sloserve.server.tokenization import build_tokenization_router
@@ -162,9 +165,8 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state,
                                        f"{engine.config.engine_stall_timeout:g})")
         return Response(status_code=200)
 
-    @r.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        """Prometheus text exposition; queue and KV gauges from the core's latest snapshot."""
+    def refresh_from_core() -> None:
+        """The gauges and core totals from the core's latest snapshot (at each read)."""
         s = engine.stats
         metrics.set_queue_sizes(s.num_running, s.num_waiting)
         metrics.set_kv_usage(s.kv_cache_usage)
@@ -172,7 +174,31 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state,
         metrics.set_grammar_compiles(s.num_grammar_compiles)
         metrics.set_kv_transfer(s.num_waiting_for_kv, s.kv_transfer_bytes_sent_total,
                                 s.kv_transfer_bytes_received_total, s.kv_transfer_failures_total)
+
+    @r.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        """Prometheus text exposition; queue and KV gauges from the core's latest snapshot."""
+        refresh_from_core()
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @r.get("/stats", response_model=None)
+    async def stats() -> dict:
+        """One JSON snapshot: sequence number, the /metrics values, the last minute's finished
+        requests (``sloserve.server.stats``)."""
+        refresh_from_core()
+        return metrics.snapshot()
+
+    @r.get("/stats/stream", response_model=None)
+    async def stats_stream(raw: Request, interval: float = Query(1.0, ge=0.1, le=60.0)
+                           ) -> Response:
+        """``/stats`` as server-sent events, one snapshot every ``interval`` seconds until the
+        client goes."""
+        async def events():
+            while not await raw.is_disconnected():
+                refresh_from_core()
+                yield sse(metrics.snapshot())
+                await asyncio.sleep(interval)
+        return SSEResponse(events(), headers={"cache-control": "no-cache"})
 
     @r.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:

@@ -17,6 +17,7 @@ from sloserve.bench.metric_args import add_metric_args
 from sloserve.bench.workload_args import add_workload_args
 from sloserve.config import ROOFLINE_DTYPES, EngineConfig, add_scheduler_args
 from sloserve.sim.presets import PRESET_REFUSES, PRESETS
+from sloserve.slo import add_goodput_arg
 
 
 def _rates(text: str) -> list[float]:
@@ -111,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--compute-efficiency", type=pos_float, default=0.6)
     c.add_argument("--memory-efficiency", type=pos_float, default=0.8)
     o = p.add_argument_group("output")
-    o.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS")
+    add_goodput_arg(o, "; goodput = simulated requests/s that meet it")
     o.add_argument("--save-result", default=None, metavar="FILE.json",
                    help="write the result in `sloserve bench --save-detailed`'s format")
     o.add_argument("--label", default="sim")

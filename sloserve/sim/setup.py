@@ -7,7 +7,8 @@ import math
 
 from sloserve.bench.metric_args import check_metric_flags
 from sloserve.config import QUEUE_POLICIES, batching_from_args
-from sloserve.bench.metrics import calculate_metrics, parse_goodput
+from sloserve.bench.metrics import calculate_metrics
+from sloserve.slo import parse_goodput
 from sloserve.bench.workload_args import arrival_process, build_workload, check_workload_flags
 
 #: the context length of a simulated instance when --max-model-len is not given (tokens; the

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from sloserve.bench.metrics import (DEFAULT_PERCENTILES, METRICS, Stats, calculate_metrics, is_good,
-                                    parse_goodput)
+from sloserve.bench.metrics import DEFAULT_PERCENTILES, METRICS, Stats, calculate_metrics, is_good
+from sloserve.slo import missed_slo, parse_goodput
 from sloserve.workload import RequestRecord
 
 
@@ -179,6 +179,15 @@ def test_bad_duration(duration):
 def test_bad_percentile(p):
     with pytest.raises(ValueError, match="percentiles"):
         calculate_metrics([], 1.0, percentiles=(50.0, p))
+
+
+def test_missed_slo_names_the_first_limit_missed():
+    slos = {"ttft": 500.0, "tpot": 50.0, "e2el": 2000.0}
+    assert missed_slo(slos, 0.5, 0.05, 2.0) is None  # at the limits: met
+    assert missed_slo(slos, 0.6, 0.06, 3.0) == "ttft"  # all three missed: attributed to ttft
+    assert missed_slo(slos, 0.1, 0.051, 3.0) == "tpot"
+    assert missed_slo(slos, 0.1, None, 2.5) == "e2el"  # one output token: no TPOT, meets it
+    assert missed_slo({"tpot": 50.0}, 9.0, 0.01, 99.0) is None  # only the limits given count
 
 
 def test_parse_goodput():

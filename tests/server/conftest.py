@@ -49,10 +49,13 @@ class LiveServer:
 
 
 def start_server(config: EngineConfig, step_trace: str | None = None,
-                 chat: ChatConfig | None = None) -> LiveServer:
+                 chat: ChatConfig | None = None,
+                 goodput: dict[str, float] | None = None) -> LiveServer:
     """Build engine + app and serve it with uvicorn on a free port in a daemon thread (the core
-    writes its step trace to ``step_trace`` if given; ``chat``: the chat flags)."""
-    engine, app = create_engine_and_app(config, step_trace=step_trace, chat=chat)
+    writes its step trace to ``step_trace`` if given; ``chat``: the chat flags; ``goodput``:
+    the SLO limits, ms)."""
+    engine, app = create_engine_and_app(config, step_trace=step_trace, chat=chat,
+                                        goodput=goodput)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

@@ -2,6 +2,7 @@
 the StatLogger on synthetic records."""
 from __future__ import annotations
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sloserve.engine.metrics import FinishedRequestStats, IterationStats
@@ -160,3 +161,75 @@ def test_http_requests_are_counted_by_endpoint_as_vllm_counts_them(http, live_se
                     ("/v1/responses", "POST", "2xx"): 1.0,
                     ("/v1/messages", "POST", "2xx"): 1.0, ("/v1/messages", "POST", "4xx"): 1.0,
                     ("/v1/responses/{response_id}", "GET", "4xx"): 1.0}
+
+
+def _fin(reason: str, ttft: float | None, tpot: float | None, e2e: float,
+         tokens: int = 3) -> FinishedRequestStats:
+    return FinishedRequestStats(finish_reason=reason, num_prompt_tokens=5,
+                                num_generation_tokens=tokens, e2e_latency=e2e, queue_time=0.0,
+                                ttft=ttft, tpot=tpot, prefill_time=0.0, decode_time=0.0)
+
+
+def test_slo_counters_judge_each_finished_request_once():
+    """--goodput ttft:500 tpot:50 e2el:2000: met, each reason missed (a request over several
+    limits counted once, under the first), a 1-token request (no TPOT) met, aborted ones not
+    judged; the limits are bucket edges and ITL/TPOT get edges below 10 ms."""
+    m = PrometheusStatLogger(slos={"ttft": 500.0, "tpot": 50.0, "e2el": 2000.0})
+    m.bind("m")
+    m.record(IterationStats(itls=[0.004, 0.006]), [
+        _fin("stop", 0.5, 0.05, 2.0),            # at every limit: met
+        _fin("length", 0.2, None, 0.2, 1),       # one token, no TPOT: met
+        _fin("stop", 0.9, 0.09, 9.0),            # all three over: ttft
+        _fin("stop", 0.1, 0.051, 1.0),           # tpot
+        _fin("length", 0.1, 0.01, 2.5),          # e2el
+        _fin("abort", 0.1, 0.01, 30.0),          # a client gone: not judged
+        _fin("abort", None, None, 0.3)])
+    s = _samples(m.render().decode())
+    assert _get(s, "sloserve:requests_slo_met_total") == 2
+    assert {r: _get(s, "sloserve:requests_slo_missed_total", reason=r)
+            for r in ("ttft", "tpot", "e2el")} == {"ttft": 1, "tpot": 1, "e2el": 1}
+
+    def edges(name):
+        return sorted(float(dict(lbl)["le"]) for (n, lbl) in s if n == name + "_bucket"
+                      and dict(lbl)["le"] != "+Inf")
+    assert {0.5, 1.0, 2.5}.issubset(edges("vllm:time_to_first_token_seconds"))
+    itl = edges("vllm:inter_token_latency_seconds")
+    assert itl[:6] == [0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025] and 0.05 in itl
+    assert itl == edges("vllm:request_time_per_output_token_seconds")
+    assert 2.0 in edges("vllm:e2e_request_latency_seconds")
+    # without --goodput: vLLM's edges plus the fine ones, no SLO series judged
+    plain = PrometheusStatLogger()
+    plain.record(None, [_fin("stop", 0.5, 0.05, 2.0)])
+    p = _samples(plain.render().decode())
+    assert _get(p, "sloserve:requests_slo_met_total") == 0
+    assert not [n for n, _ in p if n == "sloserve:requests_slo_missed_total"]
+
+
+def test_stats_snapshot_is_the_scrape_at_its_sequence_and_its_window_is_exact():
+    m = PrometheusStatLogger(slos={"ttft": 500.0})
+    m.bind("m")
+    ttfts = [0.1, 0.2, 0.3, 0.4, 0.9]
+    m.record(IterationStats(num_generation_tokens=5, itls=[0.01, 0.03]),
+             [_fin("stop", t, 0.02, t + 0.1) for t in ttfts])
+    m.record(IterationStats(num_generation_tokens=1), [])
+    snap, scraped = m.snapshot(), _samples(m.render().decode())
+    assert snap["seq"] == 2 == _get(scraped, "sloserve:stats_sequence")
+    flat = {}
+    for name, v in snap["cumulative"].items():
+        if isinstance(v, dict):
+            flat.update({(name, k): x for k, x in v.items()})
+        else:
+            flat[(name, None)] = v
+    for (name, lbl), value in scraped.items():
+        if name.endswith("_bucket") or name.endswith("_created"):
+            continue
+        rest = [v for k, v in lbl if k != "model_name"]
+        key = (name, rest[0] if len(rest) == 1 else None)
+        assert flat[key] == value, key
+    w = snap["window"]
+    assert (w["requests"], w["slo_met"], w["slo_missed"]) == (5, 4, 1)
+    assert w["attainment"] == 0.8
+    # numpy's linear percentiles of 100..400, 900 ms
+    assert w["ttft_ms"] == pytest.approx({"p50": 300.0, "p90": 700.0, "p99": 880.0})
+    assert w["itl_ms"] == pytest.approx({"p50": 20.0, "p90": 28.0, "p99": 29.8})
+    assert snap["slo_ms"] == {"ttft": 500.0}
