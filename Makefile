@@ -5,7 +5,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean bench
+.PHONY: demo test venv clean bench systools
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) on PATH"; exit 1; }
@@ -23,7 +23,21 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VPY) -m sloserve.demo
 
-test: $(STAMP)
+# Prometheus and Chromium for the observability tests (Debian's packages, apt-get as root); a
+# host without them skips those tests and says why
+SYSPKGS := prometheus chromium
+systools:
+	@if command -v promtool >/dev/null && command -v chromium >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing $(SYSPKGS) with apt-get"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q --no-install-recommends $(SYSPKGS) >/dev/null 2>&1 || \
+	  { apt-get update -q >/dev/null 2>&1 && \
+	    apt-get install -y -q --no-install-recommends $(SYSPKGS) >/dev/null 2>&1; } || \
+	  echo "note: could not install $(SYSPKGS): their tests will be skipped"; \
+	else echo "note: $(SYSPKGS) not installed (needs apt-get as root): their tests will be skipped"; fi
+
+test: $(STAMP) systools
 	$(VPY) -m pytest -q tests
 
 bench: $(STAMP)

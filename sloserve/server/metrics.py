@@ -40,6 +40,7 @@ Each instance owns its ``CollectorRegistry`` (several apps may live in one proce
 """
 from __future__ import annotations
 
+import collections
 import threading
 import time
 
@@ -59,6 +60,8 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 FINISH_REASONS = ("stop", "length", "abort")
+#: steps kept for the dashboard's step timeline
+MAX_STEPS = 600
 #: ITL / TPOT edges below vLLM's lowest (10 ms): decode steps here take 4-15 ms
 FINE_ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.0075]
 
@@ -110,6 +113,10 @@ class PrometheusStatLogger:
         #: records taken (steps and front-end aborts): the snapshot's sequence number
         self.seq = 0
         self.window = LatencyWindow()
+        #: the latest steps for the dashboard's timeline: (index, time, prefill tokens,
+        #: decode tokens, step s, running, waiting)
+        self.steps: collections.deque = collections.deque(maxlen=MAX_STEPS)
+        self._num_steps = 0
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -250,6 +257,10 @@ class PrometheusStatLogger:
             if it is not None:
                 self._record_step(it)
                 self.window.add_itls(now, it.itls)
+                self._num_steps += 1
+                self.steps.append((self._num_steps, now, it.num_prompt_tokens,
+                                   it.num_batched_tokens - it.num_prompt_tokens, it.step_s,
+                                   it.num_running, it.num_waiting))
             for f in finished:
                 self._record_finished(f, now)
             self.seq += 1
@@ -367,13 +378,20 @@ class PrometheusStatLogger:
         with self._record_lock:
             return generate_latest(self.registry)
 
-    def snapshot(self) -> dict:
+    def snapshot(self, steps_after: int | None = None) -> dict:
         """``GET /stats`` (``sloserve.server.stats``): the sequence number, the registry's
-        values and the last minute's finished requests, taken together."""
+        values and the last minute's finished requests, taken together; with ``steps_after``
+        also the kept steps whose index is above it (``"steps"``: index, seconds before the
+        snapshot, prefill tokens, decode tokens, step seconds, running, waiting)."""
         if not self._bound:
             self.bind()
         with self._record_lock:
-            return {"object": "stats", "seq": self.seq, "time": time.time(),
-                    "model": self.model_name, "slo_ms": self.slos,
-                    "cumulative": registry_values(self.registry),
-                    "window": self.window.summary(time.monotonic())}
+            now = time.monotonic()
+            out = {"object": "stats", "seq": self.seq, "time": time.time(),
+                   "model": self.model_name, "slo_ms": self.slos,
+                   "cumulative": registry_values(self.registry),
+                   "window": self.window.summary(now)}
+            if steps_after is not None:
+                out["steps"] = [[i, round(now - t, 4), p, d, s, r, w]
+                                for i, t, p, d, s, r, w in self.steps if i > steps_after]
+            return out

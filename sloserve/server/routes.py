@@ -13,6 +13,7 @@
     GET  /metrics               Prometheus text format (from the core's published snapshot)
     GET  /stats, /stats/stream  the same values as one JSON snapshot with a sequence number and
                                 the last minute's latency percentiles (``server.stats``); as SSE
+    GET  /dashboard             a live HTML page over /stats/stream (``server/dashboard.html``)
     POST /reset_prefix_cache    forget every cached prefix block (vLLM's endpoint)
     POST /tokenize, /detokenize, GET /tokenizer_info   vLLM's tokenizer endpoints
                                 (``sloserve.server.tokenization``)
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from importlib.resources import files
 
 import msgspec
 from fastapi import APIRouter, Query, Request
@@ -55,6 +57,9 @@ from sloserve.server.tools import ChatConfig, ToolPlan, check_tool_messages, pla
 #: text longer than this (characters) is tokenized off the event loop
 OFFLOAD_CHARS = 20_000
 
+
+#: the dashboard page (package data)
+DASHBOARD_HTML = files("sloserve.server").joinpath("dashboard.html").read_bytes()
 
 def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state,
                  chat: ChatConfig = ChatConfig()) -> APIRouter:
@@ -181,22 +186,31 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state,
         refresh_from_core()
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @r.get("/dashboard", response_model=None)
+    async def dashboard() -> Response:
+        """One self-contained HTML page over ``/stats/stream`` (no outside script or style)."""
+        return Response(DASHBOARD_HTML, media_type="text/html; charset=utf-8")
+
     @r.get("/stats", response_model=None)
-    async def stats() -> dict:
+    async def stats(steps: bool = False) -> dict:
         """One JSON snapshot: sequence number, the /metrics values, the last minute's finished
-        requests (``sloserve.server.stats``)."""
+        requests (``sloserve.server.stats``); ``steps=true``: the latest steps too."""
         refresh_from_core()
-        return metrics.snapshot()
+        return metrics.snapshot(0 if steps else None)
 
     @r.get("/stats/stream", response_model=None)
-    async def stats_stream(raw: Request, interval: float = Query(1.0, ge=0.1, le=60.0)
-                           ) -> Response:
+    async def stats_stream(raw: Request, interval: float = Query(1.0, ge=0.1, le=60.0),
+                           steps: bool = False) -> Response:
         """``/stats`` as server-sent events, one snapshot every ``interval`` seconds until the
-        client goes."""
+        client goes; ``steps=true``: each with the steps since the one before."""
         async def events():
+            last = 0
             while not await raw.is_disconnected():
                 refresh_from_core()
-                yield sse(metrics.snapshot())
+                snap = metrics.snapshot(last if steps else None)
+                if snap.get("steps"):
+                    last = snap["steps"][-1][0]
+                yield sse(snap)
                 await asyncio.sleep(interval)
         return SSEResponse(events(), headers={"cache-control": "no-cache"})
 

@@ -71,3 +71,4 @@ def test_slo_counters_and_the_snapshot_agree_with_the_scrape(server):
                     break
         assert seqs[0] == snap["seq"] and seqs[-1] > seqs[0]
         assert c.get("/stats/stream", params={"interval": 0}).status_code == 400
+

@@ -1,0 +1,97 @@
+"""``GET /dashboard`` in headless Chromium (Debian's, driven by Playwright; no browser download,
+no network) while requests run: the page draws live snapshots of ``/stats/stream``."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from sloserve.config import EngineConfig
+
+
+@pytest.fixture(scope="module")
+def server(helpers):
+    srv = helpers.start_server(EngineConfig(model=None, dtype="float32", num_kv_blocks=64,
+                                            max_model_len=512, max_num_batched_tokens=128),
+                               goodput={"ttft": 200.0, "tpot": 50.0})
+    yield srv
+    srv.stop()
+
+
+def _chromium():
+    """Playwright's API over Debian's Chromium (no browser download), or a skip."""
+    import shutil
+    path = shutil.which("chromium") or "/usr/bin/chromium"
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright is not installed (pip install playwright)")
+    import os
+    if not os.path.exists(path):
+        pytest.skip("Chromium is not installed (make installs Debian's chromium package with "
+                    "apt-get as root; it could not here)")
+    return sync_playwright, path
+
+
+def _stream_ttft(c: httpx.Client, body: dict) -> float:
+    """One streamed completion; its TTFT as the client saw it (s)."""
+    import time
+    t0 = time.perf_counter()
+    with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        first = None
+        for line in r.iter_lines():
+            if first is None and line.startswith("data: {"):
+                first = time.perf_counter() - t0
+    return first
+
+
+def test_the_dashboard_shows_the_snapshots_live(server):
+    """Headless Chromium on /dashboard while requests run: its figures move between two reads;
+    once the server is idle they equal /stats at the same sequence number, and its windowed
+    P50 TTFT is the clients' own within 10 % (or 5 ms: HTTP and SSE framing sit between)."""
+    import statistics
+    import threading
+    sync_playwright, chromium = _chromium()
+    body = {"model": server.model, "prompt": "Tell me about the sea. " * 30, "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True}
+    ttfts: list[float] = []
+
+    def load():
+        with httpx.Client(base_url=server.base_url, timeout=120) as c:
+            for _ in range(10):
+                ttfts.append(_stream_ttft(c, body))
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.goto(server.base_url + "/dashboard")
+            page.wait_for_function("window.__updates >= 1", timeout=30_000)
+            first = page.evaluate("window.__stats")
+            shown_first = page.inner_text('[data-key="cumulative.vllm:request_success_total"]')
+            worker = threading.Thread(target=load)
+            worker.start()
+            worker.join(timeout=300)
+            assert not worker.is_alive() and len(ttfts) == 10
+            with httpx.Client(base_url=server.base_url, timeout=30) as c:
+                stats = c.get("/stats").json()
+            page.wait_for_function(f"window.__stats && window.__stats.seq == {stats['seq']}",
+                                   timeout=30_000)
+            seen = page.evaluate("window.__stats")
+            text = {el.get_attribute("data-key"): el.inner_text()
+                    for el in page.query_selector_all(".value[data-key]")}
+            drawn = page.evaluate("document.getElementById('ch-steps').dataset.points")
+            seq_shown = page.inner_text("#seq")
+        finally:
+            browser.close()
+    assert seen["seq"] > first["seq"]
+    assert seen["cumulative"] == stats["cumulative"]  # the same values at the same sequence
+    finished = sum(stats["cumulative"]["vllm:request_success_total"].values())
+    assert text["cumulative.vllm:request_success_total"] == str(int(finished))
+    assert int(shown_first) < finished  # the figure moved between the two reads
+    assert seq_shown == str(stats["seq"]) and int(drawn) > 0
+    # the window holds exactly the ten requests of this server
+    page_p50 = seen["window"]["ttft_ms"]["p50"]
+    assert seen["window"]["requests"] == 10
+    ours = 1e3 * statistics.median(ttfts)
+    assert text["window.ttft_ms.p50"] == f"{page_p50:.1f}" or page_p50 >= 1000
+    assert abs(page_p50 - ours) <= max(0.10 * ours, 5.0), (page_p50, ours)
