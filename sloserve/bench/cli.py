@@ -51,6 +51,10 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--result-filename", default=None)
     o.add_argument("--label", default=None)
     o.add_argument("--plot-dir", default=None, help="write CDF and ITL-timeline PNGs here")
+    o.add_argument("--report", default=None, metavar="FILE.html",
+                   help="one self-contained HTML page: summary table, TTFT/TPOT CDFs, ITL "
+                        "timeline (a sweep: every point and the Pareto plot), the command "
+                        "and the machine; no outside script, opens offline")
     o.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
@@ -61,7 +65,10 @@ def _check_flags(a: argparse.Namespace) -> dict[str, float]:
         raise ValueError(f"--temperature must be a finite number >= 0, got {a.temperature}")
     check_metric_flags(a)
     check_workload_flags(a)
-    for d in (a.result_dir, a.plot_dir):
+    report_dir = os.path.dirname(os.path.abspath(a.report)) if a.report else None
+    if a.report and os.path.isdir(a.report):
+        raise ValueError(f"--report {a.report}: a folder, not a file path")
+    for d in (a.result_dir, a.plot_dir, report_dir):
         if d:
             try:
                 os.makedirs(d, exist_ok=True)
@@ -110,7 +117,7 @@ def _bench(a: argparse.Namespace) -> int:
           f"{cfg.max_concurrency or 'unlimited'}, tokenizer {tok_id}", file=sys.stderr)
     run = run_benchmark(cfg, reqs, count)
     print(format_summary(run.metrics, metrics=shown))
-    detailed = a.save_detailed or bool(a.plot_dir)
+    detailed = a.save_detailed or bool(a.plot_dir) or bool(a.report)
     res = result_json(run, label=a.label, backend=_backend(cfg), tokenizer_id=tok_id,
                       detailed=detailed, metrics=shown)
     if a.save_result or a.save_detailed:
@@ -125,6 +132,11 @@ def _bench(a: argparse.Namespace) -> int:
         label = a.label or cfg.model
         print("plots:", plot_cdfs({label: res}, os.path.join(a.plot_dir, "cdf.png")),
               plot_itl_timeline({label: res}, os.path.join(a.plot_dir, "itl_timeline.png")))
+    if a.report:
+        from sloserve.bench.report import write_report
+        print("report:", write_report(a.report, {a.label or cfg.model: res},
+                                      title=f"sloserve bench: {cfg.model}", slos=cfg.goodput,
+                                      argv=a.command))
     return 0 if run.metrics.completed else 1
 
 
@@ -144,22 +156,30 @@ def _sweep(a: argparse.Namespace) -> int:
     axis = "request_rate" if a.request_rates else "max_concurrency"
     points = a.request_rates or a.max_concurrencies
     rows: list[dict[str, Any]] = []
+    reports: dict[str, dict[str, Any]] = {}
     os.makedirs(a.result_dir, exist_ok=True)
     for pt in points:
         cfg = replace(cfg0, **{axis: pt})
         print(f"--- sweep point {axis}={pt:g}", file=sys.stderr)
         run = run_benchmark(cfg, reqs, count)
         res = result_json(run, label=a.label, backend=_backend(cfg), tokenizer_id=tok_id,
-                          detailed=a.save_detailed, metrics=shown)
+                          detailed=a.save_detailed or bool(a.report), metrics=shown)
         save_json(res, os.path.join(a.result_dir, f"sweep-{axis}-{pt:g}.json"))
+        if a.report:
+            reports[f"{axis} {pt:g}"] = res
         rows.append({"point": pt, **metrics_dict(run.metrics)})
         m = run.metrics
         print(f"    {axis}={pt:g}: {m.completed} completed, {m.failed} failed", file=sys.stderr)
         for msg, n in sorted(m.errors.items(), key=lambda kv: -kv[1])[:5]:
             print(f"    {n} x {msg[:200]}", file=sys.stderr)
         cfg0 = replace(cfg0, initial_test=False)  # the server is warm after the first point
-    write_sweep(rows, axis, parse_goodput(a.goodput), a.result_dir,
-                f"{cfg0.model}: sweep over {axis}")
+    sweep = write_sweep(rows, axis, parse_goodput(a.goodput), a.result_dir,
+                        f"{cfg0.model}: sweep over {axis}")
+    if a.report:
+        from sloserve.bench.report import write_report
+        print("report:", write_report(a.report, reports, sweep=sweep, slos=cfg0.goodput,
+                                      argv=a.command,
+                                      title=f"sloserve bench sweep: {cfg0.model} over {axis}"))
     empty = [r["point"] for r in rows if r["completed"] == 0]
     if empty:
         print(f"sloserve bench sweep: no request completed at {axis} = "
@@ -186,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                        default=None, help="e.g. 1,4,16")
         argv = argv[1:]
     a = p.parse_args(argv)
+    a.command = ["sloserve", "bench", *(["sweep"] if sweep else []), *argv]  # (for --report)
     if sweep and a.result_dir == ".":
         a.result_dir = "sweep-results"
     try:

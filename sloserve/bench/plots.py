@@ -6,9 +6,13 @@ with ``--save-detailed`` so they work on files from any run, real or simulated.
   ``long`` requests (the ``mixed`` workload) as vertical lines: an unchunked long prefill shows
   up as a column of tall gaps right after its arrival;
 * the sweep's Pareto frontier (see :mod:`sloserve.bench.sweep`).
+
+Each ``plot_*`` writes a PNG; its ``*_figure`` twin returns the figure, which
+:func:`figure_svg` turns into inline SVG for the HTML report (``sloserve.bench.report``).
 """
 from __future__ import annotations
 
+import io
 import os
 from typing import Any, Sequence
 
@@ -43,6 +47,10 @@ def _cdf(ax, values: Sequence[float], label: str) -> None:
 
 def plot_cdfs(results: dict[str, dict[str, Any]], path: str, title: str = "") -> str:
     """CDFs of TTFT and TPOT, one line per labelled result. Returns ``path``."""
+    return _save(cdfs_figure(results, title), path)
+
+
+def cdfs_figure(results: dict[str, dict[str, Any]], title: str = ""):
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for label, r in results.items():
         ttft, tpot = per_request_ms(r)
@@ -55,11 +63,15 @@ def plot_cdfs(results: dict[str, dict[str, Any]], path: str, title: str = "") ->
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
     fig.suptitle(title or "per-request latency CDFs")
-    return _save(fig, path)
+    return fig
 
 
 def plot_itl_timeline(results: dict[str, dict[str, Any]], path: str, title: str = "") -> str:
     """ITL over wall time, one panel per labelled result, long-prompt arrivals marked."""
+    return _save(itl_timeline_figure(results, title), path)
+
+
+def itl_timeline_figure(results: dict[str, dict[str, Any]], title: str = ""):
     fig, axes = plt.subplots(len(results), 1, figsize=(11, 2.8 * len(results)), squeeze=False,
                              sharex=True)
     for ax, (label, r) in zip(axes[:, 0], results.items()):
@@ -78,7 +90,7 @@ def plot_itl_timeline(results: dict[str, dict[str, Any]], path: str, title: str 
     axes[-1, 0].set_xlabel("wall time since the run's start (s)")
     if title:
         fig.suptitle(title)
-    return _save(fig, path)
+    return fig
 
 
 def plot_pareto(rows: list[dict[str, Any]], path: str, fronts: dict[str, list[dict[str, Any]]],
@@ -86,6 +98,11 @@ def plot_pareto(rows: list[dict[str, Any]], path: str, fronts: dict[str, list[di
     """Output throughput against each key of ``fronts`` (a latency column); points labelled by
     rate/concurrency, the Pareto-optimal points of ``fronts[key]`` joined, the operating point
     circled. Returns ``path``."""
+    return _save(pareto_figure(rows, fronts, operating_point, title), path)
+
+
+def pareto_figure(rows: list[dict[str, Any]], fronts: dict[str, list[dict[str, Any]]],
+                  operating_point: float | None = None, title: str = ""):
     x_keys = list(fronts)
     fig, axes = plt.subplots(1, len(x_keys), figsize=(5.5 * len(x_keys), 4.2), squeeze=False)
     for ax, key in zip(axes[0], x_keys):
@@ -107,7 +124,7 @@ def plot_pareto(rows: list[dict[str, Any]], path: str, fronts: dict[str, list[di
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title or "throughput vs tail latency")
-    return _save(fig, path)
+    return fig
 
 
 def _save(fig, path: str) -> str:
@@ -116,3 +133,14 @@ def _save(fig, path: str) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def figure_svg(fig) -> str:
+    """The figure as an inline ``<svg>`` element (no XML prolog, no outside reference)."""
+    buf = io.StringIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="svg", metadata={"Creator": None, "Date": None, "Format": None,
+                                            "Type": None})  # no RDF block
+    plt.close(fig)
+    text = buf.getvalue()
+    return text[text.index("<svg"):]

@@ -56,9 +56,10 @@ def format_table(rows: Sequence[dict[str, Any]], axis: str, slos: dict[str, floa
 
 
 def write_sweep(rows: Sequence[dict[str, Any]], axis: str, slos: dict[str, float], result_dir: str,
-                title: str) -> Any | None:
+                title: str) -> dict[str, Any]:
     """Print and save a finished sweep: ``sweep.md`` (the table), ``sweep.json`` (rows, SLOs,
-    operating point) and ``pareto.png`` under ``result_dir``. Returns the operating point."""
+    operating point) and ``pareto.png`` under ``result_dir``. Returns ``{"axis", "rows"
+    (those plotted), "fronts", "operating_point"}`` (what the HTML report draws)."""
     import os
 
     from sloserve.bench.plots import plot_pareto
@@ -83,4 +84,4 @@ def write_sweep(rows: Sequence[dict[str, Any]], axis: str, slos: dict[str, float
     fronts = {k: pareto_front(plotted, k) for k in PARETO_KEYS}
     png = plot_pareto(plotted, os.path.join(result_dir, "pareto.png"), fronts, op, title=title)
     print(f"table: {os.path.join(result_dir, 'sweep.md')}; plot: {png}")
-    return op
+    return {"axis": axis, "rows": plotted, "fronts": fronts, "operating_point": op}

@@ -113,6 +113,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--memory-efficiency", type=pos_float, default=0.8)
     o = p.add_argument_group("output")
     add_goodput_arg(o, "; goodput = simulated requests/s that meet it")
+    o.add_argument("--report", default=None, metavar="FILE.html",
+                   help="one self-contained HTML page of the run (or of a --request-rates "
+                        "sweep: its points and Pareto plot), as sloserve bench --report writes")
     o.add_argument("--save-result", default=None, metavar="FILE.json",
                    help="write the result in `sloserve bench --save-detailed`'s format")
     o.add_argument("--label", default="sim")
@@ -134,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.preset:
             a, given = parse_given(p, argv, PRESETS[a.preset])
         _check_combinations(a, given)
+        a.command = ["sloserve", "sim", *argv]  # (for --report)
         return run(a)
     except KeyError as e:  # unknown model, hardware or dtype: the message is the argument
         print(f"sloserve sim: error: {e.args[0] if e.args else e}", file=sys.stderr)
@@ -155,6 +159,8 @@ def _check_combinations(a: argparse.Namespace, given: set[str]) -> None:
         raise ValueError(f"{' and '.join(modes)} are different runs: give one")
     if "save_result" in given and (a.preset or a.find_capacity or a.request_rates):
         raise ValueError("--save-result is for a single run (a sweep writes under --result-dir)")
+    if "report" in given and (a.preset or a.find_capacity):
+        raise ValueError("--report is for a single run or a --request-rates sweep")
     if a.preset:
         clash = sorted(_flag(d) for d in given & set(PRESET_REFUSES))
         if clash:

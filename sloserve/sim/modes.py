@@ -43,13 +43,19 @@ def run(a) -> int:
           f"{res.mean_in_flight:.2f}{extra}; {len(sim.reqs) / wall:.0f} requests simulated per s "
           f"of wall time", file=sys.stderr)
     print(format_summary(metrics, title="Simulated Serving Benchmark Result", metrics=sim.shown))
+    if a.save_result or a.report:
+        res_json = result_json(run_, label=a.label, detailed=True, metrics=sim.shown,
+                               metadata={"simulated": True, "scheduling_policy": sim.cfg.policy,
+                                         "max_num_batched_tokens": sim.cfg.max_num_batched_tokens,
+                                         "cost_model": sim.cost_name})
     if a.save_result:
         os.makedirs(os.path.dirname(os.path.abspath(a.save_result)), exist_ok=True)
-        save_json(result_json(run_, label=a.label, detailed=True, metrics=sim.shown,
-                              metadata={"simulated": True, "scheduling_policy": sim.cfg.policy,
-                                        "max_num_batched_tokens": sim.cfg.max_num_batched_tokens,
-                                        "cost_model": sim.cost_name}), a.save_result)
+        save_json(res_json, a.save_result)
         print(f"result: {a.save_result}")
+    if a.report:
+        from sloserve.bench.report import write_report
+        print("report:", write_report(a.report, {a.label: res_json}, slos=sim.slos, argv=a.command,
+                                      title=f"sloserve sim: {sim.describe()}"))
     return 0
 
 
@@ -64,8 +70,13 @@ def run_sweep(sim: SimSetup) -> int:
         _, m = sim.run(rate)
         rows.append({"point": rate, **metrics_dict(m)})
     print(f"sim sweep: {sim.describe()}", file=sys.stderr)
-    write_sweep(rows, "request_rate", sim.slos, a.result_dir,
-                f"simulated: {sim.cfg.policy}, budget {sim.cfg.max_num_batched_tokens}")
+    sweep = write_sweep(rows, "request_rate", sim.slos, a.result_dir,
+                        f"simulated: {sim.cfg.policy}, budget {sim.cfg.max_num_batched_tokens}")
+    if a.report:
+        from sloserve.bench.report import write_report
+        print("report:", write_report(a.report, {f"rate {r['point']:g}": r for r in rows},
+                                      sweep=sweep, slos=sim.slos, argv=a.command,
+                                      title=f"sloserve sim sweep: {sim.describe()}"))
     return 0
 
 
