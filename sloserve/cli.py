@@ -230,12 +230,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="SLO load tester for OpenAI-compatible servers; `bench sweep` (own --help)")
     for name, hlp in (("sim", "simulate a benchmark on the engine's scheduler with a cost model"),
                       ("profile", "time the engine over step compositions; fit the sim cost model"),
+                      ("tune", "search the scheduler settings for the most goodput under an SLO "
+                               "in the simulator; --verify measures the best"),
                       ("compare", "two result JSON files side by side")):
         sub.add_parser(name, add_help=False, help=hlp + " (own --help)")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["sim"]:
         from sloserve.sim.cli import main as sim_main
         return sim_main(argv[1:])
+    if argv[:1] == ["tune"]:
+        from sloserve.sim.tune import main as tune_main
+        return tune_main(argv[1:])
     if argv[:1] == ["profile"]:
         from sloserve.sim.profile import main as profile_main
         return profile_main(argv[1:])

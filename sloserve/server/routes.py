@@ -51,7 +51,8 @@ from sloserve.server.messages_api import (CountTokensRequest, MessagesBuilder, M
 from sloserve.server.responses_api import (ResponsesBuilder, ResponsesRequest, ResponseStore,
                                            input_messages, responses_error)
 from sloserve.server.responses_api import to_chat_request as responses_chat_request
-from sloserve.server.tools import ChatConfig, ToolPlan, check_tool_messages, plan_tools
+from sloserve.server.tools import (ChatConfig, ToolPlan, check_tool_messages, plan_tools,
+                                   reasoning_parser_for)
 
 
 #: text longer than this (characters) is tokenized off the event loop
@@ -298,7 +299,7 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state,
         plan, ids = await chat_prompt(body)
         b = ChatBuilder(random_id("chatcmpl"), now_s(), model_name, fmt,
                         logprobs=bool(body.logprobs), plan=plan,
-                        reasoning_parser=chat.reasoning_parser)
+                        reasoning_parser=reasoning_parser_for(chat, body))
         choices = await make_choices([ids], body, b.id)
         res = reserve(choices, raw)
         if body.stream:
@@ -321,7 +322,8 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state,
         check_admitting()
         chat_body = messages_body(body)
         plan, ids = await chat_prompt(chat_body)
-        b = MessagesBuilder(random_id("msg"), model_name, plan, chat.reasoning_parser)
+        b = MessagesBuilder(random_id("msg"), model_name, plan,
+                            reasoning_parser_for(chat, chat_body))
         choices = await make_choices([ids], chat_body, b.id)
         res = reserve(choices, raw)
         if body.stream:
@@ -354,7 +356,7 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state,
         try:  # the chat path's 400s, in the Responses API's field names
             plan, ids = await chat_prompt(chat_body)
             b = ResponsesBuilder(body, model_name, plan, conversation, responses,
-                                 chat.reasoning_parser)
+                                 reasoning_parser_for(chat, chat_body))
             choices = await make_choices([ids], chat_body, b.id)
         except APIError as e:
             raise responses_error(e) from e

@@ -252,6 +252,20 @@ def _is_json(text: str) -> bool:
         return False
 
 
+def reasoning_parser_for(cfg: ChatConfig, body) -> str | None:
+    """The reasoning parser a chat request's output goes through (after ``plan_tools``): none
+    where a grammar forces the output to be JSON (a required or named tool call,
+    ``response_format`` or ``structured_outputs`` json), which admits no reasoning section
+    (deepseek_r1's parser would read all of it as reasoning: no ``</think>`` ever comes). A
+    regex, choice or grammar may spell one out, and keeps the parser."""
+    if not cfg.reasoning_parser:
+        return None
+    spec = body.structured_spec()
+    if spec is not None and (spec.json is not None or spec.json_object):
+        return None
+    return cfg.reasoning_parser
+
+
 def finish_reason(reason: str | None, called: bool) -> str | None:
     """``tool_calls`` where a call went out and the output ended by itself (vLLM's)."""
     return "tool_calls" if called and reason == "stop" else reason

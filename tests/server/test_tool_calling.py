@@ -236,3 +236,40 @@ def test_streamed_reasoning_then_a_call_arrives_whole_in_twenty_seeded_runs(reas
                     whole.message.content.strip()) == ("tool_calls", reasoning, "Sure."), seed
             assert [(c.function.name, json.loads(c.function.arguments))
                     for c in whole.message.tool_calls] == [("get_weather", args)], seed
+
+
+def test_forced_json_is_never_read_as_reasoning(reasoning_server, helpers):
+    """With --reasoning-parser, an output a grammar forces to be JSON (a required or named
+    call, response_format json) has no reasoning section: it comes back as calls or content,
+    on every API."""
+    import anthropic
+    import httpx
+    srv = reasoning_server
+    client = helpers.openai_client(srv)
+    kw = dict(model=srv.model, messages=ASK, tools=TOOLS, max_tokens=120, temperature=0)
+    for choice in ("required", NAMED):
+        m = client.chat.completions.create(tool_choice=choice, **kw).choices[0]
+        assert m.message.tool_calls and not getattr(m.message, "reasoning_content", None)
+        _check_calls(m.message.tool_calls)
+        args, reasoning = "", ""
+        for chunk in client.chat.completions.create(tool_choice=choice, stream=True, **kw):
+            for ch in chunk.choices:
+                reasoning += getattr(ch.delta, "reasoning_content", None) or ""
+                for d in ch.delta.tool_calls or []:
+                    args += (d.function.arguments or "") if d.function else ""
+        assert reasoning == "" and args.startswith("{")
+    j = client.chat.completions.create(model=srv.model, messages=ASK, max_tokens=40,
+                                       temperature=0, response_format={"type": "json_object"})
+    assert j.choices[0].message.content and not getattr(j.choices[0].message,
+                                                        "reasoning_content", None)
+    ac = anthropic.Anthropic(base_url=srv.base_url, api_key="x", max_retries=0, timeout=120)
+    msg = ac.messages.create(model=srv.model, max_tokens=120, messages=ASK,
+                             tools=[{"name": "get_weather", "input_schema": WEATHER}],
+                             tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                             extra_body={"temperature": 0})
+    assert {b.type for b in msg.content} == {"tool_use"} and msg.stop_reason == "tool_use"
+    r = httpx.post(srv.base_url + "/v1/responses", timeout=120, json={
+        "model": srv.model, "input": "Weather in Paris for 3 days?", "temperature": 0,
+        "max_output_tokens": 120, "tool_choice": "required", "tools": [
+            {"type": "function", "name": "get_weather", "parameters": WEATHER}]}).json()
+    assert [o["type"] for o in r["output"]][:1] == ["function_call"]
