@@ -79,6 +79,7 @@ def build_app(engine: AsyncLLM, metrics: PrometheusStatLogger, *,
     async def lifespan(app: FastAPI):
         if manage_engine:
             engine.start()
+            app.state.spec_checker.warm()  # (a served app: its first structured request waits less)
         try:
             yield
         finally:

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from sloserve.sampling_params import ParamError
 from sloserve.server.protocol import ChatCompletionRequest, Int, random_id
@@ -52,8 +52,29 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     store: bool = True
     stream: bool = False
-    metadata: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
     user: str | None = None  # accepted, ignored
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        """OpenAI's limits: at most 16 pairs, keys up to 64 characters, values up to 512; and
+        text that UTF-8 can carry (a lone surrogate could never be sent back)."""
+        if v is None:
+            return v
+        if len(v) > 16:
+            raise ValueError(f"at most 16 metadata pairs, got {len(v)}")
+        for k, x in v.items():
+            if len(k) > 64 or len(x) > 512:
+                raise ValueError(f"metadata keys are at most 64 characters and values 512, "
+                                 f"got {len(k)} and {len(x)} for key {k[:64]!r}")
+            for text in (k, x):
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ValueError("metadata text must be valid Unicode (a lone surrogate "
+                                     "is not)") from None
+        return v
 
 
 class ResponseStore:
@@ -166,6 +187,9 @@ def _chat_tool_choice(tc: Any) -> Any:
 
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise ParamError(f'text.format must be an object such as {{"type": "json_schema", '
+                         f'"schema": ...}}, got {fmt!r:.100}', "text")
     if not fmt or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":

@@ -72,6 +72,19 @@ class SpecChecker:
                 self._drop(pool)
         raise ValueError("the structured-output spec crashed the grammar parser")
 
+    def warm(self) -> None:
+        """Start the child now (a background thread; nothing waits for it), so the first
+        structured request does not pay for it: on a 2-core host, spawning it and importing
+        xgrammar at normal priority starved the server for 2-4 s while requests were in flight
+        (a router's 1 s health check then took the server for dead). Without xgrammar the
+        child's start fails and the first request finds that out, as before."""
+        def run():
+            try:
+                self.check(StructuredOutputsParams(regex="a"))
+            except Exception:  # no xgrammar, or closed meanwhile: the first request says so
+                pass
+        threading.Thread(target=run, name="spec-checker-warm", daemon=True).start()
+
     def close(self) -> None:
         """Stop the child; checks still waiting for it fail (their futures are cancelled, and
         a retry finds the checker closed)."""

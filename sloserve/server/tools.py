@@ -120,18 +120,29 @@ def plan_tools(body, cfg: ChatConfig) -> ToolPlan:
         raise ParamError("a required or named tool_choice is a constraint on the output: give "
                          "it without response_format / structured_outputs", "tool_choice")
     if choice == "required":
-        items = [{"type": "object", "properties": {"name": {"type": "string", "const": n},
-                                                   "parameters": f["parameters"]},
-                  "required": ["name", "parameters"], "additionalProperties": False}
-                 for n, f in fns.items()]
+        items, defs = [], {}
+        for i, (n, f) in enumerate(fns.items()):
+            params = f["parameters"]
+            if _has_ref(params):  # its "#..." refs must still resolve inside the wrapper
+                defs[f"tool{i}"] = _rebased(params, f"#/$defs/tool{i}")
+                params = {"$ref": f"#/$defs/tool{i}"}
+            items.append({"type": "object", "properties": {"name": {"type": "string", "const": n},
+                                                           "parameters": params},
+                          "required": ["name", "parameters"], "additionalProperties": False})
         schema: dict[str, Any] = {"type": "array", "minItems": 1,
                                   "items": items[0] if len(items) == 1 else {"anyOf": items}}
+        if defs:
+            schema["$defs"] = defs
         if body.parallel_tool_calls is False:
             schema["maxItems"] = 1
         return ToolPlan("required", tools, structured=StructuredOutputsParams(
             json=json.dumps(schema)))
     if isinstance(choice, dict) and choice.get("type") == "function":
-        name = (choice.get("function") or {}).get("name")
+        fn = choice.get("function")
+        if not isinstance(fn, dict):
+            raise ParamError(f'tool_choice.function must be {{"name": ...}}, got {fn!r}',
+                             "tool_choice")
+        name = fn.get("name")
         if name not in fns:
             raise ParamError(f"tool_choice names function {name!r}, which is not in tools "
                              f"({', '.join(fns)})", "tool_choice")
@@ -139,6 +150,26 @@ def plan_tools(body, cfg: ChatConfig) -> ToolPlan:
             json=json.dumps(fns[name]["parameters"])))
     raise ParamError(f'tool_choice must be "none", "auto", "required" or {{"type": '
                      f'"function", "function": {{"name": ...}}}}, got {choice!r}', "tool_choice")
+
+
+def _has_ref(schema: Any) -> bool:
+    if isinstance(schema, dict):
+        return isinstance(schema.get("$ref"), str) or any(map(_has_ref, schema.values()))
+    return isinstance(schema, list) and any(map(_has_ref, schema))
+
+
+def _rebased(schema: Any, root: str) -> Any:
+    """``schema`` with its local references (``#``, ``#/$defs/X``, ``#/properties/...``)
+    pointing under ``root``, where the wrapper keeps it."""
+    if isinstance(schema, dict):
+        out = {k: _rebased(v, root) for k, v in schema.items()}
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            out["$ref"] = root + ref[1:]
+        return out
+    if isinstance(schema, list):
+        return [_rebased(v, root) for v in schema]
+    return schema
 
 
 def check_tool_messages(messages: list[dict[str, Any]]) -> None:

@@ -109,11 +109,16 @@ def test_unknown_or_unstored_previous_response_is_a_404(client, live_server):
      "input"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text"),
+    ({"input": "x", "text": {"format": "x"}}, "text"),
+    ({"input": "x", "metadata": {"k": "\ud800"}}, "metadata"),
+    ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
     ({"input": "x", "tool_choice": "required", "tools": [{"type": "function", "name": "f",
       "parameters": {"type": "object", "properties": {"x": {"type": "strin"}}}}]}, "tools"),
 ])
 def test_bad_input_is_a_400(http, live_server, body, param):
-    r = http.post("/v1/responses", json={"model": live_server.model, "max_output_tokens": 2,
-                                         **body})
+    # (ASCII JSON: a lone surrogate travels as its escape, as a client's JSON encoder sends it)
+    r = http.post("/v1/responses", headers={"content-type": "application/json"},
+                  content=json.dumps({"model": live_server.model, "max_output_tokens": 2,
+                                      **body}))
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param

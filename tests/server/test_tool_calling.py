@@ -168,6 +168,8 @@ def test_a_tool_result_turn_is_accepted(client, live_server):
     ({"tools": TOOLS, "messages": ASK + [{"role": "tool", "tool_call_id": "call_x", "content": "1"}]},
      "messages", "tool_call_id 'call_x' matches no tool call"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "tool_choice must be"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": "get_weather"}},
+     "tool_choice", "tool_choice.function must be"),
 ])
 def test_bad_tool_input_is_a_400_and_the_server_keeps_serving(http, live_server, body, param,
                                                                 phrase):
@@ -273,3 +275,28 @@ def test_forced_json_is_never_read_as_reasoning(reasoning_server, helpers):
         "max_output_tokens": 120, "tool_choice": "required", "tools": [
             {"type": "function", "name": "get_weather", "parameters": WEATHER}]}).json()
     assert [o["type"] for o in r["output"]][:1] == ["function_call"]
+
+
+#: a schema as pydantic writes one: its parts in $defs, referenced from the root
+SHIP = {"$defs": {"Address": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+            "additionalProperties": False}},
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/Address"},
+                                         "back": {"anyOf": [{"$ref": "#/$defs/Address"},
+                                                            {"type": "null"}]}},
+        "required": ["to", "back"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "ship"}}])
+def test_forced_calls_keep_a_schemas_local_references(client, live_server, choice):
+    """A required choice wraps every tool's schema in one array schema: ``#/$defs/...`` of a
+    tool must still resolve (to its own $defs), and the arguments match the tool's schema."""
+    tools = [*TOOLS, {"type": "function", "function": {"name": "ship", "parameters": SHIP}}]
+    r = client.chat.completions.create(model=live_server.model, messages=[
+        {"role": "user", "content": "Ship it to Paris."}], tools=tools, tool_choice=choice,
+        max_tokens=120, temperature=0.8, seed=3, parallel_tool_calls=False)
+    calls = r.choices[0].message.tool_calls
+    assert calls
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments),
+                            {**SCHEMAS, "ship": SHIP}[c.function.name])
