@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sloserve.body_limit import BodyLimitMiddleware
 from sloserve.router.config import RouterConfig
 from sloserve.router.disagg import Disaggregated
 from sloserve.router.errors import RouterError, error_response
@@ -207,6 +208,7 @@ def build_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None =
 
     app = FastAPI(title="sloserve router", lifespan=lifespan)
     app.state.router = router
+    app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_bytes)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:

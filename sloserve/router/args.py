@@ -9,7 +9,8 @@ _POLICIES = ("round-robin", "least-outstanding", "prefix-aware")
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
-    from sloserve.argtypes import port
+    from sloserve.argtypes import port, pos_int
+    from sloserve.config import DEFAULT_MAX_BODY_BYTES
 
     w = p.add_argument_group("workers")
     w.add_argument("--replicas", nargs="+", default=[], metavar="URL",
@@ -70,6 +71,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "(default 1)")
     h.add_argument("--connect-timeout", type=float, default=5.0, metavar="S",
                    help="seconds to open a connection to a worker (default 5)")
+    h.add_argument("--max-request-body-bytes", type=pos_int, default=DEFAULT_MAX_BODY_BYTES,
+                   metavar="N", help="larger request bodies get HTTP 413 in the API's error "
+                                     "shape before they are read or forwarded (default "
+                                     f"{DEFAULT_MAX_BODY_BYTES}, the servers' own)")
     h.add_argument("--host", default="127.0.0.1")
     h.add_argument("--port", type=port, default=8080)
     h.add_argument("--log-level", default="info")
@@ -88,6 +93,7 @@ def config_from_args(a: argparse.Namespace):
         speculative_ttl=a.speculative_ttl, tokenizer=a.tokenizer,
         kv_transfer_flow=a.kv_transfer_flow, health_check_interval=a.health_check_interval,
         health_check_timeout=a.health_check_timeout, connect_timeout=a.connect_timeout,
+        max_request_body_bytes=a.max_request_body_bytes,
         host=a.host, port=a.port, log_level=a.log_level).validate()
 
 

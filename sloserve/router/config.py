@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from sloserve.config import DEFAULT_MAX_BODY_BYTES
 from sloserve.engine.kv_events import KVEventsConfig
 
 POLICIES = ("round-robin", "least-outstanding", "prefix-aware")
@@ -46,6 +47,8 @@ class RouterConfig:
         health_check_interval, health_check_timeout: seconds between a worker's ``/health``
             polls, and a poll's limit; a worker that cannot be reached is marked down at once.
         connect_timeout: seconds to open a connection to a worker for a request.
+        max_request_body_bytes: larger request bodies get 413 before they are read or
+            forwarded (the servers' own limit and default).
     """
 
     replicas: list[str] = field(default_factory=list)
@@ -64,6 +67,7 @@ class RouterConfig:
     health_check_interval: float = 0.5
     health_check_timeout: float = 1.0
     connect_timeout: float = 5.0
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     host: str = "127.0.0.1"
     port: int = 8080
     log_level: str = "info"

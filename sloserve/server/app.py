@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sloserve.config import EngineConfig
 from sloserve.engine.async_llm import AsyncLLM
-from sloserve.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
+from sloserve.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from sloserve.server.errors import install_error_handlers
 from sloserve.server.metrics import PrometheusStatLogger
 from sloserve.server.openapi import install_openapi_constraints

@@ -103,3 +103,21 @@ def test_the_routers_own_errors_come_in_each_apis_shape(replicas):
         assert json.loads(dead.client.get("/v1/responses/resp_x").content)["error"]["code"] == 404
     finally:
         stop_all([dead])
+
+
+def test_the_router_refuses_an_oversized_body_before_reading_it(replicas):
+    """``--max-request-body-bytes`` at the router too: a body announced larger gets 413 in
+    the API's shape, nothing forwarded; the router serves on."""
+    r = LiveRouter(RouterConfig(replicas=[s.base_url for s in replicas],
+                                max_request_body_bytes=1000, health_check_timeout=10.0)).start()
+    try:
+        big = b'{"model": "m", "input": "' + b"x" * 5000 + b'"}'
+        for path, shape in (("/v1/responses", "error"), ("/v1/messages", "type")):
+            got = r.client.post(path, content=big, headers={"content-type": "application/json"})
+            assert got.status_code == 413 and shape in got.json()
+            assert "over the limit of 1000 bytes" in json.dumps(got.json())
+        assert r.client.post("/v1/completions", json={"model": replicas[0].model,
+                                                      "prompt": "hi", "max_tokens": 1}
+                             ).status_code == 200
+    finally:
+        stop_all([r])

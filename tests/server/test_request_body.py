@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from sloserve.server.app import build_app
-from sloserve.server.body_limit import DEFAULT_MAX_BODY_BYTES
+from sloserve.body_limit import DEFAULT_MAX_BODY_BYTES
 from sloserve.server.metrics import PrometheusStatLogger
 from sloserve.server.utf8_body import Utf8BodyMiddleware
 

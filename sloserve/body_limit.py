@@ -1,4 +1,5 @@
-"""Request bodies over ``--max-request-body-bytes`` get HTTP 413 in the API's error shape.
+"""Request bodies over ``--max-request-body-bytes`` get HTTP 413 in the API's error shape (the
+server's and the router's front door).
 
 A body announced larger by its Content-Length is refused before a byte of it is read (the
 server then discards the rest it is sent, and the connection stays open for the next request);
@@ -7,9 +8,12 @@ anything parses or tokenizes it.
 """
 from __future__ import annotations
 
+import json
+
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sloserve.config import DEFAULT_MAX_BODY_BYTES
+from sloserve.error_shapes import error_for
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "BodyLimitMiddleware", "BodyTooLarge"]
 
@@ -57,9 +61,10 @@ class BodyLimitMiddleware:
                 await self._reject(scope, send, seen)
 
     async def _reject(self, scope: Scope, send: Send, size: int) -> None:
-        from sloserve.server.errors import APIError, shaped_response
-        r = shaped_response(scope.get("path", ""), APIError(
-            413, f"request body of {size} bytes is over the limit of {self.limit} "
-                 f"bytes (--max-request-body-bytes)"))
-        await send({"type": "http.response.start", "status": 413, "headers": r.raw_headers})
-        await send({"type": "http.response.body", "body": r.body})
+        body = json.dumps(error_for(scope.get("path", ""), 413, (
+            f"request body of {size} bytes is over the limit of {self.limit} bytes "
+            f"(--max-request-body-bytes)")), ensure_ascii=True, separators=(",", ":")).encode()
+        await send({"type": "http.response.start", "status": 413, "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
