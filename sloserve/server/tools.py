@@ -135,8 +135,7 @@ def plan_tools(body, cfg: ChatConfig) -> ToolPlan:
             schema["$defs"] = defs
         if body.parallel_tool_calls is False:
             schema["maxItems"] = 1
-        return ToolPlan("required", tools, structured=StructuredOutputsParams(
-            json=json.dumps(schema)))
+        return ToolPlan("required", tools, structured=_forced(schema))
     if isinstance(choice, dict) and choice.get("type") == "function":
         fn = choice.get("function")
         if not isinstance(fn, dict):
@@ -146,10 +145,19 @@ def plan_tools(body, cfg: ChatConfig) -> ToolPlan:
         if name not in fns:
             raise ParamError(f"tool_choice names function {name!r}, which is not in tools "
                              f"({', '.join(fns)})", "tool_choice")
-        return ToolPlan("named", tools, name=name, structured=StructuredOutputsParams(
-            json=json.dumps(fns[name]["parameters"])))
+        return ToolPlan("named", tools, name=name, structured=_forced(fns[name]["parameters"]))
     raise ParamError(f'tool_choice must be "none", "auto", "required" or {{"type": '
                      f'"function", "function": {{"name": ...}}}}, got {choice!r}', "tool_choice")
+
+
+def _forced(schema: dict[str, Any]) -> StructuredOutputsParams:
+    """The structured-output spec forcing ``schema``; its refusals name ``tools`` (the field
+    the client sent)."""
+    try:
+        return StructuredOutputsParams(json=json.dumps(schema))
+    except ParamError as e:
+        why = str(e).replace("structured_outputs spec", "the forced tool call schema")
+        raise ParamError(f"tools: {why}", "tools") from None
 
 
 def _has_ref(schema: Any) -> bool:

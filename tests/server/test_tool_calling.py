@@ -170,6 +170,9 @@ def test_a_tool_result_turn_is_accepted(client, live_server):
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "tool_choice must be"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": "get_weather"}},
      "tool_choice", "tool_choice.function must be"),
+    ({"tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": WEATHER}}
+                for i in range(300)], "tool_choice": "required"},
+     "tools", "the forced tool call schema has"),
 ])
 def test_bad_tool_input_is_a_400_and_the_server_keeps_serving(http, live_server, body, param,
                                                                 phrase):
