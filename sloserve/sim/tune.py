@@ -11,8 +11,9 @@ profile``, or the sim's other models), it simulates every configuration of the g
     --enable-prefill-pacing    on / off (chunked only)
     --long-prefill-token-threshold  --long-prefill-thresholds (default 0,256; chunked only)
 
-and ranks them by predicted goodput (requests/s within the SLO), then attainment, then P99
-TTFT. The capacity (the highest rate whose attainment is at least ``--slo-attainment``) is
+and ranks them by predicted goodput (requests/s within the SLO), then attainment, then the
+fewest changes from the defaults (a configuration that does no better keeps the defaults), then
+P99 TTFT and TPOT. The capacity (the highest rate whose attainment is at least ``--slo-attainment``) is
 found for the top ``--capacity-top`` and the defaults. The goldilocks budget is the token
 budget whose best configuration predicts the most goodput: a smaller one queues prefills (TTFT
 rises), a larger one lets prefill chunks stall decodes (TPOT rises).
@@ -77,6 +78,12 @@ class Candidate:
                 f"pacing {'on' if self.pacing else 'off'}, threshold "
                 f"{self.long_prefill_token_threshold or 'none'}")
 
+    def distance(self, other: "Candidate") -> int:
+        """Settings that differ (ties in the ranking go to the fewest changes from the
+        defaults)."""
+        return sum(getattr(self, f.name) != getattr(other, f.name)
+                   for f in dataclasses.fields(self))
+
     def sim_config(self, base):
         """``base`` (a SimConfig) with this configuration's settings."""
         cfg = EngineConfig(max_num_batched_tokens=self.max_num_batched_tokens,
@@ -136,7 +143,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--serve-model", default=None,
                    help="the model `--verify` serves (default: the embedded one)")
     t.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
-                   help="extra `sloserve serve` argument for --verify (repeat it)")
+                   help="extra `sloserve serve` argument for --verify, repeated, one token each: "
+                        "--serve-arg=--dtype --serve-arg=float32")
     t.add_argument("--save-tune", default=None, metavar="FILE.json",
                    help="write every configuration's prediction (and measurements) here")
     return p
@@ -157,7 +165,10 @@ def search(sim, cands: list[Candidate], rate: float) -> list[tuple[Candidate, di
     for c in cands:
         _, m = sim.run(rate, c.sim_config(sim.cfg))
         rows.append((c, _row(c, m, rate)))
-    rows.sort(key=lambda cr: (-cr[1]["goodput"], -cr[1]["attainment"], cr[1]["p99_ttft_ms"]))
+    d = Candidate.defaults()
+    rows.sort(key=lambda cr: (-round(cr[1]["goodput"], 9), -round(cr[1]["attainment"], 9),
+                              cr[0].distance(d), round(cr[1]["p99_ttft_ms"], 6),
+                              round(cr[1]["p99_tpot_ms"], 6)))
     return rows
 
 
@@ -319,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{c.describe()}{'  (defaults)' if c == default else ''}")
     print("\ngoodput by token budget (each budget's best configuration):")
     gold = goldilocks(rows)
-    best_budget = max(gold, key=lambda br: br[1]["goodput"])[0]
+    best_budget = rows[0][0].max_num_batched_tokens  # the pick's: a budget of the most goodput
     for b, r in gold:
         print(f"  {b:>6}: goodput {r['goodput']:.3f} req/s, attainment {r['attainment']:.1%}, "
               f"P99 TTFT {r['p99_ttft_ms']:.0f} ms, P99 TPOT {r['p99_tpot_ms']:.1f} ms"

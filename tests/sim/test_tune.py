@@ -1,0 +1,72 @@
+"""``sloserve tune``: the grid simulated and ranked (the simulator's verdicts, so exact), the
+goldilocks budget, refusals; ``--verify`` against live servers."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sloserve.sim.tune import Candidate, grid
+from sloserve.sim.tune import main as tune_main
+
+WORKLOAD = ["--dataset-name", "mixed", "--mixed-scale", "0.25", "--num-prompts", "40",
+            "--request-rate", "2", "--decode-step-ms", "12", "--prefill-tokens-per-s", "6000",
+            "--goodput", "ttft:800", "tpot:40"]
+
+
+def test_the_grid_is_ranked_by_predicted_goodput_and_names_the_goldilocks_budget(tmp_path,
+                                                                                 capsys):
+    out = tmp_path / "tune.json"
+    assert tune_main([*WORKLOAD, "--budgets", "64,512,2048", "--max-num-seqs-grid", "8,64",
+                      "--long-prefill-thresholds", "0", "--capacity-top", "1",
+                      "--save-tune", str(out)]) == 0
+    res = json.loads(out.read_text())
+    ranked = res["ranked"]
+    # 3 budgets x 2 seq caps x (whole, chunked paced, chunked unpaced), the defaults among them
+    assert len(ranked) == 18 and [r["rank"] for r in ranked] == list(range(1, 19))
+    keys = [(-round(r["goodput"], 9), -round(r["attainment"], 9)) for r in ranked]
+    assert keys == sorted(keys)
+    best_per_budget = {}
+    for r in ranked:
+        best_per_budget.setdefault(int(r["flags"][1]), r["goodput"])
+    assert res["goldilocks_budget"] == int(ranked[0]["flags"][1])
+    assert best_per_budget[res["goldilocks_budget"]] == pytest.approx(max(best_per_budget.values()),
+                                                                      rel=1e-9)
+    assert ranked[0]["capacity"] is None or ranked[0]["capacity"] > 0
+    text = capsys.readouterr().out
+    assert "(defaults)" in text and "<- goldilocks" in text
+    assert text.strip().splitlines()[-1].startswith("pick: --max-num-batched-tokens ")
+
+
+def test_ties_go_to_the_defaults_and_the_grid_holds_them():
+    d = Candidate.defaults()
+    assert d in grid([128], [16], [256])  # added when the grid misses it
+    assert d.distance(d) == 0 and Candidate(128, 16).distance(d) == 2
+
+
+def test_searched_flags_and_a_missing_slo_are_refused(capsys):
+    assert tune_main([*WORKLOAD, "--max-num-batched-tokens", "256"]) == 2
+    assert "tune searches the scheduler settings itself" in capsys.readouterr().err
+    assert tune_main([a for a in WORKLOAD if a not in ("--goodput", "ttft:800", "tpot:40")]) == 2
+    assert "--goodput" in capsys.readouterr().err
+
+
+def test_verify_serves_the_pick_and_the_defaults_and_measures_them(tmp_path, capsys):
+    """One live check of the whole loop on the embedded model (a tiny workload; the numbers
+    are the host's, only their presence and shape are asserted)."""
+    out = tmp_path / "tune.json"
+    assert tune_main(["--dataset-name", "random", "--random-input-len", "32",
+                      "--random-output-len", "4", "--num-prompts", "4", "--request-rate", "4",
+                      "--decode-step-ms", "12", "--prefill-tokens-per-s", "6000",
+                      "--goodput", "ttft:60000", "tpot:60000", "--budgets", "256",
+                      "--max-num-seqs-grid", "8", "--long-prefill-thresholds", "0",
+                      "--capacity-top", "0", "--verify", "2", "--serve-arg=--dtype",
+                      "--serve-arg=float32", "--save-tune", str(out)]) == 0
+    res = json.loads(out.read_text())
+    verified = res["verified"]
+    assert len(verified) == 2  # the top two (the defaults win the tie: they are among them)
+    assert any(v["flags"] == Candidate.defaults().serve_flags() for v in verified)
+    for v in verified:
+        assert len(v["measured"]) == 1 and v["measured_attainment"] == 1.0
+        assert v["measured_goodput"] > 0
+    assert "predicted vs measured" in capsys.readouterr().out
