@@ -252,7 +252,7 @@ def measure(cand: Candidate, a, workload: list[str], rate: float, out_dir: str,
             proc.kill()
         log.close()
     judged = res["completed"] + res.get("failed", 0)
-    good = (res.get("request_goodput") or 0.0) * res["duration"]
+    good = round((res.get("request_goodput") or 0.0) * res["duration"])  # a count
     return {"goodput": res.get("request_goodput") or 0.0,
             "attainment": good / judged if judged else 0.0,
             "p99_ttft_ms": res.get("p99_ttft_ms"), "p99_tpot_ms": res.get("p99_tpot_ms")}
