@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from sloserve.error_shapes import anthropic_error
 from sloserve.sampling_params import ParamError
@@ -36,7 +36,7 @@ class MessagesRequest(BaseModel):
     system: str | list[dict[str, Any]] | None = None
     stop_sequences: list[str] | None = None
     stream: bool = False
-    temperature: float | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)  # Anthropic's range
     top_p: float | None = None
     top_k: Int | None = None
     tools: list[dict[str, Any]] | None = None
@@ -102,15 +102,17 @@ def _messages(system: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any
         for j, b in enumerate(content):
             kind = b.get("type") if isinstance(b, dict) else None
             where = f"messages[{i}].content[{j}]"
-            if kind == "text" and isinstance(b.get("text"), str):
+            if kind == "text":
+                if not isinstance(b.get("text"), str):
+                    raise ParamError(f"{where}: a text block needs a string text", "messages")
                 texts.append(b["text"])
             elif kind == "tool_use" and role == "assistant":
                 if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str) \
-                        or not isinstance(b.get("input", {}), dict):
+                        or not isinstance(b.get("input"), dict):
                     raise ParamError(f"{where}: a tool_use block needs id, name and an object "
                                      f"input", "messages")
                 calls.append({"id": b["id"], "type": "function", "function": {
-                    "name": b["name"], "arguments": json.dumps(b.get("input", {}))}})
+                    "name": b["name"], "arguments": json.dumps(b["input"])}})
             elif kind == "tool_result" and role == "user":
                 if not isinstance(b.get("tool_use_id"), str):
                     raise ParamError(f"{where}: a tool_result block needs tool_use_id",
@@ -141,9 +143,15 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or not isinstance(t.get("name"), str):
             raise ParamError(f"tools[{i}] needs a name", "tools")
+        if t.get("type") not in (None, "custom"):  # web_search_..., bash_..., text_editor_...
+            raise ParamError(f"tools[{i}]: tool type {t['type']!r} is not served here (Anthropic "
+                             f"runs its server tools itself; custom tools with an input_schema "
+                             f"are served)", "tools")
+        if not isinstance(t.get("input_schema"), dict):
+            raise ParamError(f"tools[{i}] ({t['name']}) needs an input_schema object", "tools")
         out.append({"type": "function", "function": {
             "name": t["name"], "description": t.get("description", ""),
-            "parameters": t.get("input_schema", {"type": "object", "properties": {}})}})
+            "parameters": t["input_schema"]}})
     return out
 
 

@@ -101,6 +101,18 @@ def test_stop_sequences_say_which_one_stopped(ac, live_server):
                                      "content": "1"}]}]},
      "invalid_request_error", "matches no tool call"),
     ({"max_tokens": 4, "messages": ASK, "model": "other"}, "not_found_error", "other"),
+    ({"max_tokens": 4, "messages": ASK, "tools": [{"type": "web_search_20250305",
+                                                   "name": "web_search"}]},
+     "invalid_request_error", "is not served here"),
+    ({"max_tokens": 4, "messages": ASK, "tools": [{"name": "f"}]},
+     "invalid_request_error", "needs an input_schema"),
+    ({"max_tokens": 4, "messages": ASK, "temperature": 5}, "invalid_request_error",
+     "temperature"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "invalid_request_error", "a text block needs a string text"),
+    ({"max_tokens": 4, "messages": ASK + [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "f"}]}]},
+     "invalid_request_error", "an object input"),
     ({"max_tokens": 4, "messages": ASK, "tool_choice": {"type": "any"}, "tools": [
         {"name": "f", "input_schema": {"type": "object", "properties": {"x": {"type": "strin"}}}}]},
      "invalid_request_error", "strin"),  # a schema the grammar compiler refuses
