@@ -271,8 +271,11 @@ class ChoiceOutput:
     def whole(self, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
         """(reasoning, content, calls) of a whole output; a call cut short (``max_tokens``
         ended the output inside its arguments) is left out (streamed, its pieces went out
-        before the end: ``finish_reason`` ``length`` says so)."""
+        before the end: ``finish_reason`` ``length`` says so), and a forced output (required,
+        named) has no content, whole or cut short: the same on every API."""
         r, c, deltas = self.feed(text, last=True)
+        if self.plan.mode in ("required", "named"):
+            c = None  # a forced output is calls only; cut short, its held-back start is not text
         calls: dict[int, ToolCall] = {}
         for d in deltas:
             if d.id is not None:

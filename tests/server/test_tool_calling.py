@@ -303,3 +303,24 @@ def test_forced_calls_keep_a_schemas_local_references(client, live_server, choic
     for c in calls:
         jsonschema.validate(json.loads(c.function.arguments),
                             {**SCHEMAS, "ship": SHIP}[c.function.name])
+
+
+def test_a_forced_call_cut_short_answers_alike_on_every_api(live_server, http):
+    """``max_tokens`` ends a required call inside its JSON: no API returns its start as text;
+    each says the output was cut (length / max_tokens / incomplete)."""
+    model = live_server.model
+    chat = http.post("/v1/chat/completions", json={
+        "model": model, "messages": ASK, "tools": TOOLS, "tool_choice": "required",
+        "max_tokens": 6, "temperature": 0}).json()["choices"][0]
+    assert chat["finish_reason"] == "length" and not chat["message"]["content"]
+    assert not chat["message"]["tool_calls"]
+    resp = http.post("/v1/responses", json={
+        "model": model, "input": ASK[0]["content"], "tool_choice": "required",
+        "max_output_tokens": 6, "temperature": 0, "tools": [
+            {"type": "function", "name": "get_weather", "parameters": WEATHER}]}).json()
+    assert resp["status"] == "incomplete" and resp["output"] == []
+    msg = http.post("/v1/messages", json={
+        "model": model, "messages": ASK, "max_tokens": 6, "temperature": 0,
+        "tool_choice": {"type": "any"},
+        "tools": [{"name": "get_weather", "input_schema": WEATHER}]}).json()
+    assert msg["stop_reason"] == "max_tokens" and msg["content"] == []
