@@ -54,6 +54,15 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     metadata: dict[str, str] | None = None
     user: str | None = None  # accepted, ignored
+    background: bool = False  # refused when true: a client would poll a response never made
+
+    @field_validator("background")
+    @classmethod
+    def _background(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("background responses are not served here: send the request "
+                             "without background (stream it for early output)")
+        return v
 
     @field_validator("metadata")
     @classmethod

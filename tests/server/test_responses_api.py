@@ -110,6 +110,7 @@ def test_unknown_or_unstored_previous_response_is_a_404(client, live_server):
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text"),
     ({"input": "x", "text": {"format": "x"}}, "text"),
+    ({"input": "x", "background": True}, "background"),
     ({"input": "x", "metadata": {"k": "\ud800"}}, "metadata"),
     ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
     ({"input": "x", "tool_choice": "required", "tools": [{"type": "function", "name": "f",
