@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from html.parser import HTMLParser
 
 import pytest
 
 from sloserve.bench.report import SUMMARY
 from sloserve.sim.cli import main as sim_main
+from tests.browser import chromium as browser_chromium
 
 SIM = ["--decode-step-ms", "10", "--prefill-tokens-per-s", "5000", "--dataset-name", "random",
        "--random-input-len", "200", "--random-output-len", "32", "--num-prompts", "40",
@@ -60,14 +60,7 @@ def _check_cells(page: str, results: dict[str, dict]) -> None:
 
 def _open_offline(path: str) -> list[int]:
     """Paths drawn in each chart, in Chromium with networking off (skips without it)."""
-    chromium = shutil.which("chromium") or "/usr/bin/chromium"
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.skip("playwright is not installed")
-    if not os.path.exists(chromium):
-        pytest.skip("Chromium is not installed (make installs Debian's chromium package with "
-                    "apt-get as root; it could not here)")
+    sync_playwright, chromium = browser_chromium()
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
         try:

@@ -172,6 +172,9 @@ def helpers():
         start_server = staticmethod(start_server)
         wait_healthy = staticmethod(wait_healthy)
         hermes_template = HERMES_TEMPLATE
+        #: a small server's settings (its own tests' servers)
+        small_config = EngineConfig(model=None, dtype="float32", num_kv_blocks=64,
+                                    max_model_len=512, max_num_batched_tokens=128)
         openai_client = staticmethod(openai_client)
         http_client = staticmethod(http_client)
 

@@ -5,31 +5,14 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from sloserve.config import EngineConfig
+from tests.browser import chromium as browser_chromium
 
 
 @pytest.fixture(scope="module")
 def server(helpers):
-    srv = helpers.start_server(EngineConfig(model=None, dtype="float32", num_kv_blocks=64,
-                                            max_model_len=512, max_num_batched_tokens=128),
-                               goodput={"ttft": 200.0, "tpot": 50.0})
+    srv = helpers.start_server(helpers.small_config, goodput={"ttft": 200.0, "tpot": 50.0})
     yield srv
     srv.stop()
-
-
-def _chromium():
-    """Playwright's API over Debian's Chromium (no browser download), or a skip."""
-    import shutil
-    path = shutil.which("chromium") or "/usr/bin/chromium"
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.skip("playwright is not installed (pip install playwright)")
-    import os
-    if not os.path.exists(path):
-        pytest.skip("Chromium is not installed (make installs Debian's chromium package with "
-                    "apt-get as root; it could not here)")
-    return sync_playwright, path
 
 
 def _stream_ttft(c: httpx.Client, body: dict) -> float:
@@ -51,7 +34,7 @@ def test_the_dashboard_shows_the_snapshots_live(server):
     holds exactly the requests sent, its P50 TTFT shown as the snapshot has it. (How close
     that P50 is to a client's own is a measurement, not a test: benchmarks/dashboard_check.py.)"""
     import threading
-    sync_playwright, chromium = _chromium()
+    sync_playwright, chromium = browser_chromium()
     body = {"model": server.model, "prompt": "Tell me about the sea. " * 30, "max_tokens": 6,
             "temperature": 0, "ignore_eos": True}
     ttfts: list[float] = []

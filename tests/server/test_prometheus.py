@@ -15,7 +15,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sloserve.config import EngineConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 PROMTOOL, PROMETHEUS = shutil.which("promtool"), shutil.which("prometheus")
@@ -51,9 +50,7 @@ def _board_exprs() -> list[str]:
 
 @pytest.fixture(scope="module")
 def server(helpers):
-    srv = helpers.start_server(EngineConfig(model=None, dtype="float32", num_kv_blocks=64,
-                                            max_model_len=512, max_num_batched_tokens=128),
-                               goodput=SLO)
+    srv = helpers.start_server(helpers.small_config, goodput=SLO)
     yield srv
     srv.stop()
 

@@ -9,7 +9,6 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sloserve.config import EngineConfig
 
 #: every TTFT meets 60 s; every TPOT misses 0.001 ms, so a request meets the SLO only when it
 #: has one output token (no TPOT): the verdicts are known without any timing
@@ -18,9 +17,7 @@ SLO = {"ttft": 60_000.0, "tpot": 0.001}
 
 @pytest.fixture(scope="module")
 def server(helpers):
-    srv = helpers.start_server(EngineConfig(model=None, dtype="float32", num_kv_blocks=64,
-                                            max_model_len=512, max_num_batched_tokens=128),
-                               goodput=SLO)
+    srv = helpers.start_server(helpers.small_config, goodput=SLO)
     yield srv
     srv.stop()
 
