@@ -42,6 +42,8 @@ class MessagesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None  # accepted, ignored
+    priority: Int | None = 0  # vLLM's extension, as on the chat route
+    cache_salt: str | None = None  # vLLM's extension, as on the chat route
 
 
 class CountTokensRequest(BaseModel):
@@ -186,7 +188,7 @@ def to_chat_request(req: MessagesRequest | CountTokensRequest) -> ChatCompletion
     if isinstance(req, MessagesRequest):
         fields.update(max_tokens=req.max_tokens, stop=req.stop_sequences,
                       temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                      stream=req.stream)
+                      stream=req.stream, priority=req.priority, cache_salt=req.cache_salt)
     return ChatCompletionRequest(**fields)
 
 

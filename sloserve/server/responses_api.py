@@ -55,6 +55,8 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     user: str | None = None  # accepted, ignored
     background: bool = False  # refused when true: a client would poll a response never made
+    priority: Int | None = 0  # vLLM's extension, as on the chat route
+    cache_salt: str | None = None  # vLLM's extension, as on the chat route
 
     @field_validator("background")
     @classmethod
@@ -227,7 +229,8 @@ def to_chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]
         tool_choice=_chat_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls, max_tokens=req.max_output_tokens,
         temperature=req.temperature, top_p=req.top_p, stream=req.stream,
-        response_format=_response_format(req.text))
+        response_format=_response_format(req.text), priority=req.priority,
+        cache_salt=req.cache_salt)
 
 
 #: the chat request's fields -> the Responses request's, for its errors

@@ -144,3 +144,36 @@ def test_json_of_a_streamed_text_answer_is_the_whole_one(ac, live_server):
         final = s.get_final_message()
     assert text == whole.content[0].text == final.content[0].text
     assert json.loads(final.model_dump_json())["usage"]["output_tokens"] == whole.usage.output_tokens
+
+
+def test_agent_routes_share_the_engine_path(http, live_server, engine, helpers):
+    """Messages and Responses run as chat requests do: a client gone mid-stream aborts its
+    request (every KV block free again), and vLLM's priority / cache_salt pass through (one
+    salt's prefix is not another's; a priority under fcfs is refused by the engine's rule)."""
+    model = live_server.model
+    for path, body in (("/v1/messages", {"max_tokens": 400, "messages": ASK}),
+                       ("/v1/responses", {"max_output_tokens": 400, "input": "Count to 100."})):
+        with http.stream("POST", path, json={"model": model, "stream": True, "ignore_eos": True,
+                                             **body}) as r:
+            assert r.status_code == 200
+            deltas = 0
+            for line in r.iter_lines():
+                deltas += line.startswith("data: ") and "delta" in line
+                if deltas >= 3:
+                    break  # the client goes away
+        helpers.wait_all_blocks_free(engine)
+    long = [{"role": "user", "content": "Describe the sea and the sky and the hills. " * 8}]
+
+    def cached(salt: str) -> int:
+        r = http.post("/v1/messages", json={"model": model, "max_tokens": 1, "messages": long,
+                                            "cache_salt": salt})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["cache_read_input_tokens"]
+    cached("salt-a")
+    assert cached("salt-a") > 0 and cached("salt-b") == 0
+    # priority reaches the engine, which refuses it under fcfs as vLLM does (in each shape)
+    r = http.post("/v1/responses", json={"model": model, "input": "x", "priority": 1})
+    assert r.status_code == 400 and "--scheduling-policy priority" in r.json()["error"]["message"]
+    r = http.post("/v1/messages", json={"model": model, "max_tokens": 1, "messages": ASK,
+                                        "priority": 1})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
