@@ -10,6 +10,7 @@ the share of 200s says how often the engine itself was reached.
 from __future__ import annotations
 
 import collections
+import json
 
 import httpx
 import pytest
@@ -68,7 +69,7 @@ def test_fuzz_every_operation(live_server, http):
                 counts[r.status_code] += 1
                 per_op[op.label][r.status_code] += 1
                 if r.status_code >= 500:
-                    failures.append(f"{op.label} -> {r.status_code}: {kw.get('json')!r:.300} "
+                    failures.append(f"{op.label} -> {r.status_code}: {json.dumps(kw.get('json'))[:4000]} "
                                     f"{r.text[:300]}")
                 elif r.status_code >= 400:
                     body = r.json() if r.headers.get(
