@@ -157,8 +157,9 @@ def _first_to_be_killed() -> None:
         pass
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """End this process within 0.5 s of its parent going away (even while it compiles)."""
+def watch_parent(parent_pid: int) -> None:
+    """End this process within 0.5 s of its parent going away (even while it compiles): a
+    helper process never outlives the process it serves."""
     def watch() -> None:
         while True:
             time.sleep(0.5)
@@ -230,7 +231,7 @@ def serve(sock: socket.socket) -> None:
             try:
                 sock.close()
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                _watch_parent(me)
+                watch_parent(me)
                 _compile(xgr, info, job, out_fd)
             except BaseException:  # noqa: BLE001 - the core sees the pipe close
                 status = 1
@@ -241,7 +242,7 @@ def serve(sock: socket.socket) -> None:
 
 def main() -> None:
     _first_to_be_killed()
-    _watch_parent(os.getppid())
+    watch_parent(os.getppid())
     sock = socket.socket(fileno=int(sys.argv[1]))
     os.dup2(2, 1)  # print() and C++ logging to stdout land on stderr
     serve(sock)

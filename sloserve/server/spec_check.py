@@ -15,19 +15,21 @@ low priority on a busy host takes minutes).
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 from sloserve.engine import structured_output
-from sloserve.engine.grammar_worker import lower_priority
+from sloserve.engine.grammar_worker import lower_priority, watch_parent
 from sloserve.sampling_params import StructuredOutputsParams
 
 #: the checking process's niceness: below the engine core's step loop, above the compiles (19)
 NICE = 10
 
 
-def _load_then_lower_priority(nice: int) -> None:
+def _load_then_lower_priority(nice: int, parent_pid: int) -> None:
+    watch_parent(parent_pid)  # (a server killed, or an app never shut down: no orphan left)
     structured_output.validate(StructuredOutputsParams(regex="a"))  # imports xgrammar
     lower_priority(nice)
 
@@ -48,7 +50,7 @@ class SpecChecker:
             if self._pool is None:
                 self._pool = ProcessPoolExecutor(
                     max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                    initializer=_load_then_lower_priority, initargs=(self._nice,))
+                    initializer=_load_then_lower_priority, initargs=(self._nice, os.getpid()))
             return self._pool
 
     def _drop(self, pool: ProcessPoolExecutor) -> None:

@@ -46,3 +46,26 @@ def test_closed_checker_refuses():
     c.close()
     with pytest.raises(RuntimeError):
         c.check(StructuredOutputsParams(regex="a"))
+
+
+def test_the_child_ends_with_its_parent():
+    """A process that dies with its checker open (killed, or an app never shut down) leaves
+    no checking process behind."""
+    import subprocess
+    import sys
+    import time
+    code = ("import os; from sloserve.server.spec_check import SpecChecker; "
+            "from sloserve.sampling_params import StructuredOutputsParams as P; "
+            "c = SpecChecker(); c.check(P(regex='a')); "
+            "print(*c._pool._processes, flush=True); os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    (child,) = map(int, out.stdout.split())
+    deadline = time.monotonic() + 60  # a hang guard: the watch polls every 0.5 s
+    while True:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, f"checker child {child} outlived its parent"
+        time.sleep(0.2)
