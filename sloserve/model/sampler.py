@@ -167,8 +167,10 @@ class Sampler:
         top_p; the most likely token always stays (a top_p that rounds to 0 in float32 must
         not drop every token)."""
         R, V = logits.shape
-        temps = torch.tensor([1.0 if sp.greedy else sp.temperature for sp in params],
-                             dtype=torch.float32)
+        # a temperature past float32's range (1e39 is a valid request) would be inf, and a
+        # masked token's -inf / inf is NaN: the largest float32 flattens the row just the same
+        temps = torch.tensor([1.0 if sp.greedy else min(sp.temperature, _F32_MAX)
+                              for sp in params], dtype=torch.float32)
         out = logits.float() / temps[:, None]
         cut = [j for j, sp in enumerate(params)
                if not sp.greedy and (0 < sp.top_k < V or sp.top_p < 1.0)]
@@ -188,6 +190,8 @@ class Sampler:
         return out
 
 
+#: the largest temperature the sampler divides by (float32's largest finite value)
+_F32_MAX = float(torch.finfo(torch.float32).max)
 #: tokens per block of :func:`draw`'s two-level search
 DRAW_BLOCK = 256
 

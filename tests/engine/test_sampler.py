@@ -225,3 +225,19 @@ def test_a_tokens_draw_depends_only_on_the_seed_and_its_index():
     counts = torch.histc(u, bins=10, min=0.0, max=1.0)
     assert float(u.min()) >= 0 and float(u.max()) < 1
     assert float(((counts - 2000) ** 2 / 2000).sum()) < 27.9  # chi-square, 9 dof, p > 0.001
+
+
+@pytest.mark.parametrize("temperature", [1e38, 1e39, 1e300])
+def test_a_temperature_past_float32_draws_uniformly_among_the_allowed(temperature):
+    """1e39 is a valid temperature; in float32 it was inf, and a masked token's -inf / inf is
+    NaN: a structured-output request's row could not be sampled (the step failed, the
+    client got a 500; found by the fuzzing run on /v1/responses)."""
+    logits = torch.randn(2, 10)
+    logits[:, 3:] = float("-inf")  # a grammar allows tokens 0-2
+    s = Sampler(seed=0)
+    out = Sampler.processed(logits, [SamplingParams(temperature=temperature)] * 2)
+    assert not torch.isnan(out).any()
+    assert torch.isinf(out[:, 3:]).all() and torch.isfinite(out[:, :3]).all()
+    for _ in range(5):
+        assert all(0 <= t < 3 for t in s(logits, ["a", "b"],
+                                         [SamplingParams(temperature=temperature)] * 2))
