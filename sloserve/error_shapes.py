@@ -57,3 +57,23 @@ def stream_error(path: str, status: int, message: str, param: str | None = None)
         body = {"type": "error", "code": str(status), "message": message, "param": param}
         return f"event: error\ndata: {_dumps(body)}\n\n".encode()
     return f"data: {_dumps(openai_error(status, message, param))}\n\ndata: [DONE]\n\n".encode()
+
+
+def validation_message(exc) -> tuple[str, str | None]:
+    """(message, param) of a FastAPI ``RequestValidationError`` (malformed JSON or schema
+    mismatch)."""
+    errors = exc.errors()
+    for e in errors:
+        if e.get("type") == "json_invalid":
+            detail = (e.get("ctx") or {}).get("error")
+            return (f"malformed JSON body: {e.get('msg')}" + (f" ({detail})" if detail else ""),
+                    None)
+    parts, param = [], None
+    for e in errors:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        if param is None and loc and not loc[0].isdigit():
+            param = loc[0]
+        parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg')}")
+    n = len(errors)
+    head = f"{n} validation error{'s' if n != 1 else ''}: " if n else "invalid request: "
+    return head + "; ".join(parts), param

@@ -10,13 +10,13 @@ tokenizer (or, lacking that, as the number of content chunks).
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import httpx
 
+from sloserve.openai_stream import MalformedEvent, chunk_text, parse_event, usage_counts
 from sloserve.workload import RequestRecord
 
 
@@ -61,52 +61,6 @@ class RequestInput:
         return b
 
 
-class MalformedEvent(ValueError):
-    """An SSE event that is not an OpenAI stream chunk."""
-
-
-def _chunk_text(data: dict[str, Any], chat: bool) -> str:
-    """The content text of one stream chunk ("" for none). Raises MalformedEvent."""
-    choices = data.get("choices") or []
-    if not choices:
-        return ""
-    if not isinstance(choices, list) or not isinstance(choices[0], dict):
-        raise MalformedEvent(f"choices must be a list of objects, got {choices!r:.100}")
-    c = choices[0]
-    if chat:
-        delta = c.get("delta") or {}
-        text = delta.get("content") if isinstance(delta, dict) else None
-    else:
-        text = c.get("text")
-    if text is not None and not isinstance(text, str):
-        raise MalformedEvent(f"chunk text must be a string, got {text!r:.100}")
-    return text or ""
-
-
-def _parse_event(payload: str) -> dict[str, Any]:
-    try:
-        data = json.loads(payload)
-    except json.JSONDecodeError as e:
-        raise MalformedEvent(f"event is not JSON ({e}): {payload[:100]!r}") from None
-    if not isinstance(data, dict):
-        raise MalformedEvent(f"event is not a JSON object: {payload[:100]!r}")
-    return data
-
-
-def _usage(data: dict[str, Any]) -> tuple[int | None, int | None]:
-    """(completion_tokens, prompt_tokens) of a usage event. Raises MalformedEvent."""
-    u = data["usage"]
-    if not isinstance(u, dict):
-        raise MalformedEvent(f"usage must be an object, got {u!r:.100}")
-    vals = []
-    for k in ("completion_tokens", "prompt_tokens"):
-        v = u.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            raise MalformedEvent(f"usage.{k} must be a non-negative integer, got {v!r:.50}")
-        vals.append(v)
-    return vals[0], vals[1]
-
-
 async def send_request(client: httpx.AsyncClient, inp: RequestInput,
                        count_tokens: Callable[[str], int] | None = None) -> RequestRecord:
     """POST ``inp`` with streaming and time its SSE events.
@@ -137,15 +91,15 @@ async def send_request(client: httpx.AsyncClient, inp: RequestInput,
                 if payload == "[DONE]":
                     break
                 now = time.perf_counter()
-                data = _parse_event(payload)
+                data = parse_event(payload)
                 if data.get("error") is not None:
                     err = data["error"]
                     rec.error = (str(err.get("message", err)) if isinstance(err, dict)
                                  else str(err))
                     break
                 if data.get("usage"):
-                    usage_tokens, rec.server_prompt_tokens = _usage(data)
-                text = _chunk_text(data, inp.chat)
+                    usage_tokens, rec.server_prompt_tokens = usage_counts(data)
+                text = chunk_text(data, inp.chat)
                 if text:
                     rec.chunk_times.append(now)
                     text_parts.append(text)

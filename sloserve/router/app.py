@@ -14,6 +14,12 @@
                                                  needs is healthy, else 503; JSON either way:
                                                  {"status", "policy", "workers": [...]}
     GET  /metrics                                Prometheus text (``metrics``)
+    GET  /stats, /stats/stream                   a server's ``/stats`` shape: the router's own
+                                                 figures and window (the requests it timed,
+                                                 ``timing``), the workers' figures summed
+                                                 (``sloserve.stats.merge_values``) and each
+                                                 worker's window; as SSE (``?interval=``)
+    GET  /dashboard                              the servers' live page over /stats/stream
 
 Errors are in the API's own shape (OpenAI's ``{"error": {"message", "type", "param",
 "code"}}``, Anthropic's on ``/v1/messages``): 400 for a body that is not a JSON object, 502 when
@@ -29,11 +35,14 @@ from contextlib import asynccontextmanager
 from urllib.parse import quote
 
 import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sloserve.body_limit import BodyLimitMiddleware
+from sloserve.error_shapes import validation_message
+from sloserve.stats import DASHBOARD_HTML, merge_values
 from sloserve.router.config import RouterConfig
 from sloserve.router.disagg import Disaggregated
 from sloserve.router.errors import RouterError, error_response
@@ -43,6 +52,7 @@ from sloserve.router.policies import LeastOutstanding, Pinned, RouteContext, mak
 from sloserve.router.prefix_index import PrefixIndex
 from sloserve.router.prompt import PromptTokenizer
 from sloserve.router.proxy import Proxy, forward_headers
+from sloserve.router.timing import RequestTimer
 from sloserve.router.workers import Worker, WorkerPool
 
 logger = logging.getLogger("sloserve.router")
@@ -59,7 +69,7 @@ class Router:
 
     def __init__(self, config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None):
         cfg = self.config = config.validate()
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(cfg.goodput)
         if cfg.disaggregated:
             workers = ([Worker(u, "prefill", i) for i, u in enumerate(cfg.prefill)]
                        + [Worker(u, "decode", i) for i, u in enumerate(cfg.decode)])
@@ -130,7 +140,8 @@ class Router:
             return error_response(400, "the body must be a JSON object", path=path)
         headers = forward_headers(request)
         if self.disagg is not None and not whole:
-            return await self.disagg.handle(body, path, chat, headers)
+            timer = RequestTimer(self.metrics, chat, body)
+            return timer.wrap(await self.disagg.handle(body, path, chat, headers))
         role = "decode" if self.disagg is not None else "replica"
         policy = self.disagg.decode_policy if self.disagg is not None else self.policy
         previous = body.get("previous_response_id") if path == "/v1/responses" else None
@@ -139,11 +150,13 @@ class Router:
             if holder is not None:
                 policy = Pinned(holder[0], policy, self.metrics)
         ctx = RouteContext(body, chat, self.tokenizer)
+        timer = None if whole else RequestTimer(self.metrics, chat, body)
         try:
             up = await self.proxy.open(role, policy, ctx, path, raw, headers)
         except RouterError as e:
             return e.response(path)
-        return await self.proxy.respond(up, bool(body.get("stream")))
+        resp = await self.proxy.respond(up, bool(body.get("stream")))
+        return resp if timer is None else timer.wrap(resp)
 
     async def _holder(self, role: str, response_id: str) -> tuple[Worker, httpx.Response] | None:
         """The worker of ``role`` that stores response ``response_id`` (each server keeps its
@@ -182,6 +195,28 @@ class Router:
                             media_type=r.headers.get("content-type", "application/json"))
         return error_response(503, "no healthy worker to ask for its models")
 
+    async def stats(self) -> dict:
+        """``GET /stats``: the router's snapshot, the workers' values summed under it (the
+        router's own keys kept), each worker's window (None when it did not answer)."""
+        snap = self.metrics.snapshot(self.pool.workers)
+
+        async def ask(w: Worker) -> dict | None:
+            try:
+                r = await self.health_client.get(w.url + "/stats")
+                d = r.json() if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                return None
+            return d if isinstance(d, dict) and isinstance(d.get("cumulative"), dict) else None
+        got = await asyncio.gather(*(ask(w) for w in self.pool.workers))
+        for k, v in merge_values([g["cumulative"] for g in got if g]).items():
+            snap["cumulative"].setdefault(k, v)
+        snap["model"] = next((g.get("model") for g in got if g), None)
+        snap["workers"] = [{"url": w.url, "role": w.role, "state": w.state,
+                            "seq": g.get("seq") if g else None,
+                            "window": g.get("window") if g else None}
+                           for w, g in zip(self.pool.workers, got)]
+        return snap
+
     def health(self) -> tuple[bool, dict]:
         ready = all(self.pool.available(r) for r in self.roles)
         workers = []
@@ -209,6 +244,11 @@ def build_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None =
     app = FastAPI(title="sloserve router", lifespan=lifespan)
     app.state.router = router
     app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_bytes)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        message, param = validation_message(exc)
+        return error_response(400, message, param, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -253,5 +293,25 @@ def build_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None =
     async def metrics() -> Response:
         return Response(router.metrics.render(router.pool.workers),
                         media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/stats")
+    async def stats() -> Response:
+        return JSONResponse(await router.stats())
+
+    @app.get("/stats/stream")
+    async def stats_stream(raw: Request, interval: float = Query(1.0, ge=0.1, le=60.0),
+                           steps: bool = False) -> Response:
+        """``/stats`` as server-sent events every ``interval`` s until the client goes
+        (``steps``: accepted for the page's sake; the router runs no steps)."""
+        async def events():
+            while not await raw.is_disconnected():
+                yield b"data: " + json.dumps(await router.stats()).encode() + b"\n\n"
+                await asyncio.sleep(interval)
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache"})
+
+    @app.get("/dashboard")
+    async def dashboard() -> Response:
+        return Response(DASHBOARD_HTML, media_type="text/html; charset=utf-8")
 
     return app

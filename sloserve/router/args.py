@@ -11,6 +11,7 @@ _POLICIES = ("round-robin", "least-outstanding", "prefix-aware")
 def add_router_args(p: argparse.ArgumentParser) -> None:
     from sloserve.argtypes import port, pos_int
     from sloserve.config import DEFAULT_MAX_BODY_BYTES
+    from sloserve.slo import add_goodput_arg
 
     w = p.add_argument_group("workers")
     w.add_argument("--replicas", nargs="+", default=[], metavar="URL",
@@ -75,6 +76,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    metavar="N", help="larger request bodies get HTTP 413 in the API's error "
                                      "shape before they are read or forwarded (default "
                                      f"{DEFAULT_MAX_BODY_BYTES}, the servers' own)")
+    add_goodput_arg(h, "; the router judges each completion / chat request as its client sees "
+                       "it and counts sloserve:requests_slo_met_total and "
+                       "sloserve:requests_slo_missed_total{reason} on its /metrics")
     h.add_argument("--host", default="127.0.0.1")
     h.add_argument("--port", type=port, default=8080)
     h.add_argument("--log-level", default="info")
@@ -83,6 +87,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 def config_from_args(a: argparse.Namespace):
     """The :class:`RouterConfig` of parsed flags. Raises ValueError naming a bad flag."""
     from sloserve.router.config import RouterConfig
+    from sloserve.slo import parse_goodput
 
     return RouterConfig(
         replicas=a.replicas, prefill=a.prefill, decode=a.decode,
@@ -93,7 +98,7 @@ def config_from_args(a: argparse.Namespace):
         speculative_ttl=a.speculative_ttl, tokenizer=a.tokenizer,
         kv_transfer_flow=a.kv_transfer_flow, health_check_interval=a.health_check_interval,
         health_check_timeout=a.health_check_timeout, connect_timeout=a.connect_timeout,
-        max_request_body_bytes=a.max_request_body_bytes,
+        max_request_body_bytes=a.max_request_body_bytes, goodput=parse_goodput(a.goodput),
         host=a.host, port=a.port, log_level=a.log_level).validate()
 
 

@@ -49,6 +49,8 @@ class RouterConfig:
         connect_timeout: seconds to open a connection to a worker for a request.
         max_request_body_bytes: larger request bodies get 413 before they are read or
             forwarded (the servers' own limit and default).
+        goodput: the per-request SLO (``sloserve.slo``, ms limits by metric) the router judges
+            each completion / chat request by, as its client sees it (``router.timing``).
     """
 
     replicas: list[str] = field(default_factory=list)
@@ -71,6 +73,7 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     log_level: str = "info"
+    goodput: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.replicas = [normalize_url(u) for u in self.replicas]

@@ -12,19 +12,39 @@
     sloserve_router_prefix_hit_tokens_total                 prompt tokens the chosen replica
                                                             held, per its KV events
     sloserve_router_prefix_query_tokens_total               prompt tokens looked up
+    sloserve:requests_slo_met_total, sloserve:requests_slo_missed_total{reason}
+                                                            completion / chat requests judged
+                                                            by ``--goodput`` as the client
+                                                            sees them (``router.timing``;
+                                                            serve's names and rule)
+    sloserve:stats_sequence                                 requests recorded (``/stats`` seq)
+
+``snapshot`` is the router's ``GET /stats``: the same shape as a server's (``sloserve.stats``),
+its window over the requests the router timed.
 """
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the app
 
 from sloserve.router.workers import DOWN, HEALTHY, UNHEALTHY, UNKNOWN
+from sloserve.slo import SLO_METRICS, missed_slo
+from sloserve.stats import LatencyWindow, registry_values
 
 STATES = (HEALTHY, UNHEALTHY, DOWN, UNKNOWN)
 
 
 class RouterMetrics:
-    def __init__(self):
+    """Args:
+        slos: the per-request SLO limits in ms (``sloserve.slo``; empty: none judged)."""
+
+    def __init__(self, slos: dict[str, float] | None = None):
+        self.slos = dict(slos or {})
+        self.window = LatencyWindow()
+        self.window.start(time.monotonic())  # goodput over the router's time up, to a minute
+        self.seq = 0
         r = self.registry = CollectorRegistry()
         self.requests = Counter("sloserve_router_requests", "requests sent to each worker",
                                 ["worker", "role"], registry=r)
@@ -48,6 +68,30 @@ class RouterMetrics:
         self.query_tokens = Counter("sloserve_router_prefix_query_tokens",
                                     "prompt tokens looked up in the replicas' KV events",
                                     registry=r)
+        self.slo_met = Counter("sloserve:requests_slo_met",
+                               "requests that met every --goodput limit, as the client saw them",
+                               registry=r)
+        missed = Counter("sloserve:requests_slo_missed",
+                         "requests over a --goodput limit (the first one missed)", ["reason"],
+                         registry=r)
+        self.slo_missed = {m: missed.labels(m) for m in SLO_METRICS if m in self.slos}
+        self.g_seq = Gauge("sloserve:stats_sequence", "requests recorded (GET /stats's seq)",
+                           registry=r)
+
+    def record_request(self, ttft: float, tpot: float | None, e2e: float, itls) -> None:
+        """A request that finished (``router.timing``), times in seconds."""
+        now = time.monotonic()
+        missed = None
+        if self.slos:
+            missed = missed_slo(self.slos, ttft, tpot, e2e) or ""
+            if missed:
+                self.slo_missed[missed].inc()
+            else:
+                self.slo_met.inc()
+        self.window.add_itls(now, itls)
+        self.window.add_request(now, ttft, tpot, e2e, missed)
+        self.seq += 1
+        self.g_seq.set(self.seq)
 
     def request_sent(self, w) -> None:
         self.requests.labels(w.url, w.role).inc()
@@ -64,9 +108,19 @@ class RouterMetrics:
 
     def render(self, workers) -> bytes:
         """The exposition text, the per-worker gauges read now."""
+        self._refresh(workers)
+        return generate_latest(self.registry)
+
+    def _refresh(self, workers) -> None:
         for w in workers:
             self.outstanding.labels(w.url, w.role).set(w.outstanding)
             self.healthy.labels(w.url, w.role).set(1 if w.available else 0)
             for s in STATES:
                 self.state.labels(w.url, w.role, s).set(1 if w.state == s else 0)
-        return generate_latest(self.registry)
+
+    def snapshot(self, workers) -> dict:
+        """The router's own ``GET /stats`` fields (the per-worker gauges read now)."""
+        self._refresh(workers)
+        return {"object": "stats", "seq": self.seq, "time": time.time(), "slo_ms": self.slos,
+                "cumulative": registry_values(self.registry),
+                "window": self.window.summary(time.monotonic())}

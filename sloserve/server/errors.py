@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sloserve.engine.async_llm import EngineDeadError, EngineShutdownError
-from sloserve.error_shapes import OPENAI_TYPES, error_for, is_anthropic
+from sloserve.error_shapes import OPENAI_TYPES, error_for, is_anthropic, validation_message
 from sloserve.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -80,25 +80,6 @@ def engine_error(e: BaseException) -> APIError:
         return APIError(503, f"engine is not running: {e}")
     logger.error("request failed: %s: %s", type(e).__name__, e, exc_info=e)
     return APIError(500, f"internal error: {type(e).__name__}: {e}")
-
-
-def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """(message, param) of a FastAPI validation error (malformed JSON or schema mismatch)."""
-    errors = exc.errors()
-    for e in errors:
-        if e.get("type") == "json_invalid":
-            detail = (e.get("ctx") or {}).get("error")
-            return (f"malformed JSON body: {e.get('msg')}" + (f" ({detail})" if detail else ""),
-                    None)
-    parts, param = [], None
-    for e in errors:
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-        if param is None and loc and not loc[0].isdigit():
-            param = loc[0]
-        parts.append(f"{'.'.join(loc) or 'body'}: {e.get('msg')}")
-    n = len(errors)
-    head = f"{n} validation error{'s' if n != 1 else ''}: " if n else "invalid request: "
-    return head + "; ".join(parts), param
 
 
 def route_error_message(detail: str, method: str, path: str, headers: dict | None) -> str:

@@ -48,7 +48,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
                                generate_latest)
 
 from sloserve.engine.metrics import FinishedRequestStats, IterationStats
-from sloserve.server.stats import LatencyWindow, registry_values
+from sloserve.stats import LatencyWindow, registry_values
 from sloserve.slo import SLO_METRICS, missed_slo
 
 __all__ = ["PrometheusStatLogger", "build_1_2_5_buckets", "CONTENT_TYPE_LATEST"]
@@ -379,7 +379,7 @@ class PrometheusStatLogger:
             return generate_latest(self.registry)
 
     def snapshot(self, steps_after: int | None = None) -> dict:
-        """``GET /stats`` (``sloserve.server.stats``): the sequence number, the registry's
+        """``GET /stats`` (``sloserve.stats``): the sequence number, the registry's
         values and the last minute's finished requests, taken together; with ``steps_after``
         also the kept steps whose index is above it (``"steps"``: index, seconds before the
         snapshot, prefill tokens, decode tokens, step seconds, running, waiting)."""

@@ -12,8 +12,8 @@
                                 stalled (--engine-stall-timeout) or the server drains
     GET  /metrics               Prometheus text format (from the core's published snapshot)
     GET  /stats, /stats/stream  the same values as one JSON snapshot with a sequence number and
-                                the last minute's latency percentiles (``server.stats``); as SSE
-    GET  /dashboard             a live HTML page over /stats/stream (``server/dashboard.html``)
+                                the last minute's latency percentiles (``sloserve.stats``); as SSE
+    GET  /dashboard             a live HTML page over /stats/stream (``templates/dashboard.html``)
     POST /reset_prefix_cache    forget every cached prefix block (vLLM's endpoint)
     POST /tokenize, /detokenize, GET /tokenizer_info   vLLM's tokenizer endpoints
                                 (``sloserve.server.tokenization``)
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
-from importlib.resources import files
 
 import msgspec
 from fastapi import APIRouter, Query, Request
@@ -39,6 +38,7 @@ from sloserve.sampling_params import ParamError, child_seed
 from sloserve.server.errors import APIError, error_response
 from sloserve.server.logprobs_format import LogprobsFormatter
 from sloserve.server.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
+from sloserve.stats import DASHBOARD_HTML
 from sloserve.server.protocol import (ChatCompletionRequest, CompletionRequest, KVTransferInfo,
                                       ModelCard, ModelList, now_s, random_id)
 from sloserve.server.spec_check import SpecChecker
@@ -59,8 +59,6 @@ from sloserve.server.tools import (ChatConfig, ToolPlan, check_tool_messages, pl
 OFFLOAD_CHARS = 20_000
 
 
-#: the dashboard page (package data)
-DASHBOARD_HTML = files("sloserve.server").joinpath("dashboard.html").read_bytes()
 
 def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state,
                  chat: ChatConfig = ChatConfig()) -> APIRouter:
@@ -195,7 +193,7 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state,
     @r.get("/stats", response_model=None)
     async def stats(steps: bool = False) -> dict:
         """One JSON snapshot: sequence number, the /metrics values, the last minute's finished
-        requests (``sloserve.server.stats``); ``steps=true``: the latest steps too."""
+        requests (``sloserve.stats``); ``steps=true``: the latest steps too."""
         refresh_from_core()
         return metrics.snapshot(0 if steps else None)
 

@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "rate": rate, "slo_ms": sim.slos, "slo_attainment": a.slo_attainment,
         "simulation": sim.describe(), "goldilocks_budget": best_budget,
-        "ranked": [{"rank": rank[c], **r} for c, r in rows]}
+        "ranked": [{"rank": rank[c], **r, "defaults": c == default} for c, r in rows]}
     if a.verify:
         picks = rows[:a.verify]
         if default not in dict(picks):

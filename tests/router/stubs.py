@@ -123,6 +123,9 @@ class StubWorker(_Served):
         stream_forever: streams send a chunk every 50 ms until the client goes away.
         fail_status: answer generations with this status and an OpenAI error body.
         delay: seconds a whole (non-streamed) answer, or a failure, takes.
+        first_delay, chunk_delay: seconds before a stream's first chunk, and between chunks.
+        include_usage: end streams with a usage event (completion_tokens ``usage_tokens``).
+        stats: its ``GET /stats`` answer (None: 404).
     """
 
     def __init__(self, name: str, kv_info: dict | None = None):
@@ -134,6 +137,11 @@ class StubWorker(_Served):
         self.stream_forever = False
         self.fail_status: int | None = None
         self.delay = 0.0
+        self.first_delay = 0.0
+        self.chunk_delay = 0.0
+        self.include_usage = False
+        self.usage_tokens = 3
+        self.stats: dict | None = None
         self.health_status = 200
         self.num_streams_closed = 0
 
@@ -186,6 +194,12 @@ class StubWorker(_Served):
                 return JSONResponse({"error": {"message": "no"}}, status_code=404)
             return self.kv_info
 
+        @app.get("/stats")
+        async def stats():
+            if self.stats is None:
+                return JSONResponse({"error": {"message": "no"}}, status_code=404)
+            return self.stats
+
         @app.get("/v1/models")
         async def models():
             return {"object": "list", "data": [{"id": "stub", "object": "model",
@@ -225,6 +239,7 @@ class StubWorker(_Served):
             async def events():
                 try:
                     i = 0
+                    await asyncio.sleep(self.first_delay)
                     while True:
                         await hang()
                         c = dict(answer["choices"][0])
@@ -235,11 +250,17 @@ class StubWorker(_Served):
                             c["text"] = f"{self.name}-{i}"
                         last = not self.stream_forever and i == 2
                         c["finish_reason"] = self.finish_reason if last else None
-                        yield f"data: {json.dumps({**answer, 'choices': [c]})}\n\n"
+                        chunk = {k: v for k, v in answer.items() if k != "usage"}
+                        yield f"data: {json.dumps({**chunk, 'choices': [c]})}\n\n"
                         if last:
                             break
                         i += 1
-                        await asyncio.sleep(0.05 if self.stream_forever else 0.001)
+                        await asyncio.sleep(0.05 if self.stream_forever
+                                            else max(self.chunk_delay, 0.001))
+                    if self.include_usage:
+                        yield ("data: " + json.dumps({**answer, "choices": [], "usage": {
+                            "prompt_tokens": 3, "completion_tokens": self.usage_tokens,
+                            "total_tokens": 3 + self.usage_tokens}}) + "\n\n")
                     yield "data: [DONE]\n\n"
                 finally:
                     self.num_streams_closed += 1

@@ -1,4 +1,5 @@
-"""``GET /stats``: the exporter's figures as one JSON snapshot.
+"""``GET /stats`` (on ``serve`` and on ``router``): the exporter's figures as one JSON snapshot,
+and the ``GET /dashboard`` page over it (``templates/dashboard.html``).
 
 ``cumulative``: every counter, gauge and histogram sum / count of the Prometheus registry (the
 very samples ``/metrics`` renders; buckets left out), keyed by metric name, labels other than
@@ -14,10 +15,13 @@ from __future__ import annotations
 
 import collections
 import math
+from importlib.resources import files
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+#: the dashboard page (package data): one HTML file, no outside script, style or font
+DASHBOARD_HTML = files("sloserve").joinpath("templates/dashboard.html").read_bytes()
 WINDOW_S = 60.0
 PERCENTILES = (50.0, 90.0, 99.0)
 #: ITL samples kept at most (16 streams at 100 tokens/s for 60 s is ~100k)
@@ -103,4 +107,24 @@ def registry_values(registry: CollectorRegistry) -> dict[str, Any]:
                 key = (next(iter(labels.values())) if len(labels) == 1
                        else ",".join(f"{k}={v}" for k, v in sorted(labels.items())))
                 out.setdefault(s.name, {})[key] = s.value
+    return out
+
+
+#: gauges that a sum over servers does not mean: averaged, or their largest kept
+_MEAN = frozenset({"vllm:kv_cache_usage_perc"})
+_MAX = frozenset({"sloserve:kv_cache_usage_peak_perc"})
+
+
+def merge_values(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several servers' ``cumulative`` values as one (the router's ``/stats``): counters,
+    gauges and histogram sums / counts added up, by label too; KV cache use averaged, its
+    peak the largest."""
+    out: dict[str, Any] = {}
+    for name in dict.fromkeys(k for s in snapshots for k in s):
+        vals = [s[name] for s in snapshots if name in s]
+        if all(isinstance(v, dict) for v in vals):
+            out[name] = merge_values(vals)
+        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+            out[name] = (sum(vals) / len(vals) if name in _MEAN
+                         else max(vals) if name in _MAX else sum(vals))
     return out
