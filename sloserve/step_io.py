@@ -180,6 +180,16 @@ class KVConnectorOutput:
         return bool(self.finished_sending or self.finished_recving or self.failed)
 
 
+def attention_work(decode_contexts, prefill_chunks, decode_drafts=()) -> tuple[int, int]:
+    """(query-key pairs, KV tokens read) of a step's attention: a decode at context c (after the
+    step) does c pairs and reads c tokens; one verifying d drafts does d * c - d (d + 1) / 2 pairs
+    more (its d + 1 query rows see c - d .. c keys); a chunk of n tokens at start s does
+    n * s + n (n + 1) / 2 pairs and reads s + n tokens."""
+    pairs = (sum(decode_contexts) + sum(n * s + n * (n + 1) // 2 for n, s in prefill_chunks)
+             + sum(d * c - d * (d + 1) // 2 for c, d in zip(decode_contexts, decode_drafts)))
+    return pairs, sum(decode_contexts) + sum(s + n for n, s in prefill_chunks)
+
+
 @dataclass
 class SchedulerOutput:
     """What one engine step runs.
@@ -214,6 +224,12 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    def attention_work(self) -> tuple[int, int]:
+        """(query-key pairs, KV tokens read) of the step's attention (:func:`attention_work`)."""
+        dec, pre = self.composition()
+        return attention_work(dec, pre, [s.num_new_tokens - 1 for s in self.scheduled
+                                         if s.is_decode])
 
     def composition(self) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
         """(context length of each decode after the step, (tokens, start position) of each
@@ -303,6 +319,8 @@ class WorkerInfo:
             at start-up; empty where speculative decoding is off).
         draft_pass_cost: a model drafter's pass (``draft_model``, ``layer_skip``) over a
             decode step, measured at start-up: each draft token of a step adds one (0: none).
+        weight_bytes: bytes of weights a step reads (the quantized weights as the kernels
+            hold them, else the dense ones); 0: unknown.
     """
 
     model_name: str
@@ -315,3 +333,4 @@ class WorkerInfo:
     quantized_step_max_tokens: int = 0
     verify_cost: list[float] = field(default_factory=list)
     draft_pass_cost: float = 0.0
+    weight_bytes: int = 0

@@ -130,7 +130,7 @@ class EngineCore:
             dtype=winfo.dtype, kv_cache_dtype=winfo.kv_cache_dtype,
             dtype_reason=winfo.dtype_reason, pid=os.getpid(),
             scheduling_policy=config.scheduling_policy, max_logprobs=config.max_logprobs,
-            **self._kv_info())
+            model_shape=model_shape(self.model_config, winfo.weight_bytes), **self._kv_info())
         from sloserve.engine.metrics import StepTraceLogger
         self._trace = StepTraceLogger(step_trace) if step_trace else None
         self.num_steps = 0
@@ -363,6 +363,7 @@ class EngineCore:
                                          o.num_accepted_draft_tokens, o.num_output_tokens)
         self.rates.update(out.num_prefill_tokens, out.num_decode_tokens, now - t0)
         self.scheduler.observe(self.rates)
+        pairs, kv_read = out.attention_work()
         step = StepStats(start_time=t0, step_s=now - t0, forward_s=runner_out.forward_s,
                          num_batched_tokens=out.num_batched_tokens,
                          num_prefill_tokens=out.num_prefill_tokens,
@@ -371,7 +372,9 @@ class EngineCore:
                          num_preemptions=len(out.preempted_request_ids), kv_cache_usage=kv_usage,
                          num_draft_tokens=sum(o.num_draft_tokens for o in outputs),
                          num_accepted_draft_tokens=sum(o.num_accepted_draft_tokens
-                                                       for o in outputs))
+                                                       for o in outputs),
+                         num_sequences=len(out.scheduled), num_attention_pairs=pairs,
+                         num_kv_tokens_read=kv_read)
         stats = self.stats()
         if self._trace is not None:
             self._record_trace(out, step, stats)
@@ -446,3 +449,16 @@ def _apply_remote_prefill(request: Request, kv: KVTransferParams) -> None:
                          f"{request.num_tokens}) (the prompt and output tokens), got "
                          f"{kv.num_computed_tokens}")
     request.num_computed_tokens = kv.num_computed_tokens
+
+
+#: the ModelConfig fields a step's roofline needs (``sloserve.roofline.step.served_roofline``)
+_SHAPE_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size",
+                 "tie_word_embeddings", "attention_bias")
+
+
+def model_shape(mc, weight_bytes: int) -> dict:
+    """``EngineInfo.model_shape``: the model's layer shapes and the weight bytes a step reads."""
+    out = {f: getattr(mc, f) for f in _SHAPE_FIELDS if hasattr(mc, f)}
+    out["weight_bytes"] = int(weight_bytes)
+    return out

@@ -225,6 +225,8 @@ class StepStats(msgspec.Struct):
         kv_cache_usage: after scheduling, before finished requests freed blocks ([0, 1]).
         num_draft_tokens, num_accepted_draft_tokens: draft tokens verified / accepted this
             step (speculative decoding; in num_decode_tokens).
+        num_sequences: requests in the step; num_attention_pairs, num_kv_tokens_read: its
+            attention's query-key pairs and KV tokens read (``step_io.attention_work``).
     """
 
     start_time: float
@@ -238,6 +240,9 @@ class StepStats(msgspec.Struct):
     kv_cache_usage: float
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    num_sequences: int = 0
+    num_attention_pairs: int = 0
+    num_kv_tokens_read: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, tag=True):
@@ -278,6 +283,8 @@ class EngineInfo(msgspec.Struct):
         kv_engine_id: the connector's ``engine_id`` (its ``kv_ip:kv_port`` by default).
         kv_host, kv_port: where its connector listens (the port it got where 0 was asked).
         kv_mode: ``pull`` or ``push`` (who connects to whom; docs/disaggregation.md).
+        model_shape: the model's layer shapes and the bytes of weights a step reads (for the
+            roofline of a step: ``sloserve.roofline.step.served_roofline``).
     """
 
     model_name: str
@@ -299,6 +306,7 @@ class EngineInfo(msgspec.Struct):
     kv_host: str | None = None
     kv_port: int | None = None
     kv_mode: str | None = None
+    model_shape: dict = {}
 
 
 class EngineCoreReady(msgspec.Struct, tag=True):

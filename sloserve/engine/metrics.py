@@ -30,6 +30,8 @@ class IterationStats:
         kv_transfer_s: KV-transfer times of the decode requests whose KV and first token
             arrived (``EngineCoreOutput.kv_transfer_s``) with this step or the messages
             without a step before it.
+        num_sequences, num_attention_pairs, num_kv_tokens_read: the step's requests, and its
+            attention's query-key pairs and KV tokens read (``StepStats``).
     """
 
     num_running: int = 0
@@ -46,6 +48,9 @@ class IterationStats:
     start_time: float = 0.0
     spec_decoding: "SpecDecodingStats | None" = None
     kv_transfer_s: list[float] = field(default_factory=list)
+    num_sequences: int = 0
+    num_attention_pairs: int = 0
+    num_kv_tokens_read: int = 0
 
 
 @dataclass

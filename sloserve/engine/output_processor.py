@@ -180,7 +180,10 @@ class OutputProcessor:
                                 num_batched_tokens=s.num_batched_tokens,
                                 num_preemptions=s.num_preemptions, ttfts=ttfts, itls=itls,
                                 step_s=s.step_s, forward_s=s.forward_s, start_time=s.start_time,
-                                kv_transfer_s=self._kv_transfer_s)
+                                kv_transfer_s=self._kv_transfer_s,
+                                num_sequences=s.num_sequences,
+                                num_attention_pairs=s.num_attention_pairs,
+                                num_kv_tokens_read=s.num_kv_tokens_read)
             self._kv_transfer_s, self._pending_ttfts, self._pending_itls = [], [], []
             if s.num_draft_tokens:
                 it.spec_decoding = SpecDecodingStats()

@@ -156,6 +156,24 @@ def get_link(name: str, hw: Hardware | None = None) -> Link:
     raise KeyError(f"unknown link {name!r}; known: {', '.join([*NIC_PRESETS, 'nvlink'])}")
 
 
+def _local_key() -> dict:
+    return {"machine": platform.machine(), "node": platform.node(), "cpus": os.cpu_count(),
+            "probe": "read-v2"}  # a cache from the one-thread copy probe is measured again
+
+
+def cached_local(cache_path: str = DEFAULT_CACHE) -> Hardware | None:
+    """This machine's measurement cached by ``sloserve roofline --hardware local --measure``
+    (None when there is none for this machine): measures nothing."""
+    if not os.path.isfile(cache_path):
+        return None
+    try:
+        with open(cache_path) as f:
+            d = json.load(f)
+        return _local_from_dict(d) if d.get("key") == _local_key() else None
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def measure_local(cache_path: str = DEFAULT_CACHE, remeasure: bool = False,
                   stream_bytes: int = 256 * 2**20, matmul_n: int = 1024, repeats: int = 5) -> Hardware:
     """Measure this CPU, or load the cached result.
@@ -167,16 +185,11 @@ def measure_local(cache_path: str = DEFAULT_CACHE, remeasure: bool = False,
     """
     import numpy as np
 
-    key = {"machine": platform.machine(), "node": platform.node(), "cpus": os.cpu_count(),
-           "probe": "read-v2"}  # a cache from the one-thread copy probe is measured again
-    if not remeasure and os.path.isfile(cache_path):
-        try:
-            with open(cache_path) as f:
-                d = json.load(f)
-            if d.get("key") == key:
-                return _local_from_dict(d)
-        except (OSError, ValueError, KeyError):
-            pass
+    key = _local_key()
+    if not remeasure:
+        cached = cached_local(cache_path)
+        if cached is not None:
+            return cached
     bw, bw_method = _read_bandwidth(repeats)
     if bw is None:  # no torch: STREAM's Copy with numpy, one thread
         n_el = stream_bytes // 8

@@ -18,6 +18,7 @@ from sloserve.config import EngineConfig
 from sloserve.engine.async_llm import AsyncLLM
 from sloserve.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from sloserve.server.errors import install_error_handlers
+from sloserve.roofline.step import served_roofline
 from sloserve.server.metrics import PrometheusStatLogger
 from sloserve.server.openapi import install_openapi_constraints
 from sloserve.server.routes import build_router
@@ -127,6 +128,8 @@ def create_engine_and_app(config: EngineConfig, *, manage_engine: bool = False,
                                    num_speculative_tokens=spec.num_speculative_tokens if spec
                                    else 0, slos=goodput)
     engine = AsyncLLM(config, stat_loggers=[metrics], step_trace=step_trace, log_level=log_level)
+    info = engine.info
+    metrics.roofline = served_roofline(info.model_shape, info.dtype, info.kv_cache_dtype)
     app = build_app(engine, metrics, manage_engine=manage_engine,
                     max_request_body_bytes=max_request_body_bytes, chat=chat)
     engine.start()

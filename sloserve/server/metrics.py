@@ -114,7 +114,7 @@ class PrometheusStatLogger:
         self.seq = 0
         self.window = LatencyWindow()
         #: the latest steps for the dashboard's timeline: (index, time, prefill tokens,
-        #: decode tokens, step s, running, waiting)
+        #: decode tokens, step s, running, waiting, roofline s or None)
         self.steps: collections.deque = collections.deque(maxlen=MAX_STEPS)
         self._num_steps = 0
         self.model_name = model_name
@@ -127,6 +127,8 @@ class PrometheusStatLogger:
         # a scrape sees whole steps: record and render take turns (counters of one step agree)
         self._record_lock = threading.Lock()
         self._peak_kv = 0.0
+        #: the served model's step roofline (``set_roofline``; None: no bound drawn)
+        self.roofline = None
 
     # --------------------------------------------------------------------------------- setup
     def bind(self, model_name: str | None = None, max_model_len: int | None = None,
@@ -258,9 +260,13 @@ class PrometheusStatLogger:
                 self._record_step(it)
                 self.window.add_itls(now, it.itls)
                 self._num_steps += 1
+                roof = self.roofline
+                bound = (roof.seconds(it.num_batched_tokens, it.num_sequences,
+                                      it.num_attention_pairs, it.num_kv_tokens_read)
+                         if roof is not None and it.num_sequences else None)
                 self.steps.append((self._num_steps, now, it.num_prompt_tokens,
                                    it.num_batched_tokens - it.num_prompt_tokens, it.step_s,
-                                   it.num_running, it.num_waiting))
+                                   it.num_running, it.num_waiting, bound))
             for f in finished:
                 self._record_finished(f, now)
             self.seq += 1
@@ -382,7 +388,9 @@ class PrometheusStatLogger:
         """``GET /stats`` (``sloserve.stats``): the sequence number, the registry's
         values and the last minute's finished requests, taken together; with ``steps_after``
         also the kept steps whose index is above it (``"steps"``: index, seconds before the
-        snapshot, prefill tokens, decode tokens, step seconds, running, waiting)."""
+        snapshot, prefill tokens, decode tokens, step seconds, running, waiting, the step's
+        roofline bound in seconds or None) and ``"roofline"`` (what the bound assumes: peak
+        TFLOP/s, bandwidth GB/s, weight MB a step reads, the measurement; None: no bound)."""
         if not self._bound:
             self.bind()
         with self._record_lock:
@@ -392,6 +400,10 @@ class PrometheusStatLogger:
                    "cumulative": registry_values(self.registry),
                    "window": self.window.summary(now)}
             if steps_after is not None:
-                out["steps"] = [[i, round(now - t, 4), p, d, s, r, w]
-                                for i, t, p, d, s, r, w in self.steps if i > steps_after]
+                out["steps"] = [[i, round(now - t, 4), p, d, s, r, w, b]
+                                for i, t, p, d, s, r, w, b in self.steps if i > steps_after]
+                roof = self.roofline
+                out["roofline"] = None if roof is None else {
+                    "peak_tflops": roof.peak / 1e12, "bandwidth_gbs": roof.hw.mem_bandwidth / 1e9,
+                    "weight_mb": roof.per["weights"] / 1e6, "source": roof.hw.source}
             return out

@@ -41,6 +41,8 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from sloserve.step_io import attention_work
+
 FEATURES = ("overhead", "decodes", "decode_context_tokens", "prefill_tokens", "prefill_attention",
             "prefill_chunks", "draft_tokens", "dense_step")
 #: index of each feature in :data:`FEATURES`
@@ -253,12 +255,7 @@ class RooflineCostModel:
     """A step priced on the roofline (Williams et al. 2009) from the calculator's specs:
     ``t = overhead + max(FLOP / (peak x compute_eff), bytes / (bandwidth x memory_eff))``, per
     GPU under tensor parallelism ``tp`` (FLOP and bytes split evenly; communication not priced).
-
-    FLOP and bytes come from :func:`sloserve.roofline.ops.operator_costs`: the weights are read
-    once per step whatever it carries; every new token pays the linear layers' FLOP; a decode at
-    context c reads c tokens of KV and does c attention pairs; a chunk of n tokens at start s
-    reads s + n tokens of KV and does n * s + n (n + 1) / 2 pairs; a verify step's draft tokens
-    pay the linear layers' FLOP and their attention pairs, the KV is read once per decode.
+    FLOP and bytes are :class:`sloserve.roofline.step.StepRoofline`'s (its docstring).
 
     Attributes:
         spec, hw: a ``ModelSpec`` and a ``Hardware`` (``sloserve.roofline``).
@@ -272,42 +269,28 @@ class RooflineCostModel:
     compute_eff: float = 0.6
     memory_eff: float = 0.8
     overhead_s: float = 0.0
-    _per: dict = field(default_factory=dict, init=False, repr=False)
+    _roof: object = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        from sloserve.roofline.ops import Workload, operator_costs
+        from sloserve.roofline.step import StepRoofline
         if self.tp < 1 or not (0 < self.compute_eff <= 1 and 0 < self.memory_eff <= 1):
             raise ValueError("tp must be >= 1 and efficiencies in (0, 1]")
         if not 0 <= self.overhead_s < math.inf:
             raise ValueError(f"overhead must be a finite number of seconds >= 0, got "
                              f"{self.overhead_s}")
-        one = {o.name: o for o in operator_costs(self.spec, Workload("decode", 1, 1, self.dtype,
-                                                                     self.dtype, self.dtype))}
-        two = {o.name: o for o in operator_costs(self.spec, Workload("decode", 1, 2, self.dtype,
-                                                                     self.dtype, self.dtype))}
-        lin = [o for n, o in one.items() if n != "attention"]
-        self._per = {
-            "weights": sum(o.weight_bytes for o in one.values()),
-            "token_flops": sum(o.flops for o in lin),
-            "token_act_bytes": sum(o.act_bytes for o in one.values()),
-            "pair_flops": two["attention"].flops - one["attention"].flops,
-            "kv_token_bytes": two["attention"].kv_bytes - one["attention"].kv_bytes,
-            "kv_write_bytes": one["qkv_proj"].kv_bytes,
-        }
+        self._roof = StepRoofline(self.spec, self.hw, self.dtype)
+
+    @property
+    def _per(self) -> dict:
+        return self._roof.per
 
     def step_time(self, comp: StepComposition) -> float:
         """Seconds of one step."""
-        p = self._per
-        tokens = comp.num_tokens
-        # a verify of d drafts at context c: its d + 1 query rows see c - d .. c keys
-        pairs = (sum(comp.decode_contexts) + sum(n * s + n * (n + 1) // 2
-                                                 for n, s in comp.prefill_chunks)
-                 + sum(d * c - d * (d + 1) // 2
-                       for c, d in zip(comp.decode_contexts, comp.decode_drafts)))
-        kv_tokens = sum(comp.decode_contexts) + sum(s + n for n, s in comp.prefill_chunks)
-        flops = tokens * p["token_flops"] + pairs * p["pair_flops"]
-        nbytes = (p["weights"] + tokens * (p["token_act_bytes"] + p["kv_write_bytes"])
-                  + kv_tokens * p["kv_token_bytes"])
+        pairs, kv_tokens = attention_work(comp.decode_contexts, comp.prefill_chunks,
+                                          comp.decode_drafts)
+        flops, nbytes = self._roof.flops_bytes(
+            comp.num_tokens, len(comp.decode_contexts) + len(comp.prefill_chunks), pairs,
+            kv_tokens)
         peak = self.hw.peak(self.dtype) * self.compute_eff
         bw = self.hw.mem_bandwidth * self.memory_eff
         return self.overhead_s + max(flops / peak, nbytes / bw) / self.tp

@@ -266,11 +266,18 @@ def verify(a, argv: list[str], picks: list[tuple[Candidate, dict]], rate: float,
         for j, (c, _) in enumerate(picks):
             print(f"tune: verifying {c.describe()} (run {i + 1} of {a.verify_runs})",
                   file=sys.stderr)
-            runs[c].append(measure(c, a, workload, rate, out_dir, f"verify-{j}-run{i}"))
+            tag = f"verify-{j}-run{i}"
+            try:
+                runs[c].append(measure(c, a, workload, rate, out_dir, tag))
+            except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
+                # a run that failed is left out of the medians, not the whole verification
+                print(f"tune: that run failed ({e}); its server's log: "
+                      f"{os.path.join(out_dir, tag + '.serve.log')}", file=sys.stderr)
     out = []
     for c, pred in picks:
         got = runs[c]
-        med = {k: statistics.median(r[k] for r in got) for k in ("goodput", "attainment")}
+        med = {k: statistics.median(r[k] for r in got) if got else None
+               for k in ("goodput", "attainment")}
         out.append({**pred, "measured": got, "measured_goodput": med["goodput"],
                     "measured_attainment": med["attainment"]})
     return out
@@ -353,10 +360,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'rank':>4}  {'goodput pred':>12}  {'measured':>8}  {'error':>6}  "
               f"{'attain pred':>11}  {'measured':>8}  configuration")
         for (c, _), r in zip(picks, checked):
-            err = ((r["goodput"] - r["measured_goodput"]) / r["measured_goodput"]
-                   if r["measured_goodput"] else float("nan"))
-            print(f"{rank[c]:>4}  {r['goodput']:>12.3f}  {r['measured_goodput']:>8.3f}  "
-                  f"{err:>6.0%}  {r['attainment']:>11.1%}  {r['measured_attainment']:>8.1%}  "
+            mg, ma = r["measured_goodput"], r["measured_attainment"]
+            err = (r["goodput"] - mg) / mg if mg else float("nan")
+            print(f"{rank[c]:>4}  {r['goodput']:>12.3f}  {_fmt(mg, 3):>8}  "
+                  f"{err:>6.0%}  {r['attainment']:>11.1%}  "
+                  f"{'-' if ma is None else f'{ma:.1%}':>8}  "
                   f"{c.describe()}{'  (defaults)' if c == default else ''}")
         result["verified"] = checked
     if a.save_tune:

@@ -138,7 +138,9 @@ class Worker:
                          f"{torch.get_num_threads()} torch threads"),
             quantized_step_max_tokens=getattr(getattr(self.model, "policy", None),
                                               "quant_max_tokens", 0),
-            verify_cost=list(self.verify_cost), draft_pass_cost=self.draft_pass_cost)
+            verify_cost=list(self.verify_cost), draft_pass_cost=self.draft_pass_cost,
+            weight_bytes=(getattr(self.model, "quantized_weight_bytes", 0)
+                          or getattr(self.model, "dense_weight_bytes", 0)))
 
     # ------------------------------------------------------------------ the KV cache
     def get_kv_cache_spec(self) -> KVCacheSpec:

@@ -43,6 +43,12 @@ def test_the_dashboard_shows_the_snapshots_live(server):
         with httpx.Client(base_url=server.base_url, timeout=120) as c:
             for _ in range(10):
                 ttfts.append(_stream_ttft(c, body))
+    # a step roofline on made-up hardware figures (the machine's own cache may be absent)
+    from sloserve.roofline.hardware import Hardware
+    from sloserve.roofline.step import served_roofline
+    info, metrics = server.engine.info, server.engine.stat_loggers[0]
+    metrics.roofline = served_roofline(info.model_shape, info.dtype, info.kv_cache_dtype,
+                                       hw=Hardware("test", {"fp32": 1e12}, 50e9, 0))
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
         try:
@@ -63,6 +69,9 @@ def test_the_dashboard_shows_the_snapshots_live(server):
             text = {el.get_attribute("data-key"): el.inner_text()
                     for el in page.query_selector_all(".value[data-key]")}
             drawn = page.evaluate("document.getElementById('ch-steps').dataset.points")
+            bounded = page.evaluate("document.getElementById('ch-steps').dataset.bounded")
+            bound_line = page.query_selector("#bound-line") is not None
+            legend = page.inner_text("#lg-steps")
             seq_shown = page.inner_text("#seq")
         finally:
             browser.close()
@@ -72,6 +81,10 @@ def test_the_dashboard_shows_the_snapshots_live(server):
     assert text["cumulative.vllm:request_success_total"] == str(int(finished))
     assert int(shown_first) < finished  # the figure moved between the two reads
     assert seq_shown == str(stats["seq"]) and int(drawn) > 0
+    # each step's roofline bound beside its time
+    assert int(bounded) > 0 and bound_line
+    assert "roofline bound (1.00 TFLOP/s, 50.0 GB/s" in legend
+    assert seen["roofline"]["peak_tflops"] == 1.0
     # the window holds exactly the ten requests of this server
     page_p50 = seen["window"]["ttft_ms"]["p50"]
     assert seen["window"]["requests"] == 10

@@ -67,5 +67,13 @@ def test_slo_counters_and_the_snapshot_agree_with_the_scrape(server):
                 if len(seqs) == 4:
                     break
         assert seqs[0] == snap["seq"] and seqs[-1] > seqs[0]
+
+        # the steps kept for the dashboard: 8 fields, the roofline bound None without one
+        steps = c.get("/stats", params={"steps": "true"}).json()
+        assert steps["steps"] and all(len(x) == 8 for x in steps["steps"])
+        shape = server.engine.info.model_shape
+        assert (shape["num_hidden_layers"], shape["hidden_size"], shape["vocab_size"]) == \
+            (30, 576, 49152)
+        assert shape["weight_bytes"] > 0
         assert c.get("/stats/stream", params={"interval": 0}).status_code == 400
 

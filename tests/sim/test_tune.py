@@ -70,3 +70,20 @@ def test_verify_serves_the_pick_and_the_defaults_and_measures_them(tmp_path, cap
         assert len(v["measured"]) == 1 and v["measured_attainment"] == 1.0
         assert v["measured_goodput"] > 0
     assert "predicted vs measured" in capsys.readouterr().out
+
+
+def test_a_failed_verification_run_is_left_out_not_fatal(tmp_path, capsys):
+    """A server that cannot start (here a flag it refuses) fails its runs, which are named
+    with their log; the ranking is still printed and saved, with nothing measured."""
+    out = tmp_path / "tune.json"
+    assert tune_main(["--dataset-name", "random", "--random-input-len", "32",
+                      "--random-output-len", "4", "--num-prompts", "4", "--request-rate", "4",
+                      "--decode-step-ms", "12", "--prefill-tokens-per-s", "6000",
+                      "--goodput", "ttft:60000", "tpot:60000", "--budgets", "512",
+                      "--max-num-seqs-grid", "64", "--long-prefill-thresholds", "0",
+                      "--capacity-top", "0", "--verify", "1",
+                      "--serve-arg=--no-such-flag", "--save-tune", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "tune: that run failed (sloserve serve exited with 2 before /health)" in err
+    (v,) = json.loads(out.read_text())["verified"]
+    assert v["measured"] == [] and v["measured_goodput"] is None
