@@ -110,6 +110,7 @@ class SimSetup:
         check_workload_flags(a)
         self.cost, self.cost_name = cost_model_from_args(a)
         self.dis = disaggregation_from_args(a)
+        self._dis: dict = {}  # (prefill, decode) -> Disaggregation, for run's layouts
         if a.dataset_name in ("sharegpt", "copy"):  # real texts: their lengths in tokens
             from sloserve.bench.datasets import PromptFactory
             from sloserve.bench.tokenizer import load_tokenizer
@@ -168,13 +169,23 @@ class SimSetup:
         return list(arrival_times(len(self.reqs), rate, process=arrival_process(a),
                                   burstiness=a.burstiness, seed=a.seed))
 
-    def run(self, rate: float, cfg=None):
-        """(SimResult, BenchmarkMetrics) at ``rate`` req/s."""
+    def run(self, rate: float, cfg=None, replicas: int | None = None, prefill: int = 0,
+            decode: int = 0):
+        """(SimResult, BenchmarkMetrics) at ``rate`` req/s; ``replicas`` or ``prefill`` +
+        ``decode`` instances instead of the flags' layout (``sloserve tune --instances``)."""
         from sloserve.sim.simulator import simulate_cluster
         a = self.a
+        dis = self.dis
+        if replicas is not None:
+            dis = self._dis.get((prefill, decode)) if prefill else None
+            if prefill and dis is None:
+                ns = argparse.Namespace(**{**vars(a), "num_replicas": 1,
+                                           "num_prefill_instances": prefill,
+                                           "num_decode_instances": decode})
+                dis = self._dis[(prefill, decode)] = disaggregation_from_args(ns)
         res = simulate_cluster(self.reqs, self.arrivals(rate), cfg or self.cfg, self.cost,
-                               a.num_replicas, a.router, max_concurrency=a.max_concurrency,
-                               disaggregation=self.dis)
+                               a.num_replicas if replicas is None else replicas, a.router,
+                               max_concurrency=a.max_concurrency, disaggregation=dis)
         return res, calculate_metrics(res.records, res.duration, self.percentiles,
                                       goodput_slos=self.slos,
                                       start_time=0.0)

@@ -18,9 +18,15 @@ found for the top ``--capacity-top`` and the defaults. The goldilocks budget is 
 budget whose best configuration predicts the most goodput: a smaller one queues prefills (TTFT
 rises), a larger one lets prefill chunks stall decodes (TPOT rises).
 
+``--instances K`` searches a cluster's layout too: every configuration as K colocated
+replicas (behind ``--router``) and as each split into P prefill + D decode instances
+(P + D = K; the KV transfer priced by the sim's ``--kv-transfer-*`` flags); the defaults are
+the K replicas.
+
 ``--verify N`` then starts ``sloserve serve`` (the embedded model, or ``--serve-model``) with
 each of the top N and with the defaults, runs ``sloserve bench`` on the same requests
-(``--verify-runs`` times, the configurations in turn), and prints predicted against measured.
+(``--verify-runs`` times, the configurations in turn), and prints predicted against measured
+(one instance: a cluster's layouts are predicted only).
 """
 from __future__ import annotations
 
@@ -45,6 +51,28 @@ SEARCHED = ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
 #: sim flags that are other kinds of run
 OTHER_RUNS = ("preset", "find_capacity", "request_rates", "save_result", "report",
               "slo_p99_ttft_ms", "slo_p99_tpot_ms")
+#: sim flags that --instances searches
+LAYOUT_FLAGS = ("num_replicas", "num_prefill_instances", "num_decode_instances")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a cluster's instances serve: ``replicas`` colocated ones, or ``prefill`` +
+    ``decode`` disaggregated ones (``prefill`` > 0)."""
+
+    replicas: int = 1
+    prefill: int = 0
+    decode: int = 0
+
+    def describe(self) -> str:
+        if self.prefill:
+            return f"{self.prefill} prefill + {self.decode} decode"
+        return f"{self.replicas} replica{'s' if self.replicas != 1 else ''}"
+
+
+def layouts(k: int) -> list[Layout]:
+    """K colocated replicas, then every P/D split of K."""
+    return [Layout(k)] + [Layout(1, p, k - p) for p in range(1, k)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,12 +84,14 @@ class Candidate:
     chunked: bool = True
     pacing: bool = True
     long_prefill_token_threshold: int = 0
+    #: the cluster's layout (None: the one on the command line)
+    layout: Layout | None = None
 
     @classmethod
-    def defaults(cls) -> "Candidate":
+    def defaults(cls, layout: Layout | None = None) -> "Candidate":
         d = EngineConfig()
         return cls(d.max_num_batched_tokens, d.max_num_seqs, d.enable_chunked_prefill,
-                   d.enable_prefill_pacing, d.long_prefill_token_threshold)
+                   d.enable_prefill_pacing, d.long_prefill_token_threshold, layout)
 
     def serve_flags(self) -> list[str]:
         """The ``sloserve serve`` flags of this configuration (all of them, defaults too)."""
@@ -72,10 +102,12 @@ class Candidate:
                 "--long-prefill-token-threshold", str(self.long_prefill_token_threshold)]
 
     def describe(self) -> str:
+        where = f"{self.layout.describe()}: " if self.layout is not None else ""
         if not self.chunked:
-            return f"budget {self.max_num_batched_tokens}, seqs {self.max_num_seqs}, whole prefill"
-        return (f"budget {self.max_num_batched_tokens}, seqs {self.max_num_seqs}, chunked, "
-                f"pacing {'on' if self.pacing else 'off'}, threshold "
+            return (f"{where}budget {self.max_num_batched_tokens}, seqs {self.max_num_seqs}, "
+                    f"whole prefill")
+        return (f"{where}budget {self.max_num_batched_tokens}, seqs {self.max_num_seqs}, "
+                f"chunked, pacing {'on' if self.pacing else 'off'}, threshold "
                 f"{self.long_prefill_token_threshold or 'none'}")
 
     def distance(self, other: "Candidate") -> int:
@@ -97,15 +129,16 @@ class Candidate:
                                    long_prefill_token_threshold=self.long_prefill_token_threshold)
 
 
-def grid(budgets, seqs, thresholds) -> list[Candidate]:
+def grid(budgets, seqs, thresholds, layouts_: list[Layout] | None = None) -> list[Candidate]:
     out = []
-    for b in budgets:
-        for s in seqs:
-            out.append(Candidate(b, s, chunked=False, pacing=False))
-            for pacing in (True, False):
-                for t in thresholds:
-                    out.append(Candidate(b, s, True, pacing, t))
-    d = Candidate.defaults()
+    for lay in layouts_ or [None]:
+        for b in budgets:
+            for s in seqs:
+                out.append(Candidate(b, s, chunked=False, pacing=False, layout=lay))
+                for pacing in (True, False):
+                    for t in thresholds:
+                        out.append(Candidate(b, s, True, pacing, t, lay))
+    d = Candidate.defaults(layouts_[0] if layouts_ else None)
     return out if d in out else [*out, d]
 
 
@@ -132,12 +165,18 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--long-prefill-thresholds", type=_ints, default=[0, 256],
                    metavar="N1,N2,...", help="--long-prefill-token-threshold values searched "
                                              "(0: no cap)")
+    t.add_argument("--instances", type=int, default=None, metavar="K",
+                   help="search a cluster of K instances too: K colocated replicas (the "
+                        "defaults) or P prefill + D decode instances, P + D = K (predicted "
+                        "only; not with --verify)")
     t.add_argument("--top", type=pos_int, default=10, help="configurations printed")
     t.add_argument("--capacity-top", type=int, default=3,
                    help="configurations (and the defaults) whose capacity is bisected")
     t.add_argument("--verify", type=int, default=0, metavar="N",
                    help="start `sloserve serve` with each of the top N and with the defaults "
-                        "and measure them with `sloserve bench` on the same requests")
+                        "and measure them with `sloserve bench` on the same requests (a "
+                        "configuration predicted exactly as one ranked above it, e.g. a "
+                        "--max-num-seqs that never binds, is skipped for the next)")
     t.add_argument("--verify-runs", type=pos_int, default=1,
                    help="bench runs per verified configuration (alternated)")
     t.add_argument("--serve-model", default=None,
@@ -153,19 +192,29 @@ def parser() -> argparse.ArgumentParser:
 def _row(cand: Candidate, m, rate: float) -> dict[str, Any]:
     judged = m.completed + m.failed
     return {"config": cand.describe(), "flags": cand.serve_flags(), "rate": rate,
+            **({"layout": dataclasses.asdict(cand.layout)} if cand.layout else {}),
             "goodput": m.request_goodput or 0.0,
             "attainment": m.num_good / judged if judged else 0.0,
             "p99_ttft_ms": m.stats["ttft"].p(99), "p99_tpot_ms": m.stats["tpot"].p(99),
             "failed": m.failed}
 
 
+def _run(sim, cand: Candidate, rate: float):
+    """The candidate simulated at ``rate``: (SimResult, BenchmarkMetrics)."""
+    lay = cand.layout
+    if lay is None:
+        return sim.run(rate, cand.sim_config(sim.cfg))
+    return sim.run(rate, cand.sim_config(sim.cfg), replicas=lay.replicas,
+                   prefill=lay.prefill, decode=lay.decode)
+
+
 def search(sim, cands: list[Candidate], rate: float) -> list[tuple[Candidate, dict]]:
     """Every candidate simulated at ``rate``, best first."""
     rows = []
     for c in cands:
-        _, m = sim.run(rate, c.sim_config(sim.cfg))
+        _, m = _run(sim, c, rate)
         rows.append((c, _row(c, m, rate)))
-    d = Candidate.defaults()
+    d = Candidate.defaults(cands[0].layout)
     rows.sort(key=lambda cr: (-round(cr[1]["goodput"], 9), -round(cr[1]["attainment"], 9),
                               cr[0].distance(d), round(cr[1]["p99_ttft_ms"], 6),
                               round(cr[1]["p99_tpot_ms"], 6)))
@@ -174,8 +223,7 @@ def search(sim, cands: list[Candidate], rate: float) -> list[tuple[Candidate, di
 
 def capacity(sim, cand: Candidate, attainment: float, lo: float, hi: float) -> float | None:
     from sloserve.sim.simulator import find_capacity
-    cfg = cand.sim_config(sim.cfg)
-    return find_capacity(lambda r: sim.run(r, cfg)[1],
+    return find_capacity(lambda r: _run(sim, cand, r)[1],
                          lambda m: m.num_good >= attainment * (m.completed + m.failed),
                          lo, hi, iters=8)
 
@@ -258,6 +306,21 @@ def measure(cand: Candidate, a, workload: list[str], rate: float, out_dir: str,
             "p99_ttft_ms": res.get("p99_ttft_ms"), "p99_tpot_ms": res.get("p99_tpot_ms")}
 
 
+def distinct(rows: list[tuple[Candidate, dict]], n: int) -> list[tuple[Candidate, dict]]:
+    """The first ``n`` rows whose predictions differ from every row kept before them (the
+    same goodput, attainment and P99s: the simulator ran them alike, measuring both is
+    measuring one twice)."""
+    out, seen = [], set()
+    for c, r in rows:
+        key = (r["goodput"], r["attainment"], r["p99_ttft_ms"], r["p99_tpot_ms"])
+        if key not in seen:
+            seen.add(key)
+            out.append((c, r))
+            if len(out) == n:
+                break
+    return out
+
+
 def verify(a, argv: list[str], picks: list[tuple[Candidate, dict]], rate: float,
            out_dir: str) -> list[dict]:
     workload = _workload_argv(argv)
@@ -298,6 +361,15 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             raise ValueError(f"{', '.join(bad)}: tune searches the scheduler settings itself "
                              f"(--budgets, --max-num-seqs-grid, --long-prefill-thresholds)")
+        if a.instances is not None:
+            if a.instances < 2:
+                raise ValueError(f"--instances must be >= 2 (a cluster), got {a.instances}")
+            bad = sorted("--" + d.replace("_", "-") for d in given & set(LAYOUT_FLAGS))
+            if bad:
+                raise ValueError(f"{', '.join(bad)}: --instances searches the layout itself")
+            if a.verify:
+                raise ValueError("--verify serves one instance; a cluster's layouts "
+                                 "(--instances) are predicted only")
         if not a.goodput:
             raise ValueError("tune needs the SLO: --goodput ttft:MS tpot:MS [e2el:MS]")
         a.slo_attainment = a.slo_attainment or 0.9
@@ -313,14 +385,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sloserve tune: error: {e.args[0] if isinstance(e, KeyError) else e}",
               file=sys.stderr)
         return 2
-    cands = grid(a.budgets, a.max_num_seqs_grid, a.long_prefill_thresholds)
+    lays = layouts(a.instances) if a.instances else None
+    cands = grid(a.budgets, a.max_num_seqs_grid, a.long_prefill_thresholds, lays)
     t0 = time.perf_counter()
     rows = search(sim, cands, rate)
     print(f"tune: {len(cands)} configurations simulated in {time.perf_counter() - t0:.1f} s; "
           f"{sim.describe()}; at {rate:g} req/s; SLO "
           + ", ".join(f"{k} <= {v:g} ms" for k, v in sim.slos.items())
           + f", attainment >= {a.slo_attainment:g}", file=sys.stderr)
-    default = Candidate.defaults()
+    default = Candidate.defaults(lays[0] if lays else None)
     by_cand = dict(rows)
     rank = {c: i + 1 for i, (c, _) in enumerate(rows)}
     shown = rows[:a.top] + ([(default, by_cand[default])] if rank[default] > a.top else [])
@@ -343,14 +416,15 @@ def main(argv: list[str] | None = None) -> int:
               f"P99 TTFT {r['p99_ttft_ms']:.0f} ms, P99 TPOT {r['p99_tpot_ms']:.1f} ms"
               + ("   <- goldilocks" if b == best_budget else ""))
     pick = rows[0][0]
-    print(f"\npick: {' '.join(pick.serve_flags())}"
+    print(f"\npick: {pick.layout.describe() + ' instances, each ' if pick.layout else ''}"
+          f"{' '.join(pick.serve_flags())}"
           + ("  (the defaults)" if pick == default else ""))
     result: dict[str, Any] = {
         "rate": rate, "slo_ms": sim.slos, "slo_attainment": a.slo_attainment,
         "simulation": sim.describe(), "goldilocks_budget": best_budget,
         "ranked": [{"rank": rank[c], **r, "defaults": c == default} for c, r in rows]}
     if a.verify:
-        picks = rows[:a.verify]
+        picks = distinct(rows, a.verify)
         if default not in dict(picks):
             picks.append((default, by_cand[default]))
         out_dir = tempfile.mkdtemp(prefix="sloserve-tune-")

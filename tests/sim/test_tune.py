@@ -55,16 +55,17 @@ def test_verify_serves_the_pick_and_the_defaults_and_measures_them(tmp_path, cap
     """One live check of the whole loop on the embedded model (a tiny workload; the numbers
     are the host's, only their presence and shape are asserted)."""
     out = tmp_path / "tune.json"
-    assert tune_main(["--dataset-name", "random", "--random-input-len", "32",
+    # 600-token prompts: chunks of 256 and 512 and whole prompts are predicted apart
+    assert tune_main(["--dataset-name", "random", "--random-input-len", "600",
                       "--random-output-len", "4", "--num-prompts", "4", "--request-rate", "4",
                       "--decode-step-ms", "12", "--prefill-tokens-per-s", "6000",
                       "--goodput", "ttft:60000", "tpot:60000", "--budgets", "256",
                       "--max-num-seqs-grid", "8", "--long-prefill-thresholds", "0",
-                      "--capacity-top", "0", "--verify", "2", "--serve-arg=--dtype",
+                      "--capacity-top", "0", "--verify", "1", "--serve-arg=--dtype",
                       "--serve-arg=float32", "--save-tune", str(out)]) == 0
     res = json.loads(out.read_text())
     verified = res["verified"]
-    assert len(verified) == 2  # the top two (the defaults win the tie: they are among them)
+    assert len(verified) == 2  # the pick (not the defaults here: chunks of 256), the defaults
     assert any(v["flags"] == Candidate.defaults().serve_flags() for v in verified)
     for v in verified:
         assert len(v["measured"]) == 1 and v["measured_attainment"] == 1.0
@@ -87,3 +88,42 @@ def test_a_failed_verification_run_is_left_out_not_fatal(tmp_path, capsys):
     assert "tune: that run failed (sloserve serve exited with 2 before /health)" in err
     (v,) = json.loads(out.read_text())["verified"]
     assert v["measured"] == [] and v["measured_goodput"] is None
+
+
+def test_instances_searches_replicas_against_prefill_decode_splits(tmp_path, capsys):
+    """--instances 3: each configuration as 3 replicas (the defaults' layout) and as 1 + 2 and
+    2 + 1 prefill / decode splits, all simulated and ranked; the layout flags and --verify are
+    refused beside it."""
+    out = tmp_path / "tune.json"
+    base = ["--dataset-name", "mixed", "--mixed-scale", "0.1", "--num-prompts", "30",
+            "--request-rate", "6", "--decode-step-ms", "12", "--prefill-tokens-per-s", "6000",
+            "--goodput", "ttft:800", "tpot:40", "--budgets", "256,512",
+            "--max-num-seqs-grid", "64", "--long-prefill-thresholds", "0",
+            "--capacity-top", "0"]
+    assert tune_main([*base, "--instances", "3", "--save-tune", str(out)]) == 0
+    res = json.loads(out.read_text())
+    lays = {(r["layout"]["replicas"], r["layout"]["prefill"], r["layout"]["decode"])
+            for r in res["ranked"]}
+    assert lays == {(3, 0, 0), (1, 1, 2), (1, 2, 1)}
+    assert len(res["ranked"]) == 3 * 2 * 3  # layouts x budgets x (whole, pacing on, off)
+    (d,) = [r for r in res["ranked"] if r["defaults"]]
+    assert d["layout"] == {"replicas": 3, "prefill": 0, "decode": 0}
+    printed = capsys.readouterr().out
+    assert "3 replicas: budget 512, seqs 64, chunked, pacing on, threshold none  (defaults)" \
+        in printed
+    assert "1 prefill + 2 decode: budget" in printed and "pick: " in printed
+    for bad in (["--instances", "1"], ["--instances", "2", "--num-replicas", "2"],
+                ["--instances", "2", "--verify", "1"]):
+        assert tune_main([*base, *bad]) == 2
+    err = capsys.readouterr().err
+    assert "--instances must be >= 2" in err and "--num-replicas: --instances searches" in err
+    assert "--verify serves one instance" in err
+
+
+def test_verify_skips_a_configuration_predicted_as_one_above_it():
+    from sloserve.sim.tune import distinct
+    row = {"goodput": 1.0, "attainment": 0.9, "p99_ttft_ms": 10.0, "p99_tpot_ms": 5.0}
+    rows = [(Candidate(512, 64), row), (Candidate(512, 16), dict(row)),
+            (Candidate(256, 64), {**row, "goodput": 0.9}), (Candidate(128, 64), row)]
+    assert [c for c, _ in distinct(rows, 2)] == [Candidate(512, 64), Candidate(256, 64)]
+    assert len(distinct(rows, 5)) == 2
