@@ -263,6 +263,8 @@ class ModelRunnerOutput:
         draft_s: seconds the worker's drafter took (included in forward_s).
         kv_connector_output: the KV connector's worker side's news after the step (None: no
             connector).
+        errors: requests whose logits could not be sampled (a NaN, or every token masked),
+            with why: the scheduler fails them alone (their ``sampled_token_ids`` are empty).
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -275,6 +277,7 @@ class ModelRunnerOutput:
     draft_token_ids: list[list[int]] = field(default_factory=list)
     draft_s: float = 0.0
     kv_connector_output: KVConnectorOutput | None = None
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 _encoder = msgspec.msgpack.Encoder()

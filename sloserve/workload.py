@@ -27,6 +27,8 @@ class SampleRequest:
             benchmark's arrival process.
         tag: workload label of the request (``short`` / ``long`` in ``mixed``, the group in
             ``shared-prefix``); plots mark the arrivals of ``long`` requests.
+        priority: the request's ``priority`` (vLLM's: lower runs first under
+            ``--scheduling-policy priority``; a trace's ``priority`` field), 0 by default.
     """
 
     prompt: str
@@ -34,6 +36,7 @@ class SampleRequest:
     expected_output_len: int
     arrival_time: float | None = None
     tag: str | None = None
+    priority: int = 0
 
 
 @dataclass

@@ -260,24 +260,29 @@ def trace_workload(path: str, factory: PromptFactory, num_prompts: int | None = 
                    time_scale: float = 1.0) -> list[SampleRequest]:
     """Replay a JSONL trace: one object per line with the arrival time (``arrival_time`` in s, or
     ``timestamp`` in ms as in the Mooncake traces), ``input_len``/``input_length`` and
-    ``output_len``/``output_length``. Arrival times are shifted to start at 0 and multiplied by
-    ``time_scale``; prompts are random texts of the given lengths.
+    ``output_len``/``output_length``, and optionally ``priority`` (an integer, vLLM's request
+    field: lower runs first under ``--scheduling-policy priority``; default 0). Arrival times
+    are shifted to start at 0 and multiplied by ``time_scale``; prompts are random texts of the
+    given lengths.
 
     Raises:
         ValueError: a line that is not JSON or lacks a field (the message gives the line number).
     """
-    def parse(d: dict[str, Any]) -> tuple[float, int, int]:
+    def parse(d: dict[str, Any]) -> tuple[float, int, int, int]:
         t = float(d["arrival_time"]) if "arrival_time" in d else float(d["timestamp"]) / 1e3
         if not math.isfinite(t):
             raise ValueError(f"arrival time must be finite, got {t}")
+        prio = d.get("priority", 0)
+        if isinstance(prio, bool) or not isinstance(prio, int):
+            raise ValueError(f"priority must be an integer, got {prio!r}")
         return (t, _length(_field(d, "input_len", "input_length")),
-                _length(_field(d, "output_len", "output_length")))
+                _length(_field(d, "output_len", "output_length")), prio)
     rows = read_jsonl(path, parse, "trace line")
     rows.sort()
     rows = rows[:num_prompts] if num_prompts else rows
     t0 = rows[0][0] if rows else 0.0
     reqs = []
-    for t, i, o in rows:
+    for t, i, o, prio in rows:
         text, n = factory.make(i)
-        reqs.append(SampleRequest(text, n, o, arrival_time=(t - t0) * time_scale))
+        reqs.append(SampleRequest(text, n, o, arrival_time=(t - t0) * time_scale, priority=prio))
     return reqs

@@ -104,7 +104,8 @@ def _inputs(cfg: BenchConfig, reqs: list[SampleRequest]) -> list[RequestInput]:
     chat = ENDPOINTS[cfg.endpoint]
     return [RequestInput(url=cfg.url, model=cfg.model, prompt=r.prompt, prompt_len=r.prompt_len,
                          max_tokens=r.expected_output_len, chat=chat, ignore_eos=cfg.ignore_eos,
-                         extra_body=cfg.extra_body, tag=r.tag) for r in reqs]
+                         extra_body=({**cfg.extra_body, "priority": r.priority} if r.priority
+                                     else cfg.extra_body), tag=r.tag) for r in reqs]
 
 
 async def run_benchmark_async(cfg: BenchConfig, requests: list[SampleRequest],

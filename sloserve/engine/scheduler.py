@@ -738,7 +738,8 @@ class Scheduler:
             or a completed grammar (``stop``; a grammar completes even under ``ignore_eos``: no
             token may follow), by max_tokens / max_model_len (``length``), or by a token its
             grammar refuses or a broken grammar (``abort``, with ``error``; ``bad_request`` when
-            the spec cannot be satisfied); their blocks are already freed. Tokens sampled after
+            the spec cannot be satisfied), or because its logits could not be sampled
+            (``runner_out.errors``: ``abort`` with that error); their blocks are already freed. Tokens sampled after
             a stop condition are dropped.
 
         Raises:
@@ -768,6 +769,18 @@ class Scheduler:
                     outputs.append(EngineCoreOutput(request_id=req.request_id,
                                                     new_prompt_logprobs=plp,
                                                     parent_request_id=req.parent_request_id))
+                continue
+            err = runner_out.errors.get(sr.request_id) if runner_out.errors else None
+            if err is not None:  # its logits could not be sampled: it fails, alone
+                logger.warning("%s: %s", req.request_id, err)
+                o = EngineCoreOutput(request_id=req.request_id,
+                                     num_output_tokens=req.num_output_tokens,
+                                     num_preemptions=req.num_preemptions,
+                                     num_cached_tokens=req.num_cached_tokens,
+                                     parent_request_id=req.parent_request_id)
+                self._finish_output(req, RequestStatus.FINISHED_ABORTED, o, now)
+                o.error = err
+                outputs.append(o)
                 continue
             spec = dr if dr else sr.spec_token_ids
             k = len(spec)

@@ -21,7 +21,8 @@ from sloserve.model.config import ModelConfig
 from sloserve.model import logprobs as lp
 from sloserve.model.invariant import one_thread
 from sloserve.model.rejection_sampler import rejection_sample
-from sloserve.model.sampler import STREAM_ACCEPT, STREAM_SAMPLE, Sampler, apply_token_bitmask
+from sloserve.model.sampler import (STREAM_ACCEPT, STREAM_SAMPLE, UNSAMPLEABLE, Sampler,
+                                    apply_token_bitmask)
 from sloserve.sampling_params import SamplingParams
 from sloserve.step_io import (DRAFT_PLACEHOLDER, VERIFY_COST_TOKENS, ModelRunnerOutput,
                               ScheduledRequest, SchedulerOutput)
@@ -236,13 +237,14 @@ class ModelRunner:
         if conn is not None:
             conn.wait_for_save()
         t2 = time.perf_counter()
-        sampled, logprobs, prompt_logprobs = self._sample(
+        sampled, logprobs, prompt_logprobs, errors = self._sample(
             out, logits, drafts.probs if drafts is not None else None)
         if conn is not None:
             conn.after_sample(out, sampled)
         if drafts is not None:
             for sr, kept in zip(out.scheduled, sampled):
-                self.drafter.after_verify(sr, kept)
+                if sr.request_id not in errors:
+                    self.drafter.after_verify(sr, kept)
         t3 = time.perf_counter()
         draft_s = drafts.seconds if drafts is not None else 0.0
         return ModelRunnerOutput(req_ids=[s.request_id for s in out.scheduled],
@@ -252,12 +254,14 @@ class ModelRunner:
                                  draft_token_ids=drafts.token_ids if drafts is not None else [],
                                  draft_s=draft_s,
                                  kv_connector_output=(conn.build_connector_output()
-                                                      if conn is not None else None))
+                                                      if conn is not None else None),
+                                 errors=errors)
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor,
                 draft_probs: list[torch.Tensor | None] | None = None):
         """(sampled tokens, logprobs, prompt logprobs) per scheduled request from the logits
-        rows of :func:`build_step_inputs` (each request's prompt rows, then its sample rows).
+        rows of :func:`build_step_inputs` (each request's prompt rows, then its sample rows),
+        and the requests whose rows could not be sampled (``ModelRunnerOutput.errors``).
         A request with draft probabilities (``draft_probs``: a probabilistic model draft) is
         verified by rejection sampling, the others by sample-and-match."""
         draft_probs = draft_probs or [None] * len(out.scheduled)
@@ -302,6 +306,7 @@ class ModelRunner:
         sampled: list[list[int]] = []
         logprobs: list = []
         prompt_logprobs: list = []
+        errors: dict[str, str] = {}
         want_lp = any(sr.sampling_params.logprobs is not None for sr in out.scheduled)
         want_plp = any(m for _, m in prompt_rows)
         i = 0
@@ -318,6 +323,15 @@ class ModelRunner:
             k = len(sr.spec_token_ids)
             if len(sampled) in verified:
                 got, a = verified[len(sampled)]
+            elif UNSAMPLEABLE in toks[i:i + k + 1]:
+                errors[sr.request_id] = ("cannot sample the next token: the model's logits for "
+                                         "it have no finite value (a NaN, or every token "
+                                         "masked)")
+                sampled.append([])
+                if want_lp:
+                    logprobs.append(None)
+                i += k + 1
+                continue
             else:
                 got = toks[i:i + k + 1]
                 a = 0
@@ -329,7 +343,7 @@ class ModelRunner:
                                 self._logprobs(sr.sampling_params, slogits[i:i + a + 1], got[:a + 1],
                                               sr.sampling_params.logprobs))
             i += k + 1
-        return sampled, logprobs, prompt_logprobs
+        return sampled, logprobs, prompt_logprobs, errors
 
     def _rejection_sample(self, out: SchedulerOutput, slogits: torch.Tensor,
                           draft_probs: list, starts: list[int]) -> dict[int, tuple]:

@@ -104,7 +104,9 @@ class Sampler:
         """Sample.
 
         Greedy rows take the argmax; the other rows are sampled together (:func:`draw`), each
-        with its uniform (with ``batch_invariant``: one row at a time on one thread).
+        with its uniform (with ``batch_invariant``: one row at a time on one thread). A row
+        that cannot be sampled (:data:`UNSAMPLEABLE`: a NaN logit, or every token at -inf)
+        gets -1, and only it: the runner fails that request alone.
 
         Args:
             logits: [S, V] float32.
@@ -120,8 +122,11 @@ class Sampler:
         rows = [i for i, sp in enumerate(params) if not sp.greedy]
         if greedy:
             sub = logits if len(greedy) == len(params) else logits[greedy]
-            for i, t in zip(greedy, sub.argmax(dim=-1).tolist()):
-                out[i] = t
+            idx = sub.argmax(dim=-1)
+            # the row's largest value (a NaN if it holds one) must be finite
+            ok = torch.isfinite(sub.gather(-1, idx[:, None])[:, 0]).tolist()
+            for i, t, good in zip(greedy, idx.tolist(), ok):
+                out[i] = t if good else UNSAMPLEABLE
         if not rows:
             return out
         u = self.uniforms([request_ids[i] for i in rows], [params[i] for i in rows],
@@ -142,8 +147,14 @@ class Sampler:
         (:func:`draw`)."""
         # float32 whatever the logits' dtype (fp16 logits / 1e-4 overflowed to inf - inf)
         scaled = self.processed(sub, params)
-        scaled -= scaled.amax(dim=-1, keepdim=True)  # in place: one [S, V] buffer in all
-        return draw(scaled.exp_(), u).tolist()
+        top = scaled.amax(dim=-1, keepdim=True)  # (a NaN if the row holds one)
+        bad = ~torch.isfinite(top[:, 0])
+        if bool(bad.any()):  # nothing to draw from: drawn as uniform, then refused
+            scaled[bad] = 0.0
+            top[bad] = 0.0
+        scaled -= top  # in place: one [S, V] buffer in all
+        got = draw(scaled.exp_(), u).tolist()
+        return [UNSAMPLEABLE if b else t for t, b in zip(got, bad.tolist())]
 
     def probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """The distributions non-greedy rows sample from ([R, V] float32: :meth:`processed`,
@@ -190,6 +201,8 @@ class Sampler:
         return out
 
 
+#: the token the sampler gives a row it cannot sample (a NaN logit, or no token left)
+UNSAMPLEABLE = -1
 #: the largest temperature the sampler divides by (float32's largest finite value)
 _F32_MAX = float(torch.finfo(torch.float32).max)
 #: tokens per block of :func:`draw`'s two-level search

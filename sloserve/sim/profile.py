@@ -186,7 +186,8 @@ def frontend_delays(trace: str, bench_result: str) -> tuple[list[float], list[fl
 
     Requests are matched in time order by prompt length (a trace's ``admitted`` entries against
     the result's ``start_times`` and ``input_lens``); the first token's step is the one where
-    the request's chunks, followed from its admission, reach the prompt's length.
+    the request's chunks, followed from its admission, reach the prompt's length. A match whose
+    token would have reached the client before its step ended is a wrong one, left out.
 
     Raises:
         ValueError: the result has no per-request times, or nothing matched.
@@ -209,19 +210,25 @@ def frontend_delays(trace: str, bench_result: str) -> tuple[list[float], list[fl
     for send, plen, ttft, err in reqs:
         if err or not ttft:
             continue
-        while j < len(adm) and (adm[j][1] != plen or adm[j][0] < send - 1e-3):
-            j += 1
-        if j == len(adm):
+        m = j
+        while m < len(adm) and (adm[m][1] != plen or adm[m][0] < send - 1e-3):
+            m += 1
+        if m == len(adm):
             break
-        arrival, _, k = adm[j]
-        j += 1
+        arrival, _, k = adm[m]
         k = _last_prefill_step(rows, k, plen)
         if k is None:
+            j = m + 1
             continue
+        to_client = send + ttft - (rows[k]["t"] + rows[k]["step_s"])
+        if to_client < 0:  # its token reached the client before that step ended: not its
+            continue       # admission (left for the next request)
+        j = m + 1
         into.append(arrival - send)
-        out.append(send + ttft - (rows[k]["t"] + rows[k]["step_s"]))
+        out.append(to_client)
     if not into:
-        raise ValueError(f"no request of {bench_result} matched a step of {trace}")
+        raise ValueError(f"{bench_result} does not look like the run of {trace}: none of its "
+                         f"requests matched a step of it")
     med_in, med_out = float(np.median(into)), float(np.median(out))
     if not (0 <= med_in < 10 and 0 <= med_out < 10):
         raise ValueError(f"{bench_result} does not look like the run of {trace}: the median "

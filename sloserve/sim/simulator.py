@@ -271,7 +271,8 @@ class Replica:
                     request_id=str(i), prompt_token_ids=self.token_ids(r, i),
                     sampling_params=SamplingParams(temperature=0.0, ignore_eos=True,
                                                    max_tokens=r.expected_output_len),
-                    arrival_time=float(sent[i]), kv_transfer_params=kv))
+                    arrival_time=float(sent[i]), kv_transfer_params=kv,
+                    priority=r.priority))
             except ValueError as e:  # the core checks the whole request, here as on a server
                 self.recs[i].error = f"HTTP 400: {e}"
                 rejected.append(i)

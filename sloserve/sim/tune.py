@@ -10,6 +10,9 @@ profile``, or the sim's other models), it simulates every configuration of the g
     chunked prefill / whole    (--no-enable-chunked-prefill)
     --enable-prefill-pacing    on / off (chunked only)
     --long-prefill-token-threshold  --long-prefill-thresholds (default 0,256; chunked only)
+    --scheduling-policy        fcfs / priority (when the workload's requests carry priorities,
+                               a trace's ``priority`` field; with one priority for all, both
+                               orders give one schedule and fcfs stays)
 
 and ranks them by predicted goodput (requests/s within the SLO), then attainment, then the
 fewest changes from the defaults (a configuration that does no better keeps the defaults), then
@@ -47,7 +50,8 @@ from sloserve.config import EngineConfig
 
 #: the flags whose values tune searches (so they are not taken from the command line)
 SEARCHED = ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
-            "enable_prefill_pacing", "long_prefill_token_threshold", "static_batching")
+            "enable_prefill_pacing", "long_prefill_token_threshold", "static_batching",
+            "scheduling_policy")
 #: sim flags that are other kinds of run
 OTHER_RUNS = ("preset", "find_capacity", "request_rates", "save_result", "report",
               "slo_p99_ttft_ms", "slo_p99_tpot_ms")
@@ -86,12 +90,14 @@ class Candidate:
     long_prefill_token_threshold: int = 0
     #: the cluster's layout (None: the one on the command line)
     layout: Layout | None = None
+    policy: str = "fcfs"
 
     @classmethod
     def defaults(cls, layout: Layout | None = None) -> "Candidate":
         d = EngineConfig()
         return cls(d.max_num_batched_tokens, d.max_num_seqs, d.enable_chunked_prefill,
-                   d.enable_prefill_pacing, d.long_prefill_token_threshold, layout)
+                   d.enable_prefill_pacing, d.long_prefill_token_threshold, layout,
+                   d.scheduling_policy)
 
     def serve_flags(self) -> list[str]:
         """The ``sloserve serve`` flags of this configuration (all of them, defaults too)."""
@@ -99,16 +105,18 @@ class Candidate:
                 "--max-num-seqs", str(self.max_num_seqs),
                 "--enable-chunked-prefill" if self.chunked else "--no-enable-chunked-prefill",
                 "--enable-prefill-pacing" if self.pacing else "--no-enable-prefill-pacing",
-                "--long-prefill-token-threshold", str(self.long_prefill_token_threshold)]
+                "--long-prefill-token-threshold", str(self.long_prefill_token_threshold),
+                "--scheduling-policy", self.policy]
 
     def describe(self) -> str:
         where = f"{self.layout.describe()}: " if self.layout is not None else ""
+        order = "" if self.policy == EngineConfig().scheduling_policy else f", {self.policy}"
         if not self.chunked:
             return (f"{where}budget {self.max_num_batched_tokens}, seqs {self.max_num_seqs}, "
-                    f"whole prefill")
+                    f"whole prefill{order}")
         return (f"{where}budget {self.max_num_batched_tokens}, seqs {self.max_num_seqs}, "
                 f"chunked, pacing {'on' if self.pacing else 'off'}, threshold "
-                f"{self.long_prefill_token_threshold or 'none'}")
+                f"{self.long_prefill_token_threshold or 'none'}{order}")
 
     def distance(self, other: "Candidate") -> int:
         """Settings that differ (ties in the ranking go to the fewest changes from the
@@ -125,19 +133,23 @@ class Candidate:
                            long_prefill_token_threshold=self.long_prefill_token_threshold)
         return dataclasses.replace(base, max_num_batched_tokens=self.max_num_batched_tokens,
                                    max_num_seqs=self.max_num_seqs, policy=cfg.batching,
+                                   queue_policy=self.policy,
                                    enable_prefill_pacing=cfg.enable_prefill_pacing,
                                    long_prefill_token_threshold=self.long_prefill_token_threshold)
 
 
-def grid(budgets, seqs, thresholds, layouts_: list[Layout] | None = None) -> list[Candidate]:
+def grid(budgets, seqs, thresholds, layouts_: list[Layout] | None = None,
+         policies: tuple[str, ...] = ("fcfs",)) -> list[Candidate]:
     out = []
     for lay in layouts_ or [None]:
-        for b in budgets:
-            for s in seqs:
-                out.append(Candidate(b, s, chunked=False, pacing=False, layout=lay))
-                for pacing in (True, False):
-                    for t in thresholds:
-                        out.append(Candidate(b, s, True, pacing, t, lay))
+        for pol in policies:
+            for b in budgets:
+                for s in seqs:
+                    out.append(Candidate(b, s, chunked=False, pacing=False, layout=lay,
+                                         policy=pol))
+                    for pacing in (True, False):
+                        for t in thresholds:
+                            out.append(Candidate(b, s, True, pacing, t, lay, pol))
     d = Candidate.defaults(layouts_[0] if layouts_ else None)
     return out if d in out else [*out, d]
 
@@ -386,7 +398,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     lays = layouts(a.instances) if a.instances else None
-    cands = grid(a.budgets, a.max_num_seqs_grid, a.long_prefill_thresholds, lays)
+    # the order matters only where requests differ in priority
+    policies = (("fcfs", "priority") if len({r.priority for r in sim.reqs}) > 1
+                else (EngineConfig().scheduling_policy,))
+    cands = grid(a.budgets, a.max_num_seqs_grid, a.long_prefill_thresholds, lays, policies)
     t0 = time.perf_counter()
     rows = search(sim, cands, rate)
     print(f"tune: {len(cands)} configurations simulated in {time.perf_counter() - t0:.1f} s; "

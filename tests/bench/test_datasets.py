@@ -354,3 +354,15 @@ def test_copy_workload_asks_to_repeat_or_edit_the_shipped_passages(factory):
         assert r.prompt_len == factory.count(r.prompt) and r.tag == "copy"
     assert [r.prompt for r in copy_workload(factory, 12, output_extra=5, seed=3)] == \
         [r.prompt for r in reqs]
+
+
+def test_trace_priorities_are_read_and_checked(tmp_path, factory):
+    path = _write(tmp_path, [
+        json.dumps({"arrival_time": 0.5, "input_len": 4, "output_len": 2, "priority": 3}),
+        json.dumps({"arrival_time": 0.0, "input_len": 5, "output_len": 2}),
+    ])
+    assert [r.priority for r in trace_workload(path, factory)] == [0, 3]
+    path = _write(tmp_path, [json.dumps({"arrival_time": 0.0, "input_len": 4, "output_len": 2,
+                                         "priority": "high"})])
+    with pytest.raises(ValueError, match="priority must be an integer, got 'high'"):
+        trace_workload(path, factory)

@@ -321,3 +321,12 @@ def test_bench_config_validation(mock_server):
     assert BenchConfig(base_url="http://x:1/", model="m", endpoint=CHAT).url == "http://x:1/v1/chat/completions"
     with pytest.raises(ValueError, match="no requests"):
         run_benchmark(BenchConfig(base_url=mock_server.base_url, model=MODEL_ID, progress=False), [])
+
+
+def test_a_requests_priority_is_sent_when_set():
+    from sloserve.bench.runner import _inputs
+    cfg = BenchConfig(base_url="http://127.0.0.1:1", model=MODEL_ID, initial_test=False,
+                      progress=False, extra_body={"temperature": 0.5})
+    a, b = _inputs(cfg, [SampleRequest("p", 1, 2, priority=2), SampleRequest("q", 1, 2)])
+    assert a.body()["priority"] == 2 and a.body()["temperature"] == 0.5
+    assert "priority" not in b.body() and cfg.extra_body == {"temperature": 0.5}

@@ -241,3 +241,22 @@ def test_a_temperature_past_float32_draws_uniformly_among_the_allowed(temperatur
     for _ in range(5):
         assert all(0 <= t < 3 for t in s(logits, ["a", "b"],
                                          [SamplingParams(temperature=temperature)] * 2))
+
+
+def test_a_row_that_cannot_be_sampled_gets_minus_one_and_only_it():
+    """A NaN logit or a row with every token at -inf (a mask that allows nothing) gives
+    UNSAMPLEABLE for that row; the others, greedy and sampled, get what they get without it
+    (the runner then fails that request alone: test_scheduler's errors test)."""
+    from sloserve.model.sampler import UNSAMPLEABLE
+    logits = random_logits(4, vocab=300, seed=3)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=5),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=6)]
+    rids = list("abcd")
+    clean = Sampler(0)(logits, rids, params, indices=[7, 7, 7, 7])
+    bad = logits.clone()
+    bad[1, 17] = float("nan")        # a sampled row with a NaN
+    bad[2, :] = float("-inf")        # a greedy row with nothing allowed
+    got = Sampler(0)(bad, rids, params, indices=[7, 7, 7, 7])
+    assert got == [clean[0], UNSAMPLEABLE, UNSAMPLEABLE, clean[3]]
+    bad[0, 3] = float("nan")         # a greedy row with a NaN
+    assert Sampler(0)(bad[:1], rids[:1], params[:1], indices=[7]) == [UNSAMPLEABLE]

@@ -847,3 +847,28 @@ def test_finish_request_with_stop_status():
     assert r.status.finish_reason == "stop"
     assert not sched.has_unfinished() and sched.num_unfinished == 0
     assert sched.kv.num_free_blocks == 64
+
+
+def test_a_request_whose_logits_could_not_be_sampled_fails_alone():
+    """The runner's ``errors``: that request finishes aborted with the error and its blocks
+    freed; the others in the step get their tokens and go on to finish normally."""
+    from .conftest import fake_runner_output, make_request, make_scheduler
+    sched = make_scheduler(budget=64)  # the three prompts in one step
+    for rid in ("a", "b", "c"):
+        sched.add_request(make_request(rid, 6, max_tokens=3))
+    reqs = dict(sched.requests)
+    out = sched.schedule(0.0)
+    ro = fake_runner_output(sched, out)
+    i = ro.req_ids.index("b")
+    ro.sampled_token_ids[i] = []
+    ro.errors = {"b": "cannot sample the next token"}
+    outs = {o.request_id: o for o in sched.update_from_output(out, ro, 1.0)}
+    assert outs["b"].finish_reason == "abort" and outs["b"].error == "cannot sample the next token"
+    assert outs["b"].new_token_ids == [] and "b" not in sched.requests
+    assert [len(outs[r].new_token_ids) for r in ("a", "c")] == [1, 1]
+    check_kv_invariants(sched)
+    run_to_completion(sched)
+    assert reqs["b"].status is RequestStatus.FINISHED_ABORTED
+    for rid in ("a", "c"):
+        assert reqs[rid].output_token_ids == expected_outputs(rid, 3)
+    check_kv_invariants(sched)

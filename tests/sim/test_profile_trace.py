@@ -106,6 +106,12 @@ def test_server_path_delays_are_matched_per_request_and_used_by_the_simulator(tm
     (tmp_path / "r.json").write_text(json.dumps(res))
     into, out = frontend_delays(str(tmp_path / "t.jsonl"), str(tmp_path / "r.json"))
     assert into == pytest.approx([0.03, 0.03]) and out == pytest.approx([0.01, 0.01])
+    # a request of the second's length (sent at 10.45) whose token came 20 ms later, before
+    # the step of that length ended (10.73): not that admission's; it is left out, and the
+    # admission stays for the request that made it
+    bad = {k: v + [x] for (k, v), x in zip(res.items(), (10.45, 32, "", 0.02))}
+    (tmp_path / "r2.json").write_text(json.dumps(bad))
+    assert frontend_delays(str(tmp_path / "t.jsonl"), str(tmp_path / "r2.json")) == (into, out)
     p = str(tmp_path / "p.json")
     assert profile_main(["--from-trace", str(tmp_path / "t.jsonl"), "--bench-result",
                          str(tmp_path / "r.json"), "--out", p]) == 0

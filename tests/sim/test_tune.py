@@ -127,3 +127,29 @@ def test_verify_skips_a_configuration_predicted_as_one_above_it():
             (Candidate(256, 64), {**row, "goodput": 0.9}), (Candidate(128, 64), row)]
     assert [c for c, _ in distinct(rows, 2)] == [Candidate(512, 64), Candidate(256, 64)]
     assert len(distinct(rows, 5)) == 2
+
+
+def test_the_scheduling_order_is_searched_when_requests_carry_priorities(tmp_path):
+    """A trace whose short requests have priority 0 and long ones 1, arriving together: tune
+    searches fcfs and priority (only fcfs without priorities, as the other tests' grids show),
+    and the simulator schedules them apart (priority serves the short ones first: their P99
+    TTFT is lower, the predictions differ)."""
+    trace = tmp_path / "trace.jsonl"
+    lines = []
+    for i in range(24):
+        long = i % 3 == 0
+        lines.append(json.dumps({"arrival_time": i * 0.02, "input_len": 900 if long else 40,
+                                 "output_len": 20, "priority": 1 if long else 0}))
+    trace.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "tune.json"
+    assert tune_main(["--dataset-name", "trace", "--dataset-path", str(trace),
+                      "--decode-step-ms", "12", "--prefill-tokens-per-s", "6000",
+                      "--goodput", "ttft:300", "tpot:40", "--budgets", "512",
+                      "--max-num-seqs-grid", "64", "--long-prefill-thresholds", "0",
+                      "--capacity-top", "0", "--save-tune", str(out)]) == 0
+    ranked = json.loads(out.read_text())["ranked"]
+    assert {r["flags"][-1] for r in ranked} == {"fcfs", "priority"} and len(ranked) == 6
+    fcfs = next(r for r in ranked if r["defaults"])
+    prio = next(r for r in ranked if r["flags"] == [*fcfs["flags"][:-1], "priority"])
+    assert (prio["goodput"], prio["p99_ttft_ms"]) != (fcfs["goodput"], fcfs["p99_ttft_ms"])
+    assert prio["goodput"] >= fcfs["goodput"] and prio["config"].endswith(", priority")

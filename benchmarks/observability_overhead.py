@@ -1,0 +1,127 @@
+"""What watching costs (issue 38's check, recorded): the same ``sloserve bench`` against one
+live server, alternately plain and watched (``/dashboard`` open in headless Chromium, Debian's
+through Playwright, and Prometheus, Debian's, scraping ``/metrics`` every second with
+deploy/prometheus's config and rules), ``--rounds`` times each; the output tok/s of each run,
+their medians and the watched / plain ratio.
+
+    sloserve serve --goodput ttft:1000 tpot:50 --port 8000 &
+    .venv/bin/python benchmarks/observability_overhead.py --port 8000 --rounds 3 \\
+        --out results/DIR/overhead.json -- --dataset-name random --random-input-len 256 \\
+        --random-output-len 128 --num-prompts 64 --max-concurrency 16 --ignore-eos
+
+Everything after ``--`` goes to ``sloserve bench``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Watchers:
+    """Prometheus scraping the target every second and the dashboard open in Chromium."""
+
+    def __init__(self, target: str, chromium: str):
+        self.work = tempfile.mkdtemp(prefix="overhead-")
+        with open(os.path.join(ROOT, "deploy", "prometheus", "prometheus.yml")) as f:
+            cfg = f.read().replace('"127.0.0.1:8000"', f'"{target}"')
+        with open(os.path.join(self.work, "prometheus.yml"), "w") as f:
+            f.write(cfg)
+        shutil.copy(os.path.join(ROOT, "deploy", "prometheus", "sloserve.rules.yml"), self.work)
+        port = _free_port()
+        self.prom = subprocess.Popen(
+            ["prometheus", f"--config.file={self.work}/prometheus.yml",
+             f"--storage.tsdb.path={self.work}/data", f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+        for _ in range(240):
+            try:
+                if api.get("/-/ready").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        from playwright.sync_api import sync_playwright
+        self._pw = sync_playwright().start()
+        self.browser = self._pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        self.page = self.browser.new_page(viewport={"width": 1400, "height": 1000})
+        self.page.goto(f"http://{target}/dashboard")
+        self.page.wait_for_function("window.__updates >= 1", timeout=30_000)
+        time.sleep(2)  # a few scrapes before the load
+
+    def updates(self) -> int:
+        return self.page.evaluate("window.__updates")
+
+    def close(self) -> None:
+        self.browser.close()
+        self._pw.stop()
+        self.prom.terminate()
+        self.prom.wait(timeout=30)
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
+def bench(host: str, port: int, args: list[str], out_dir: str, name: str) -> dict:
+    sloserve = os.path.join(os.path.dirname(sys.executable), "sloserve")
+    subprocess.run([sloserve, "bench", "--host", host, "--port", str(port), "--save-result",
+                    "--result-dir", out_dir, "--result-filename", name, "--disable-tqdm",
+                    *args], check=True, stdout=subprocess.DEVNULL)
+    with open(os.path.join(out_dir, name)) as f:
+        return json.load(f)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--chromium", default="/usr/bin/chromium")
+    ap.add_argument("bench_args", nargs=argparse.REMAINDER)
+    a = ap.parse_args()
+    bench_args = a.bench_args[1:] if a.bench_args[:1] == ["--"] else a.bench_args
+    out_dir = os.path.dirname(os.path.abspath(a.out))
+    os.makedirs(out_dir, exist_ok=True)
+    runs: dict[str, list[float]] = {"plain": [], "watched": []}
+    updates = []
+    for r in range(a.rounds):
+        for mode in ("plain", "watched"):
+            w = Watchers(f"{a.host}:{a.port}", a.chromium) if mode == "watched" else None
+            try:
+                u0 = w.updates() if w else 0
+                res = bench(a.host, a.port, bench_args, out_dir, f"overhead_{mode}_{r}.json")
+                if w:
+                    updates.append(w.updates() - u0)
+            finally:
+                if w:
+                    w.close()
+            runs[mode].append(res["output_throughput"])
+            print(f"round {r + 1} {mode}: {res['output_throughput']:.1f} output tok/s",
+                  flush=True)
+    med = {m: statistics.median(v) for m, v in runs.items()}
+    out = {"command": " ".join(sys.argv), "output_tok_s": runs, "median": med,
+           "watched_over_plain": med["watched"] / med["plain"],
+           "dashboard_updates_per_watched_run": updates}
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(json.dumps({k: v for k, v in out.items() if k != "command"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
