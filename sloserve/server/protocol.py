@@ -330,6 +330,12 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): every
+        content chunk carries the usage so far."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
 
 def _kv_refuse(name: str) -> None:
     raise ParamError(f"{name} is not supported with kv_transfer_params (disaggregated "

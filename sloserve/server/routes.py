@@ -255,7 +255,8 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state,
         choices = await make_choices(prompts, body, b.id)
         res = reserve(choices, raw)
         if body.stream:
-            return stream_response(engine, choices, body.include_usage, b, res)
+            return stream_response(engine, choices, body.include_usage, b, res,
+                                   continuous_usage=body.continuous_usage)
         return await whole_response(engine, choices, raw, b, res)
 
     async def chat_prompt(body: ChatCompletionRequest) -> tuple[ToolPlan, list[int]]:
@@ -301,7 +302,8 @@ def build_router(engine: AsyncLLM, metrics: PrometheusStatLogger, state,
         choices = await make_choices([ids], body, b.id)
         res = reserve(choices, raw)
         if body.stream:
-            return stream_response(engine, choices, body.include_usage, b, res)
+            return stream_response(engine, choices, body.include_usage, b, res,
+                                   continuous_usage=body.continuous_usage)
         return await whole_response(engine, choices, raw, b, res)
 
     def messages_body(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:

@@ -193,7 +193,8 @@ class CompletionBuilder(_OpenAIEvents):
     def preamble(self, st: ChoiceState) -> list[str]:
         return []
 
-    def chunk(self, st: ChoiceState, out: RequestOutput, first: bool) -> str | None:
+    def chunk(self, st: ChoiceState, out: RequestOutput, first: bool,
+              usage: UsageInfo | None = None) -> str | None:
         text = ((st.choice.echo_text or "") if first and self.echo else "") + out.new_text
         lp = self._logprobs(st, out.new_token_ids, out.new_logprobs, first, st.lp_offset)
         if lp is not None:
@@ -206,7 +207,7 @@ class CompletionBuilder(_OpenAIEvents):
             choices=[CompletionChoice(index=st.index, text=text, logprobs=lp,
                                       finish_reason=out.finish_reason if out.finished else None,
                                       prompt_logprobs=self._prompt_logprobs(st, first))],
-            kv_transfer_params=_chunk_kv_transfer(out)))
+            usage=usage, kv_transfer_params=_chunk_kv_transfer(out)))
 
     def usage_chunk(self, usage: UsageInfo) -> str:
         return sse(CompletionStreamResponse(id=self.id, created=self.created, model=self.model,
@@ -255,7 +256,8 @@ class ChatBuilder(_OpenAIEvents):
             return None
         return ChatLogProbs(content=self.fmt.chat(lp or Logprobs.empty()))
 
-    def chunk(self, st: ChoiceState, out: RequestOutput, first: bool) -> str | None:
+    def chunk(self, st: ChoiceState, out: RequestOutput, first: bool,
+              usage: UsageInfo | None = None) -> str | None:
         lp = self._logprobs(out.new_logprobs)
         if st.parsed is None:
             st.parsed = self._output()
@@ -269,7 +271,7 @@ class ChatBuilder(_OpenAIEvents):
             id=self.id, created=self.created, model=self.model,
             choices=[ChatCompletionStreamChoice(
                 index=st.index, delta=delta, logprobs=lp, finish_reason=reason)],
-            kv_transfer_params=_chunk_kv_transfer(out)))
+            usage=usage, kv_transfer_params=_chunk_kv_transfer(out)))
 
     def usage_chunk(self, usage: UsageInfo) -> str:
         return sse(ChatCompletionStreamResponse(id=self.id, created=self.created,
@@ -313,11 +315,12 @@ def _failed(out: RequestOutput) -> APIError:
 
 
 async def _events(engine: AsyncLLM, choices: list[Choice], include_usage: bool,
-                  b: ResponseBuilder, reservation: Reservation | None = None
-                  ) -> AsyncIterator[str]:
+                  b: ResponseBuilder, reservation: Reservation | None = None,
+                  continuous_usage: bool = False) -> AsyncIterator[str]:
     """SSE events of one API request: per choice its preamble with its first output, then its
-    content chunks; optional usage once every choice finished; ``[DONE]``. A failure mid-stream
-    is an error event before ``[DONE]``."""
+    content chunks (``continuous_usage``: each with that choice's usage so far, vLLM's
+    ``continuous_usage_stats``); optional usage once every choice finished; ``[DONE]``. A
+    failure mid-stream is an error event before ``[DONE]``."""
     states = [ChoiceState(c, i) for i, c in enumerate(choices)]
     share = PromptLogprobsShare(states)
     failed = False
@@ -338,7 +341,9 @@ async def _events(engine: AsyncLLM, choices: list[Choice], include_usage: bool,
                     if first:
                         for ev in b.preamble(st):
                             yield ev
-                    ev = b.chunk(st, o, first)
+                    ev = (b.chunk(st, o, first, usage=UsageInfo.of(
+                        o.num_prompt_tokens, o.num_output_tokens, o.num_cached_tokens))
+                        if continuous_usage else b.chunk(st, o, first))
                     if ev is not None:
                         yield ev
     except Exception as e:  # engine died or refused (CancelledError is not an Exception)
@@ -353,11 +358,13 @@ async def _events(engine: AsyncLLM, choices: list[Choice], include_usage: bool,
 
 
 def stream_response(engine: AsyncLLM, choices: list[Choice], include_usage: bool,
-                    b: ResponseBuilder, reservation: Reservation | None = None) -> Response:
+                    b: ResponseBuilder, reservation: Reservation | None = None,
+                    continuous_usage: bool = False) -> Response:
     """The streamed (SSE) answer; a client that disconnects aborts every choice. The
     choices' ``reservation`` (``AsyncLLM.reserve``) is given back when the response ends, also
     if its body never started (a client gone before the first byte)."""
-    return SSEResponse(_events(engine, choices, include_usage, b, reservation),
+    return SSEResponse(_events(engine, choices, include_usage, b, reservation,
+                               continuous_usage),
                        on_close=reservation.release if reservation is not None else None)
 
 

@@ -50,6 +50,32 @@ def test_completion_greedy_stream_equals_nonstream(client, live_server, engine):
     assert "".join(c.choices[0].text for c in content) == choice.text
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(http, live_server, engine):
+    """vLLM's stream_options.continuous_usage_stats (guidellm sends it): each content chunk of
+    completions and chats carries the usage so far; the final usage chunk the totals."""
+    n_prompt = len(engine.tokenizer.encode(PROMPT))
+    for path, req in (("/v1/completions", {"prompt": PROMPT}),
+                      ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+        with http.stream("POST", path, json={
+                "model": live_server.model, **req, "max_tokens": 5, "temperature": 0,
+                "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as r:
+            assert r.status_code == 200
+            events = [json.loads(ln[6:]) for ln in r.iter_lines()
+                      if ln.startswith("data: {")]
+        *content, last = events
+        content = [e for e in content if e["usage"] is not None]
+        done = [e["usage"]["completion_tokens"] for e in content]
+        assert done == sorted(done) and done[-1] == 5 and done[0] >= 1
+        prompts = {e["usage"]["prompt_tokens"] for e in content}
+        assert len(prompts) == 1 and last["choices"] == []
+        assert last["usage"]["completion_tokens"] == 5
+        assert last["usage"]["prompt_tokens"] == prompts.pop()
+        if path == "/v1/completions":
+            assert last["usage"]["prompt_tokens"] == n_prompt
+            assert all(e["usage"] is not None for e in events)
+
+
 def test_completion_raw_sse_format(http, live_server):
     with http.stream("POST", "/v1/completions", json={
             "model": live_server.model, "prompt": PROMPT, "max_tokens": 3, "temperature": 0,
