@@ -28,6 +28,11 @@ class StepRoofline:
         weight_bytes: bytes of weights a step reads, when not the spec's at ``dtype``.
         kv_dtype: the KV cache's dtype, when not ``dtype``.
         peak: FLOP/s, when not ``hw.peak(dtype)``.
+        bandwidth: bytes/s, when not ``hw.mem_bandwidth``.
+
+    :meth:`observe` raises the peak or the bandwidth to a rate a real step reached (a
+    measurement that under-reads the machine, e.g. a matmul peak below the engine's int8
+    kernels, must not put the bound above a step that beat it).
     """
 
     spec: ModelSpec
@@ -36,6 +41,7 @@ class StepRoofline:
     weight_bytes: float | None = None
     kv_dtype: str | None = None
     peak: float | None = None
+    bandwidth: float | None = None
     per: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -59,6 +65,10 @@ class StepRoofline:
         }
         if self.peak is None:
             self.peak = self.hw.peak(self.dtype)
+        if self.bandwidth is None:
+            self.bandwidth = self.hw.mem_bandwidth
+        #: the measured roofs, before any step raised them
+        self.measured = (self.peak, self.bandwidth)
 
     def flops_bytes(self, tokens: int, sequences: int, pairs: int,
                     kv_tokens: int) -> tuple[float, float]:
@@ -73,7 +83,17 @@ class StepRoofline:
     def seconds(self, tokens: int, sequences: int, pairs: int, kv_tokens: int) -> float:
         """The step's bound: no step of this composition runs faster on ``hw``."""
         flops, nbytes = self.flops_bytes(tokens, sequences, pairs, kv_tokens)
-        return max(flops / self.peak, nbytes / self.hw.mem_bandwidth)
+        return max(flops / self.peak, nbytes / self.bandwidth)
+
+    def observe(self, tokens: int, sequences: int, pairs: int, kv_tokens: int,
+                seconds: float) -> float:
+        """A step that took ``seconds``: a roof it beat is raised to the rate it reached (the
+        FLOP or the bytes it must have done in that time); returns its bound after that."""
+        flops, nbytes = self.flops_bytes(tokens, sequences, pairs, kv_tokens)
+        if seconds > 0:
+            self.peak = max(self.peak, flops / seconds)
+            self.bandwidth = max(self.bandwidth, nbytes / seconds)
+        return max(flops / self.peak, nbytes / self.bandwidth)
 
 
 #: the engine's dtype names -> the calculator's

@@ -56,6 +56,8 @@ class RequestTimer:
         try:
             async for chunk in it:
                 self.feed(chunk, time.monotonic())
+                if self.done:  # judged as [DONE] passes, before the client can leave (a
+                    self.finish()  # client gone after [DONE] may cancel the stream's end)
                 yield chunk
             self.finish()
         finally:

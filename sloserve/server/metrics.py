@@ -261,8 +261,8 @@ class PrometheusStatLogger:
                 self.window.add_itls(now, it.itls)
                 self._num_steps += 1
                 roof = self.roofline
-                bound = (roof.seconds(it.num_batched_tokens, it.num_sequences,
-                                      it.num_attention_pairs, it.num_kv_tokens_read)
+                bound = (roof.observe(it.num_batched_tokens, it.num_sequences,
+                                      it.num_attention_pairs, it.num_kv_tokens_read, it.step_s)
                          if roof is not None and it.num_sequences else None)
                 self.steps.append((self._num_steps, now, it.num_prompt_tokens,
                                    it.num_batched_tokens - it.num_prompt_tokens, it.step_s,
@@ -390,7 +390,8 @@ class PrometheusStatLogger:
         also the kept steps whose index is above it (``"steps"``: index, seconds before the
         snapshot, prefill tokens, decode tokens, step seconds, running, waiting, the step's
         roofline bound in seconds or None) and ``"roofline"`` (what the bound assumes: peak
-        TFLOP/s, bandwidth GB/s, weight MB a step reads, the measurement; None: no bound)."""
+        TFLOP/s and bandwidth GB/s, each the measured one or the best a step reached if
+        higher, weight MB a step reads, the measurement; None: no bound)."""
         if not self._bound:
             self.bind()
         with self._record_lock:
@@ -404,6 +405,8 @@ class PrometheusStatLogger:
                                 for i, t, p, d, s, r, w, b in self.steps if i > steps_after]
                 roof = self.roofline
                 out["roofline"] = None if roof is None else {
-                    "peak_tflops": roof.peak / 1e12, "bandwidth_gbs": roof.hw.mem_bandwidth / 1e9,
+                    "peak_tflops": roof.peak / 1e12, "bandwidth_gbs": roof.bandwidth / 1e9,
+                    "measured_peak_tflops": roof.measured[0] / 1e12,
+                    "measured_bandwidth_gbs": roof.measured[1] / 1e9,
                     "weight_mb": roof.per["weights"] / 1e6, "source": roof.hw.source}
             return out

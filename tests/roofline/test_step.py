@@ -68,3 +68,20 @@ def test_cached_local_reads_this_machines_measurement_only(tmp_path, monkeypatch
     assert cached_local(str(path)) is None
     path.write_text("{not json")
     assert cached_local(str(path)) is None
+
+
+def test_a_step_that_beats_a_roof_raises_it_so_the_bound_stays_below_every_step():
+    spec = get_model("Llama-3-8B")
+    r = StepRoofline(spec, HW, "bf16")
+    pairs, kv = attention_work((), ((2048, 0),))
+    flops, nbytes = r.flops_bytes(2048, 1, pairs, kv)
+    slow = 2 * flops / 4e12
+    assert r.observe(2048, 1, pairs, kv, slow) == flops / 4e12 and r.peak == 4e12
+    fast = flops / 8e12  # the engine's kernels beat the measured matmul peak
+    assert r.observe(2048, 1, pairs, kv, fast) == pytest.approx(fast)
+    assert r.peak == pytest.approx(8e12) and r.measured == (4e12, HW.mem_bandwidth)
+    d_pairs, d_kv = attention_work((100,), ())
+    _, d_bytes = r.flops_bytes(1, 1, d_pairs, d_kv)
+    assert r.observe(1, 1, d_pairs, d_kv, d_bytes / 2e11) == pytest.approx(d_bytes / 2e11)
+    assert r.bandwidth == pytest.approx(2e11)  # a decode faster than the probe's bandwidth
+    assert r.seconds(2048, 1, pairs, kv) <= slow

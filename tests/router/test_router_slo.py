@@ -187,3 +187,18 @@ def test_router_flag_parses_goodput():
         config_from_args(router_parser().parse_args(["--replicas", "http://h:1",
                                                      "--goodput", "itl:5"]))
     assert RouterConfig(replicas=["http://h:1"]).goodput == {}
+
+
+def test_a_client_that_leaves_right_after_done_is_still_counted(stub, live_router):
+    """The verdict is taken as [DONE] passes through the router: a client that closes its
+    connection at once (as a bench does) cannot cancel it (one of 60 went uncounted)."""
+    a = stub("a")
+    r = live_router(replicas=[a.url], goodput=LOOSE)
+    for _ in range(12):
+        with r.client.stream("POST", "/v1/completions",
+                             json={"prompt": "p", "stream": True}) as resp:
+            for line in resp.iter_lines():
+                if line == "data: [DONE]":
+                    break
+    r.wait_for(lambda: r.router.pool.workers[0].outstanding == 0)
+    assert r.client.get("/stats").json()["seq"] == 12
