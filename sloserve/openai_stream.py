@@ -53,3 +53,16 @@ def usage_counts(data: dict[str, Any]) -> tuple[int | None, int | None]:
             raise MalformedEvent(f"usage.{k} must be a non-negative integer, got {v!r:.50}")
         vals.append(v)
     return vals[0], vals[1]
+
+
+def has_output(data: dict[str, Any], chat: bool) -> bool:
+    """The chunk carries generated output: content text (:func:`chunk_text`), or a chat delta's
+    ``reasoning_content`` or ``tool_calls`` (what the router times; the bench's content chunks
+    are text alone)."""
+    if chunk_text(data, chat):
+        return True
+    if not chat:
+        return False
+    choices = data.get("choices") or []
+    delta = choices[0].get("delta") if choices and isinstance(choices[0], dict) else None
+    return isinstance(delta, dict) and bool(delta.get("reasoning_content") or delta.get("tool_calls"))

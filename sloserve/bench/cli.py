@@ -37,6 +37,9 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
                         "embedded SmolLM2)")
     r = p.add_argument_group("requests")
     r.add_argument("--ignore-eos", action="store_true", help="every output runs to max_tokens")
+    r.add_argument("--ignore-priority", action="store_true",
+                   help="send no request's priority (a trace's `priority` field), e.g. to a "
+                        "server on --scheduling-policy fcfs, which refuses one")
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--skip-initial-test", action="store_true")
     r.add_argument("--request-timeout", type=_pos_float, default=600.0,
@@ -95,6 +98,7 @@ def _setup(a: argparse.Namespace):
     cfg = BenchConfig(base_url=base, model=model, endpoint=endpoint, request_rate=a.request_rate,
                       burstiness=a.burstiness, arrival=arrival_process(a),
                       max_concurrency=a.max_concurrency, seed=a.seed, ignore_eos=a.ignore_eos,
+                      ignore_priority=a.ignore_priority,
                       percentiles=tuple(a.metric_percentiles), goodput=slos,
                       extra_body={"temperature": a.temperature},
                       initial_test=not a.skip_initial_test, progress=not a.disable_tqdm,

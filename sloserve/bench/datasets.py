@@ -273,8 +273,8 @@ def trace_workload(path: str, factory: PromptFactory, num_prompts: int | None = 
         if not math.isfinite(t):
             raise ValueError(f"arrival time must be finite, got {t}")
         prio = d.get("priority", 0)
-        if isinstance(prio, bool) or not isinstance(prio, int):
-            raise ValueError(f"priority must be an integer, got {prio!r}")
+        if isinstance(prio, bool) or not isinstance(prio, int) or not -2**63 <= prio < 2**63:
+            raise ValueError(f"priority must be an integer in [-2**63, 2**63), got {prio!r}")
         return (t, _length(_field(d, "input_len", "input_length")),
                 _length(_field(d, "output_len", "output_length")), prio)
     rows = read_jsonl(path, parse, "trace line")

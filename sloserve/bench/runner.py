@@ -37,6 +37,8 @@ class BenchConfig:
         max_concurrency: most requests in flight (None: unlimited).
         seed: seeds the arrival times.
         ignore_eos: send ``ignore_eos`` so outputs run to ``max_tokens``.
+        ignore_priority: send no request's ``priority`` (a trace's), e.g. to a fcfs server,
+            which refuses one.
         percentiles: reported percentiles.
         goodput: SLOs in ms by metric.
         extra_body: more JSON fields per request.
@@ -56,6 +58,7 @@ class BenchConfig:
     max_concurrency: int | None = None
     seed: int = 0
     ignore_eos: bool = False
+    ignore_priority: bool = False
     percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
     goodput: dict[str, float] = field(default_factory=dict)
     extra_body: dict[str, Any] = field(default_factory=dict)
@@ -104,7 +107,8 @@ def _inputs(cfg: BenchConfig, reqs: list[SampleRequest]) -> list[RequestInput]:
     chat = ENDPOINTS[cfg.endpoint]
     return [RequestInput(url=cfg.url, model=cfg.model, prompt=r.prompt, prompt_len=r.prompt_len,
                          max_tokens=r.expected_output_len, chat=chat, ignore_eos=cfg.ignore_eos,
-                         extra_body=({**cfg.extra_body, "priority": r.priority} if r.priority
+                         extra_body=({**cfg.extra_body, "priority": r.priority}
+                                     if r.priority and not cfg.ignore_priority
                                      else cfg.extra_body), tag=r.tag) for r in reqs]
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from contextlib import asynccontextmanager
 from urllib.parse import quote
 
@@ -56,6 +57,9 @@ from sloserve.router.timing import RequestTimer
 from sloserve.router.workers import Worker, WorkerPool
 
 logger = logging.getLogger("sloserve.router")
+
+#: how long one round of the workers' /stats answers serves every /stats client (s)
+STATS_TTL_S = 0.5
 
 
 class Router:
@@ -98,6 +102,11 @@ class Router:
                        if cfg.disaggregated else None)
         self._zmq_ctx = None
         self.subscribers: list[KVEventSubscriber] = []
+        #: the workers' /stats, shared by every /stats client for STATS_TTL_S
+        self._stats_lock = asyncio.Lock()
+        self._stats_got: list | None = None
+        self._stats_at = 0.0
+        self._stats_last: dict[str, dict] = {}
 
     def _on_down(self, w: Worker) -> None:
         if self.index is not None:
@@ -195,22 +204,38 @@ class Router:
                             media_type=r.headers.get("content-type", "application/json"))
         return error_response(503, "no healthy worker to ask for its models")
 
+    async def _worker_stats(self) -> list[dict | None]:
+        """Each worker's ``/stats`` answer now (None: no answer), asked at most every
+        ``STATS_TTL_S`` however many clients watch (they share one round of requests)."""
+        async with self._stats_lock:
+            now = time.monotonic()
+            if self._stats_got is not None and now - self._stats_at < STATS_TTL_S:
+                return self._stats_got
+
+            async def ask(w: Worker) -> dict | None:
+                try:
+                    r = await self.health_client.get(w.url + "/stats")
+                    d = r.json() if r.status_code == 200 else None
+                except (httpx.HTTPError, ValueError):
+                    return None
+                ok = isinstance(d, dict) and isinstance(d.get("cumulative"), dict)
+                if ok:
+                    self._stats_last[w.url] = d
+                return d if ok else None
+            self._stats_got = await asyncio.gather(*(ask(w) for w in self.pool.workers))
+            self._stats_at = time.monotonic()
+            return self._stats_got
+
     async def stats(self) -> dict:
         """``GET /stats``: the router's snapshot, the workers' values summed under it (the
-        router's own keys kept), each worker's window (None when it did not answer)."""
+        router's own keys kept; a worker that did not answer counts with its last answer, so
+        totals do not fall), each worker's window (None when it did not answer)."""
         snap = self.metrics.snapshot(self.pool.workers)
-
-        async def ask(w: Worker) -> dict | None:
-            try:
-                r = await self.health_client.get(w.url + "/stats")
-                d = r.json() if r.status_code == 200 else None
-            except (httpx.HTTPError, ValueError):
-                return None
-            return d if isinstance(d, dict) and isinstance(d.get("cumulative"), dict) else None
-        got = await asyncio.gather(*(ask(w) for w in self.pool.workers))
-        for k, v in merge_values([g["cumulative"] for g in got if g]).items():
+        got = await self._worker_stats()
+        last = [self._stats_last.get(w.url) for w in self.pool.workers]
+        for k, v in merge_values([g["cumulative"] for g in last if g]).items():
             snap["cumulative"].setdefault(k, v)
-        snap["model"] = next((g.get("model") for g in got if g), None)
+        snap["model"] = next((g.get("model") for g in last if g), None)
         snap["workers"] = [{"url": w.url, "role": w.role, "state": w.state,
                             "seq": g.get("seq") if g else None,
                             "window": g.get("window") if g else None}

@@ -2,10 +2,11 @@
 SLO counters and ``/stats`` window (``router --goodput``).
 
 The definitions are ``sloserve bench``'s (``sloserve.openai_stream``, docs/bench.md), timed at
-the router: from the request's arrival, TTFT to the first content chunk, ITL between content
-chunks, E2E to the last one; output tokens from the stream's final ``usage`` event
-(``stream_options.include_usage``, which the bench sends), else the content chunks; TPOT is
-vLLM's, per choice when ``n`` > 1 (whose ITLs, interleaved, are not kept). A request answered
+the router: from the request's arrival, TTFT to the first chunk with output (text, or a chat's
+reasoning or tool-call delta), ITL between such chunks, E2E to the last one; output tokens from
+the stream's final ``usage`` event (``stream_options.include_usage``, which the bench sends),
+else those chunks; TPOT is vLLM's, per choice when a request has several (``n``, or a list of
+prompts; their ITLs, interleaved, are not kept). A request answered
 whole (not streamed) reaches its client at once: TTFT = E2E, judged on those. A request that
 failed (an error answer or error event), ended without content or was left by its client is
 not judged.
@@ -19,7 +20,15 @@ from typing import AsyncIterator
 from fastapi.responses import Response, StreamingResponse
 
 from sloserve.latency import tpot as tpot_of
-from sloserve.openai_stream import MalformedEvent, chunk_text, parse_event, usage_counts
+from sloserve.openai_stream import MalformedEvent, has_output, parse_event, usage_counts
+
+
+def num_prompts(prompt) -> int:
+    """Prompts of a completion request's ``prompt``: a list of strings or of token-id lists is
+    several (each gets ``n`` choices); a string or one list of token ids is one."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return len(prompt)
+    return 1
 
 
 class RequestTimer:
@@ -31,7 +40,8 @@ class RequestTimer:
         self.metrics = metrics
         self.chat = chat
         n = body.get("n", 1)
-        self.n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+        n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+        self.n = n * num_prompts(body.get("prompt"))
         self.times: list[float] = []
         self.usage_tokens: int | None = None
         self.failed = False
@@ -83,7 +93,7 @@ class RequestTimer:
                         self.failed = True
                     if d.get("usage"):
                         self.usage_tokens = usage_counts(d)[0]
-                    if chunk_text(d, self.chat):
+                    if has_output(d, self.chat):
                         self.times.append(now)
                 except MalformedEvent:
                     self.failed = True

@@ -262,6 +262,9 @@ class _SamplingFields(BaseModel):
             _kv_refuse(name)
 
     def _common_unsupported(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise ParamError("stream_options can only be given with stream: true (vLLM's rule)",
+                             "stream_options")
         if self.priority is None:
             self.priority = 0
         if isinstance(self.priority, bool) or not -2 ** 63 <= self.priority < 2 ** 63:

@@ -190,14 +190,16 @@ class SimSetup:
                                       goodput_slos=self.slos,
                                       start_time=0.0)
 
-    def describe(self, cfg=None) -> str:
+    def describe(self, cfg=None, where: str | None = None) -> str:
+        """One line of what is simulated (``where``: the layout's words instead of the
+        flags')."""
         a, cfg = self.a, cfg or self.cfg
-        if self.dis:
+        if where is None and self.dis:
             from sloserve.roofline.units import fmt_bandwidth
             where = (f"{self.dis.num_prefill} prefill + {self.dis.num_decode} decode instances "
                      f"(KV over {a.kv_transfer_link} at {fmt_bandwidth(self.dis.link.bandwidth)} "
                      f"per NIC, shared, {a.kv_transfer_mode})")
-        else:
+        elif where is None:
             where = f"{a.num_replicas} replica(s) ({a.router})"
         spec = ""
         if cfg.speculative is not None:

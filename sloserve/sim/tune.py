@@ -55,6 +55,8 @@ SEARCHED = ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
 #: sim flags that are other kinds of run
 OTHER_RUNS = ("preset", "find_capacity", "request_rates", "save_result", "report",
               "slo_p99_ttft_ms", "slo_p99_tpot_ms")
+#: the largest cluster --instances searches (each layout is simulated whole)
+MAX_INSTANCES = 16
 #: sim flags that --instances searches
 LAYOUT_FLAGS = ("num_replicas", "num_prefill_instances", "num_decode_instances")
 
@@ -300,6 +302,8 @@ def measure(cand: Candidate, a, workload: list[str], rate: float, out_dir: str,
         bench = [sys.executable, "-m", "sloserve.cli", "bench", "--port", str(port), *workload,
                  "--request-rate", f"{rate:g}", "--goodput",
                  *[f"{k}:{v:g}" for k, v in a.slos.items()], "--ignore-eos", "--disable-tqdm",
+                 # a fcfs server refuses priorities: the fcfs order is the one ignoring them
+                 *(["--ignore-priority"] if cand.policy == "fcfs" else []),
                  "--save-result", "--result-dir", out_dir, "--result-filename", name]
         subprocess.run(bench, check=True, stdout=subprocess.DEVNULL)
         with open(os.path.join(out_dir, name)) as f:
@@ -313,8 +317,11 @@ def measure(cand: Candidate, a, workload: list[str], rate: float, out_dir: str,
         log.close()
     judged = res["completed"] + res.get("failed", 0)
     good = round((res.get("request_goodput") or 0.0) * res["duration"])  # a count
+    if res.get("failed"):
+        print(f"tune: {res['failed']} of {judged} requests failed in that run (their errors: "
+              f"{os.path.join(out_dir, name)})", file=sys.stderr)
     return {"goodput": res.get("request_goodput") or 0.0,
-            "attainment": good / judged if judged else 0.0,
+            "attainment": good / judged if judged else 0.0, "failed": res.get("failed", 0),
             "p99_ttft_ms": res.get("p99_ttft_ms"), "p99_tpot_ms": res.get("p99_tpot_ms")}
 
 
@@ -373,9 +380,12 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             raise ValueError(f"{', '.join(bad)}: tune searches the scheduler settings itself "
                              f"(--budgets, --max-num-seqs-grid, --long-prefill-thresholds)")
+        if a.verify < 0:
+            raise ValueError(f"--verify must be >= 0, got {a.verify}")
         if a.instances is not None:
-            if a.instances < 2:
-                raise ValueError(f"--instances must be >= 2 (a cluster), got {a.instances}")
+            if not 2 <= a.instances <= MAX_INSTANCES:
+                raise ValueError(f"--instances must be 2..{MAX_INSTANCES} (a cluster of one "
+                                 f"host's simulations), got {a.instances}")
             bad = sorted("--" + d.replace("_", "-") for d in given & set(LAYOUT_FLAGS))
             if bad:
                 raise ValueError(f"{', '.join(bad)}: --instances searches the layout itself")
@@ -404,15 +414,18 @@ def main(argv: list[str] | None = None) -> int:
     cands = grid(a.budgets, a.max_num_seqs_grid, a.long_prefill_thresholds, lays, policies)
     t0 = time.perf_counter()
     rows = search(sim, cands, rate)
+    where = f"layouts of {a.instances} instances" if lays else None
+    at = "the trace's arrivals" if sim.trace_arrivals else f"{rate:g} req/s"
     print(f"tune: {len(cands)} configurations simulated in {time.perf_counter() - t0:.1f} s; "
-          f"{sim.describe()}; at {rate:g} req/s; SLO "
+          f"{sim.describe(where=where)}; at {at}; SLO "
           + ", ".join(f"{k} <= {v:g} ms" for k, v in sim.slos.items())
           + f", attainment >= {a.slo_attainment:g}", file=sys.stderr)
     default = Candidate.defaults(lays[0] if lays else None)
     by_cand = dict(rows)
     rank = {c: i + 1 for i, (c, _) in enumerate(rows)}
     shown = rows[:a.top] + ([(default, by_cand[default])] if rank[default] > a.top else [])
-    for c, r in rows[:a.capacity_top] + [(default, by_cand[default])]:
+    # a trace replays its own arrivals: no rate to bisect
+    for c, r in ([] if sim.trace_arrivals else rows[:a.capacity_top] + [(default, by_cand[default])]):
         if "capacity" not in r:
             r["capacity"] = capacity(sim, c, a.slo_attainment, lo, hi)
     print(f"\n{'rank':>4}  {'goodput':>8}  {'attain':>6}  {'P99 TTFT':>9}  {'P99 TPOT':>8}  "
@@ -431,12 +444,12 @@ def main(argv: list[str] | None = None) -> int:
               f"P99 TTFT {r['p99_ttft_ms']:.0f} ms, P99 TPOT {r['p99_tpot_ms']:.1f} ms"
               + ("   <- goldilocks" if b == best_budget else ""))
     pick = rows[0][0]
-    print(f"\npick: {pick.layout.describe() + ' instances, each ' if pick.layout else ''}"
+    print(f"\npick: {pick.layout.describe() + ', each ' if pick.layout else ''}"
           f"{' '.join(pick.serve_flags())}"
           + ("  (the defaults)" if pick == default else ""))
     result: dict[str, Any] = {
         "rate": rate, "slo_ms": sim.slos, "slo_attainment": a.slo_attainment,
-        "simulation": sim.describe(), "goldilocks_budget": best_budget,
+        "simulation": sim.describe(where=where), "goldilocks_budget": best_budget,
         "ranked": [{"rank": rank[c], **r, "defaults": c == default} for c, r in rows]}
     if a.verify:
         picks = distinct(rows, a.verify)

@@ -364,5 +364,9 @@ def test_trace_priorities_are_read_and_checked(tmp_path, factory):
     assert [r.priority for r in trace_workload(path, factory)] == [0, 3]
     path = _write(tmp_path, [json.dumps({"arrival_time": 0.0, "input_len": 4, "output_len": 2,
                                          "priority": "high"})])
-    with pytest.raises(ValueError, match="priority must be an integer, got 'high'"):
+    with pytest.raises(ValueError, match=r"priority must be an integer in .*, got 'high'"):
+        trace_workload(path, factory)
+    path = _write(tmp_path, [json.dumps({"arrival_time": 0.0, "input_len": 4, "output_len": 2,
+                                         "priority": 10**30})])
+    with pytest.raises(ValueError, match=r"in \[-2\*\*63, 2\*\*63\)"):
         trace_workload(path, factory)

@@ -330,3 +330,11 @@ def test_a_requests_priority_is_sent_when_set():
     a, b = _inputs(cfg, [SampleRequest("p", 1, 2, priority=2), SampleRequest("q", 1, 2)])
     assert a.body()["priority"] == 2 and a.body()["temperature"] == 0.5
     assert "priority" not in b.body() and cfg.extra_body == {"temperature": 0.5}
+
+
+def test_ignore_priority_sends_none():
+    from sloserve.bench.runner import _inputs
+    cfg = BenchConfig(base_url="http://127.0.0.1:1", model=MODEL_ID, initial_test=False,
+                      progress=False, ignore_priority=True)
+    (a,) = _inputs(cfg, [SampleRequest("p", 1, 2, priority=2)])
+    assert "priority" not in a.body()

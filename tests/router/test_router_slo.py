@@ -202,3 +202,60 @@ def test_a_client_that_leaves_right_after_done_is_still_counted(stub, live_route
                     break
     r.wait_for(lambda: r.router.pool.workers[0].outstanding == 0)
     assert r.client.get("/stats").json()["seq"] == 12
+
+
+def test_a_list_of_prompts_is_judged_per_choice(stub, live_router):
+    """Four prompts stream four choices; the usage counts them all: TPOT is per choice (12
+    tokens over 4 choices: 3 each, 2 gaps of 300 ms), so the request misses tpot:100."""
+    a = stub("a")
+    r = live_router(replicas=[a.url], goodput=SLOW)
+    a.chunk_delay, a.include_usage, a.usage_tokens = 0.3, True, 12
+    _stream(r, prompt=["a", "b", "c", "d"])
+    c = _counters(r.client.get("/metrics").text)
+    assert c["sloserve:requests_slo_missed_total:tpot"] == 1.0
+    assert r.client.get("/stats").json()["window"]["tpot_ms"]["p50"] >= 300
+
+
+def test_tool_call_and_reasoning_deltas_are_output():
+    """A streamed chat answer of tool calls (or reasoning) alone has no content text: its
+    chunks still time the request (they are what the client waits for)."""
+    import json as _json
+
+    from sloserve.router.timing import RequestTimer, num_prompts
+
+    class Rec:
+        got = []
+
+        def record_request(self, *a):
+            self.got.append(a)
+    rec = Rec()
+    t = RequestTimer(rec, chat=True, body={"stream": True})
+    call = {"choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "id": "c1", "type": "function",
+         "function": {"name": "f", "arguments": "{}"}}]}}]}
+    think = {"choices": [{"index": 0, "delta": {"reasoning_content": "hm"}}]}
+    t.feed(f"data: {_json.dumps(think)}\n\ndata: {_json.dumps(call)}\n\n", 1.0 + t.t0)
+    t.feed("data: [DONE]\n\n", 2.0 + t.t0)
+    t.finish()
+    assert len(rec.got) == 1 and rec.got[0][0] == pytest.approx(1.0)
+    assert (num_prompts("x"), num_prompts([1, 2, 3]), num_prompts(["a", "b"]),
+            num_prompts([[1], [2], [3]])) == (1, 1, 2, 3)
+
+
+def test_stats_keep_a_silent_workers_last_figures(stub, live_router):
+    """A worker that stops answering /stats counts with its last answer (totals never fall);
+    its own entry says it did not answer."""
+    import time as _time
+
+    from sloserve.router import app as router_app
+    a, b = stub("a"), stub("b")
+    a.stats = _worker_stats(2, 0.5, {"length": 3})
+    b.stats = _worker_stats(5, 0.1, {"length": 4})
+    r = live_router(replicas=[a.url, b.url])
+    assert r.client.get("/stats").json()["cumulative"]["vllm:request_success_total"] == \
+        {"length": 7}
+    b.stats = None  # 404 from now on
+    _time.sleep(router_app.STATS_TTL_S + 0.1)
+    s = r.client.get("/stats").json()
+    assert s["cumulative"]["vllm:request_success_total"] == {"length": 7}
+    assert [x["seq"] for x in s["workers"]] == [7, None]

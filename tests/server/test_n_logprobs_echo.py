@@ -20,10 +20,10 @@ def _stream(http, path, body) -> list[dict]:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_completions_n2(http, stream):
-    body = {"prompt": PROMPT, "max_tokens": 5, "n": 2, "temperature": 0,
-            "stream_options": {"include_usage": True}}
+    body = {"prompt": PROMPT, "max_tokens": 5, "n": 2, "temperature": 0}
     if stream:
-        evs = _stream(http, "/v1/completions", body)
+        evs = _stream(http, "/v1/completions", {**body,
+                                                "stream_options": {"include_usage": True}})
         texts, reasons = {0: "", 1: ""}, {}
         for ev in evs[:-1]:
             for c in ev["choices"]:
@@ -32,6 +32,9 @@ def test_completions_n2(http, stream):
                     reasons[c["index"]] = c["finish_reason"]
         usage = evs[-1]["usage"]
     else:
+        # stream_options without a stream: 400, as vLLM
+        bad = http.post("/v1/completions", json={**body, "stream_options": {"include_usage": True}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream_options"
         r = http.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
         d = r.json()

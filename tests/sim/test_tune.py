@@ -116,7 +116,7 @@ def test_instances_searches_replicas_against_prefill_decode_splits(tmp_path, cap
                 ["--instances", "2", "--verify", "1"]):
         assert tune_main([*base, *bad]) == 2
     err = capsys.readouterr().err
-    assert "--instances must be >= 2" in err and "--num-replicas: --instances searches" in err
+    assert "--instances must be 2..16" in err and "--num-replicas: --instances searches" in err
     assert "--verify serves one instance" in err
 
 
@@ -153,3 +153,23 @@ def test_the_scheduling_order_is_searched_when_requests_carry_priorities(tmp_pat
     prio = next(r for r in ranked if r["flags"] == [*fcfs["flags"][:-1], "priority"])
     assert (prio["goodput"], prio["p99_ttft_ms"]) != (fcfs["goodput"], fcfs["p99_ttft_ms"])
     assert prio["goodput"] >= fcfs["goodput"] and prio["config"].endswith(", priority")
+
+
+def test_bounds_of_verify_and_instances_and_a_trace_has_no_capacity(tmp_path, capsys):
+    base = ["--dataset-name", "mixed", "--mixed-scale", "0.1", "--num-prompts", "10",
+            "--request-rate", "3", "--decode-step-ms", "12", "--prefill-tokens-per-s", "6000",
+            "--goodput", "ttft:800", "tpot:40", "--budgets", "512", "--max-num-seqs-grid", "64",
+            "--long-prefill-thresholds", "0"]
+    assert tune_main([*base, "--verify", "-1"]) == 2
+    assert tune_main([*base, "--instances", "17"]) == 2
+    err = capsys.readouterr().err
+    assert "--verify must be >= 0, got -1" in err and "--instances must be 2..16" in err
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"arrival_time": i * 0.1, "input_len": 50,
+                                         "output_len": 5}) + "\n" for i in range(8)))
+    out = tmp_path / "tune.json"
+    assert tune_main(["--dataset-name", "trace", "--dataset-path", str(trace),
+                      *base[6:], "--save-tune", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert all("capacity" not in r for r in res["ranked"])  # a trace has no rate to bisect
+    assert "at the trace's arrivals" in capsys.readouterr().err
