@@ -19,49 +19,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
 import httpx
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from prometheus_local import LocalPrometheus
 
 
 class Watchers:
     """Prometheus scraping the target every second and the dashboard open in Chromium."""
 
     def __init__(self, target: str, chromium: str | None):
-        self.work = tempfile.mkdtemp(prefix="overhead-")
-        with open(os.path.join(ROOT, "deploy", "prometheus", "prometheus.yml")) as f:
-            cfg = f.read().replace('"127.0.0.1:8000"', f'"{target}"')
-        with open(os.path.join(self.work, "prometheus.yml"), "w") as f:
-            f.write(cfg)
-        shutil.copy(os.path.join(ROOT, "deploy", "prometheus", "sloserve.rules.yml"), self.work)
-        port = _free_port()
-        self.prom = subprocess.Popen(
-            ["prometheus", f"--config.file={self.work}/prometheus.yml",
-             f"--storage.tsdb.path={self.work}/data", f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
-        for _ in range(240):
-            try:
-                if api.get("/-/ready").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
+        self.prom = LocalPrometheus(target)
         self.events = 0
         self.browser = None
         if chromium is None:  # the page's requests without the page
@@ -98,9 +71,7 @@ class Watchers:
         else:
             self.browser.close()
             self._pw.stop()
-        self.prom.terminate()
-        self.prom.wait(timeout=30)
-        shutil.rmtree(self.work, ignore_errors=True)
+        self.prom.close()
 
 
 def bench(host: str, port: int, args: list[str], out_dir: str, name: str) -> dict:

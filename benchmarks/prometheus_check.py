@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,14 +25,7 @@ import time
 
 import httpx
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEPLOY = os.path.join(ROOT, "deploy")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from prometheus_local import DEPLOY, LocalPrometheus
 
 
 def query(api: httpx.Client, expr: str, at: float | None = None) -> dict:
@@ -50,26 +41,10 @@ def main() -> None:
     ap.add_argument("bench_args", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     bench_args = a.bench_args[1:] if a.bench_args[:1] == ["--"] else a.bench_args
+    prom = LocalPrometheus(a.target)
+    api = prom.api
     work = tempfile.mkdtemp(prefix="prom-check-")
-    with open(os.path.join(DEPLOY, "prometheus", "prometheus.yml")) as f:
-        cfg = f.read().replace('"127.0.0.1:8000"', f'"{a.target}"')
-    with open(os.path.join(work, "prometheus.yml"), "w") as f:
-        f.write(cfg)
-    shutil.copy(os.path.join(DEPLOY, "prometheus", "sloserve.rules.yml"), work)
-    port = _free_port()
-    prom = subprocess.Popen(["prometheus", f"--config.file={work}/prometheus.yml",
-                             f"--storage.tsdb.path={work}/data",
-                             f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
     try:
-        for _ in range(240):
-            try:
-                if api.get("/-/ready").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
         time.sleep(3)  # a few scrapes before the load
         host, tport = a.target.rsplit(":", 1)
         t0 = time.time()
@@ -108,9 +83,7 @@ def main() -> None:
         result["board_empty"] = [x["expr"] for x in evaluated
                                  if x["status"] == "success" and x["series"] == 0]
     finally:
-        api.close()
-        prom.terminate()
-        prom.wait(timeout=30)
+        prom.close()
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k != "board"}, indent=1))
