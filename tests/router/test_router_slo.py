@@ -259,3 +259,16 @@ def test_stats_keep_a_silent_workers_last_figures(stub, live_router):
     s = r.client.get("/stats").json()
     assert s["cumulative"]["vllm:request_success_total"] == {"length": 7}
     assert [x["seq"] for x in s["workers"]] == [7, None]
+
+
+def test_disaggregated_requests_are_judged_across_both_halves(stub, live_router):
+    """With --prefill / --decode the router's clock spans the prefill half too: a prefill
+    server that takes 1.1 s makes the streamed request miss ttft:1000 (its decode server alone
+    answers fast)."""
+    p, d = stub("p"), stub("d")
+    p.delay = 1.1  # the prefill half (not streamed) answers after 1.1 s
+    r = live_router(prefill=[p.url], decode=[d.url], kv_transfer_flow="serial", goodput=SLOW)
+    _stream(r)
+    c = _counters(r.client.get("/metrics").text)
+    assert c["sloserve:requests_slo_missed_total:ttft"] == 1.0
+    assert r.client.get("/stats").json()["window"]["ttft_ms"]["p50"] >= 1100
