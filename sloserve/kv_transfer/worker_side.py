@@ -33,8 +33,9 @@ a layer's block bytes), names it (``shm``) and writes each frame's blocks into i
 ``off`` its ``kv`` header carries, unthrottled (the token bucket models a link); the decode
 side imports straight from the mapped segment. Another host (or a decode side without shm):
 TCP for that transfer, one warning per peer. The segment's name goes when the decode side has
-mapped it and, in any case, when the transfer ends (:meth:`_finish`); each side unmaps it when
-its thread for the transfer stops.
+mapped it (it says ``mapped``, which the prefill side waits for before ``done``: a loaded
+decode side may read ``shm`` after the last frame was written) and, in any case, when the
+transfer ends (:meth:`_finish`); each side unmaps it when its thread for the transfer stops.
 """
 from __future__ import annotations
 
@@ -440,6 +441,8 @@ class SloserveConnectorWorker:
                     return
                 item = t.frames.popleft()
             if item[0] == _DONE:
+                if seg is not None:  # the name must outlive D's mapping: `done` ends it
+                    expect(recv_msg(sock), "mapped")
                 send_msg(sock, {"t": "done", "output_token_ids": item[1],
                                 "num_computed_tokens": item[2]})
                 self._finish(t, "done")
@@ -516,7 +519,7 @@ class SloserveConnectorWorker:
         while True:
             msg = recv_msg(sock)
             if msg.get("t") == "shm":
-                self._attach(r, msg, "host" in need,
+                self._attach(r, sock, msg, "host" in need,
                              len(self.kv_caches) * want * self.layer_block_bytes)
                 continue
             if msg.get("t") == "done":
@@ -580,7 +583,8 @@ class SloserveConnectorWorker:
             if self.events is not None:
                 self.events.append((time.monotonic(), "received", self.bytes_received))
 
-    def _attach(self, r: _Recv, msg: dict, offered: bool, nbytes: int) -> None:
+    def _attach(self, r: _Recv, sock: socket.socket, msg: dict, offered: bool,
+                nbytes: int) -> None:
         """A ``shm`` message: map the segment it names (``nbytes``: the whole transfer's), then
         unlink its name at once (if either side dies now, nothing is left in /dev/shm)."""
         name, size = msg.get("name"), msg.get("nbytes")
@@ -594,3 +598,4 @@ class SloserveConnectorWorker:
         seg.unlink()
         with r.lock:
             r.segment = seg  # _run's end unmaps it
+        send_msg(sock, {"t": "mapped"})  # the prefill side may end the transfer now

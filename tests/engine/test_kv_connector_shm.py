@@ -95,6 +95,36 @@ def test_shm_output_equals_colocated_and_counts_the_bytes_tcp_does(tiny_llama_di
         d.close()
 
 
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_shm_decode_side_mapping_after_the_last_frame_still_gets_the_segment(
+        tiny_llama_dir, reference, created, monkeypatch, mode):
+    """A busy D reads ``shm`` only after P wrote every frame: P's ``done`` (which unlinks the
+    name) waits for D's ``mapped``, so D still maps the segment and nothing fails."""
+    p, d = _pair(tiny_llama_dir, mode)
+    real = shm.Segment.attach.__func__
+    whole = BLOCKS * _block_bytes(p)
+
+    def late_attach(cls, name, nbytes):
+        t = time.monotonic()
+        while p.runner.kv_connector.bytes_sent < whole and time.monotonic() - t < 30:
+            time.sleep(0.001)
+        time.sleep(0.05)  # and then some: P's `done` is queued by now
+        return real(cls, name, nbytes)
+    monkeypatch.setattr(shm.Segment, "attach", classmethod(late_attach))
+    try:
+        pk, dk = _params(p, d, mode)
+        p.add_request(EngineCoreRequest("p", PROMPT, SP, 0.0, kv_transfer_params=pk))
+        d.add_request(EngineCoreRequest("d", PROMPT, SP, 0.0, kv_transfer_params=dk))
+        outs = _drive([p, d])
+        assert _tokens(outs["d"]) == reference
+        assert d.stats().kv_transfer_failures_total == 0
+        assert d.stats().kv_transfer_bytes_received_total == whole == [n for _, n in created][0]
+        _all_free(p, d)
+    finally:
+        p.close()
+        d.close()
+
+
 @pytest.mark.parametrize("end", ["prefill-side-gone", "decode-side-aborted"])
 def test_shm_transfer_ended_midway_frees_everything(tiny_llama_dir, reference, created, end):
     """Some KV has gone through the segment when P dies (D prefills the prompt itself) or D's
@@ -210,7 +240,8 @@ def _fake_prefill_side(msgs: list[dict], whole: int) -> tuple[int, threading.Thr
             assert expect(recv_msg(conn), "need")["host"] == shm.host_identity()
             for m in msgs:
                 send_msg(conn, {k: seg.name if v == "SEG" else v for k, v in m.items()})
-            conn.recv(1)
+            while conn.recv(1 << 16):  # `mapped`, if it maps the segment, then the hang-up
+                pass
         except OSError:
             pass
         finally:
