@@ -344,15 +344,17 @@ def test_norms_silu_rope(k):
 @pytest.mark.parametrize("split_len", [256, 7])
 @pytest.mark.parametrize("lens", [[1, 7, 70, 33, 16], [70]])
 @pytest.mark.parametrize("H, Hkv, bs", [(8, 2, 4), (9, 3, 16), (6, 3, 5), (4, 4, 3)])
-def test_paged_decode_attention_in_place(k, cache_dtype, split_len, lens, H, Hkv, bs):
+@pytest.mark.parametrize("D", [64, 128])
+def test_paged_decode_attention_in_place(k, cache_dtype, split_len, lens, H, Hkv, bs, D):
     """Random block tables and lengths (1 to 70 tokens), GQA groups of 4, 3, 2 and 1, blocks of
     3 to 16 tokens (the AVX-512 kernel sums scores 4 tokens at a time within a block, the rest
     one by one), against float64 attention over the gathered context; a small split_len
     exercises the log-sum-exp merge. One request with one split is too few work items for every
     thread when they hold all KV heads: the kernel then splits by head, which the
-    single-request case covers."""
+    single-request case covers. Head dims 64 (Llama-3.2-1B, SmolLM2) and 128 (Llama-3 3B/8B,
+    Qwen2.5): the AVX-512 kernel's two templates."""
     g = torch.Generator().manual_seed(3)
-    B, D, nb = len(lens), 64, 128
+    B, nb = len(lens), 128
     cache = torch.randn(2, nb, bs, Hkv, D, generator=g).to(cache_dtype)
     perm = torch.randperm(nb, generator=g).tolist()
     tables, pos = [], 0

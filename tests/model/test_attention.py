@@ -149,12 +149,12 @@ def test_cpu_paged_fused_prefill_in_random_mixes(seed, cache_dtype, monkeypatch)
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("d", [16, 64])
+@pytest.mark.parametrize("d", [16, 64, 128])
 def test_int8_cache_random_mixes_match_float64_attention_over_its_values(backend, seed, d):
     """An int8 cache (codes + a scale per head and token): every backend, on random mixes,
     matches float64 attention over the values the cache holds (its dequantized entries) in
-    float32; the step's own tokens attend to their stored values too. d=64 runs the AVX-512
-    decode kernel's int8 loop where the CPU has it."""
+    float32; the step's own tokens attend to their stored values too. d=64 and d=128 run the
+    AVX-512 decode kernel's int8 loop where the CPU has it."""
     _check(backend, seed, 9, 3, torch.int8, torch.float32, 2e-5, d=d)
 
 

@@ -4,10 +4,11 @@
 // FlashDecoding: work items are (request, split of the context[, KV head]); a context longer
 // than split_len is cut into splits whose partial softmax states are merged by log-sum-exp
 // afterwards, so a small batch with a long context still uses every thread (parallel_for).
-// Bodies: on AVX-512 with head_dim 64 and at most 4 query heads per KV head, a kernel templated
-// on those (decode_item_d64_t: block by block, all heads, the next block prefetched); else the
-// portable one (one head after the other, load_row / dot / axpy), which the AVX2 and generic
-// builds use for every shape.
+// Bodies: on AVX-512 with head_dim 64 or 128 and at most 4 query heads per KV head, a kernel
+// templated on those (decode_item_t: block by block, all heads, the next block prefetched); else
+// the portable one (one head after the other, load_row / dot / axpy), which the AVX2 and generic
+// builds use for every shape. (head_dim 128, the Llama-3 3B/8B and Qwen2.5 shapes, on the
+// portable body read the cache at 6-7 GB/s in a 16-request step, half of head_dim 64's rate.)
 #pragma once
 
 #include "kv_cache.h"
@@ -44,86 +45,79 @@ inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// One K or V row of 64 cache values at p as four float32 vectors. bf16: two 64-byte loads,
-// each split into its even and odd elements by a shift and a mask (no cross-lane shuffle: the
-// widening load that keeps the order is a shuffle-port uop per 16 values, and that port was the
-// kernel's bottleneck), so the vectors hold the even elements of 0..31, the odd ones of 0..31,
-// then the same of 32..63 (see row64_pos); float32: elements 0..15, 16..31, 32..47, 48..63.
-// int8 (kind 2): the 64 codes widened in order (elements 0..15, ..., 48..63), not yet scaled.
-template <int BF16>
-inline void load_row64(const char* p, __m512& r0, __m512& r1, __m512& r2, __m512& r3) {
+// One K or V row of D = 16 NV cache values at p as NV float32 vectors. bf16: NV / 2 64-byte
+// loads, each split into its even and odd elements by a shift and a mask (no cross-lane
+// shuffle: the widening load that keeps the order is a shuffle-port uop per 16 values, and that
+// port was the kernel's bottleneck), so vector 2j holds the even elements of 32j..32j+31 and
+// vector 2j+1 the odd ones (see row_pos); float32: elements 16c..16c+15 in vector c.
+// int8 (kind 2): the codes widened in order (elements 16c..16c+15), not yet scaled.
+template <int BF16, int NV>
+inline void load_row_v(const char* p, __m512 (&r)[NV]) {
   if constexpr (BF16 == kKvInt8) {  // the widening loads take their 16 bytes from memory
     const __m128i* q = reinterpret_cast<const __m128i*>(p);
-    r0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
-    r1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
-    r2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 2)));
-    r3 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 3)));
+    for (int c = 0; c < NV; ++c) r[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + c)));
   } else if constexpr (BF16 != 0) {
-    const __m512i a = _mm512_loadu_si512(p), b = _mm512_loadu_si512(p + 64);
     const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-    r0 = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
-    r1 = _mm512_castsi512_ps(_mm512_and_si512(a, hi));
-    r2 = _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
-    r3 = _mm512_castsi512_ps(_mm512_and_si512(b, hi));
+    for (int j = 0; j < NV / 2; ++j) {
+      const __m512i a = _mm512_loadu_si512(p + 64 * j);
+      r[2 * j] = _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
+      r[2 * j + 1] = _mm512_castsi512_ps(_mm512_and_si512(a, hi));
+    }
   } else {
     const float* f = reinterpret_cast<const float*>(p);
-    r0 = _mm512_loadu_ps(f);
-    r1 = _mm512_loadu_ps(f + 16);
-    r2 = _mm512_loadu_ps(f + 32);
-    r3 = _mm512_loadu_ps(f + 48);
+    for (int c = 0; c < NV; ++c) r[c] = _mm512_loadu_ps(f + 16 * c);
   }
 }
 
-// The row position of lane i of vector c as load_row64 lays a row out.
+// The row position of lane i of vector c as load_row_v lays a row out.
 template <int BF16>
-constexpr int row64_pos(int c, int i) {
+constexpr int row_pos(int c, int i) {
   return BF16 == kKvBF16 ? (c / 2) * 32 + 2 * i + (c % 2) : 16 * c + i;
 }
 
-// a[g] = the 16 lane products of query head g (qv in load_row64's order) with the K row at kp,
-// summed over the row's four vectors (the lanes still to be added up)
-template <int G, int BF16>
-inline void row_dots(const __m512 (&qv)[G][4], const char* kp, __m512 (&a)[G]) {
-  __m512 k0, k1, k2, k3;
-  load_row64<BF16>(kp, k0, k1, k2, k3);
+// a[g] = the 16 lane products of query head g (qv in load_row_v's order) with the K row at kp,
+// summed over the row's NV vectors (the lanes still to be added up)
+template <int G, int BF16, int NV>
+inline void row_dots(const __m512 (&qv)[G][NV], const char* kp, __m512 (&a)[G]) {
+  __m512 k[NV];
+  load_row_v<BF16, NV>(kp, k);
   for (int g = 0; g < G; ++g) {
-    __m512 x = _mm512_mul_ps(qv[g][0], k0);
-    x = _mm512_fmadd_ps(qv[g][1], k1, x);
-    x = _mm512_fmadd_ps(qv[g][2], k2, x);
-    a[g] = _mm512_fmadd_ps(qv[g][3], k3, x);
+    __m512 x = _mm512_mul_ps(qv[g][0], k[0]);
+    for (int c = 1; c < NV; ++c) x = _mm512_fmadd_ps(qv[g][c], k[c], x);
+    a[g] = x;
   }
 }
 
 // G and the cache kind are template parameters: the per-head arrays (q, the 4-token partial
 // scores, the value accumulators) get compile-time sizes the compiler can keep in zmm
-// registers, and load_row64 no kind branch per row. (Templating alone measured no faster
-// than the runtime-G kernel; the gains came from hsum4, max16, load_row64 and the prefetch.)
+// registers, and load_row_v no kind branch per row. (Templating alone measured no faster
+// than the runtime-G kernel; the gains came from hsum4, max16, load_row_v and the prefetch.)
 // Addresses are in bytes: a token's K (or V) row of all heads is `tok` bytes, head hk's entry
 // starts `hoff` bytes into it, and the V plane `vplane` bytes after the K plane. For int8 the
 // per-entry scale multiplies the score (K) and the softmax weight (V, in a pass of its own
 // before the weighted sum), not each value.
 // Heads [hk0, hk0 + nh) of one request over tokens [t0, t1), G (<= 4) query heads per KV head:
-// q rows qh [nh * G, 64]; each head's softmax state at st + (head - hk0) * st_stride.
+// q rows qh [nh * G, D]; each head's softmax state at st + (head - hk0) * st_stride.
 // Block by block, every head's share of a block is done before the next block: a token's K (or
 // V) row holds all the heads contiguously, so a block (block_size * tok bytes) is read once,
 // whole, and the next block is prefetched while this one is computed. (Head after head over
 // the whole range read a third of each row at a stride, and fetched every byte during the first
 // head's pass only: 20 GB/s from DRAM in a 16-request step against 54 GB/s cache-resident.)
-template <int G, int KIND>
-inline void decode_item_d64_t(const float* qh, const char* base, const int64_t* bt,
+template <int G, int KIND, int D>
+inline void decode_item_t(const float* qh, const char* base, const int64_t* bt,
                               int64_t block_size, int64_t tok, int64_t vplane, int64_t hbytes,
                               int64_t hk0, int64_t nh, int64_t t0, int64_t t1, float scale,
                               float* st, int64_t st_stride) {
-  constexpr int D = 64;
+  constexpr int NV = D / 16;  // vectors per row
   const int64_t len = t1 - t0, R = nh * G;  // query rows
   thread_local std::vector<float> buf;
   buf.resize(R * len + 2 * R * D);
   float* sc = buf.data();       // scores, then weights [R, len]
-  float* qp = sc + R * len;     // q rows in load_row64's order (a dot product needs no reordering)
-  float* accp = qp + R * D;     // weighted values [R, 64], same order
+  float* qp = sc + R * len;     // q rows in load_row_v's order (a dot product needs no reordering)
+  float* accp = qp + R * D;     // weighted values [R, D], same order
   for (int64_t r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c)
-      for (int i = 0; i < 16; ++i) qp[r * D + 16 * c + i] = qh[r * D + row64_pos<KIND>(c, i)];
+    for (int c = 0; c < NV; ++c)
+      for (int i = 0; i < 16; ++i) qp[r * D + 16 * c + i] = qh[r * D + row_pos<KIND>(c, i)];
   const char* hb = base + hk0 * hbytes;  // head hk0's entry of token 0 of block 0
   // The next block (all heads) is prefetched a few lines at a time between the dot products of
   // this one: a whole block's ~100 prefetches at once overflow the core's outstanding-miss
@@ -162,9 +156,9 @@ inline void decode_item_d64_t(const float* qh, const char* base, const int64_t* 
     const char* kb = hb + (bt[t / block_size] * block_size + off) * tok;
     next_block(t, 0);
     for (int64_t h = 0; h < nh; ++h) {
-      __m512 qv[G][4];
+      __m512 qv[G][NV];
       for (int g = 0; g < G; ++g)
-        for (int c = 0; c < 4; ++c) qv[g][c] = _mm512_loadu_ps(qp + (h * G + g) * D + 16 * c);
+        for (int c = 0; c < NV; ++c) qv[g][c] = _mm512_loadu_ps(qp + (h * G + g) * D + 16 * c);
       float* sh = sc + h * G * len + (t - t0);
       const char* kp = kb + h * hbytes;
       int64_t j = 0;
@@ -175,13 +169,13 @@ inline void decode_item_d64_t(const float* qh, const char* base, const int64_t* 
         if constexpr (KIND == kKvInt8)
           ks = _mm_mul_ps(ks, _mm_setr_ps(kv_scale(kp, D), kv_scale(kp + tok, D),
                                           kv_scale(kp + 2 * tok, D), kv_scale(kp + 3 * tok, D)));
-        for (int u = 0; u < 4; ++u, kp += tok) row_dots<G, KIND>(qv, kp, a[u]);
+        for (int u = 0; u < 4; ++u, kp += tok) row_dots<G, KIND, NV>(qv, kp, a[u]);
         for (int g = 0; g < G; ++g)
           _mm_storeu_ps(sh + g * len + j, _mm_mul_ps(hsum4(a[0][g], a[1][g], a[2][g], a[3][g]), ks));
       }
       for (; j < n; ++j, kp += tok) {
         __m512 a[G];
-        row_dots<G, KIND>(qv, kp, a);
+        row_dots<G, KIND, NV>(qv, kp, a);
         const float ks = KIND == kKvInt8 ? scale * kv_scale(kp, D) : scale;
         for (int g = 0; g < G; ++g) sh[g * len + j] = _mm512_reduce_add_ps(a[g]) * ks;
       }
@@ -213,60 +207,66 @@ inline void decode_item_d64_t(const float* qh, const char* base, const int64_t* 
     const char* vb = hb + vplane + (bt[t / block_size] * block_size + off) * tok;
     next_block(t, vplane);
     for (int64_t h = 0; h < nh; ++h) {
-      __m512 acc[G][4];
+      __m512 acc[G][NV];
       for (int g = 0; g < G; ++g)
-        for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_loadu_ps(accp + (h * G + g) * D + 16 * c);
+        for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_loadu_ps(accp + (h * G + g) * D + 16 * c);
       const float* wh = sc + h * G * len + (t - t0);
       const char* vp = vb + h * hbytes;
       for (int64_t j = 0; j < n; ++j, vp += tok) {
         prefetch_some(pf_v);
-        __m512 v0, v1, v2, v3;
-        load_row64<KIND>(vp, v0, v1, v2, v3);
+        __m512 v[NV];
+        load_row_v<KIND, NV>(vp, v);
         for (int g = 0; g < G; ++g) {
           const __m512 p = _mm512_set1_ps(wh[g * len + j]);
-          acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);
-          acc[g][1] = _mm512_fmadd_ps(p, v1, acc[g][1]);
-          acc[g][2] = _mm512_fmadd_ps(p, v2, acc[g][2]);
-          acc[g][3] = _mm512_fmadd_ps(p, v3, acc[g][3]);
+          for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
         }
       }
       for (int g = 0; g < G; ++g)
-        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(accp + (h * G + g) * D + 16 * c, acc[g][c]);
+        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(accp + (h * G + g) * D + 16 * c, acc[g][c]);
     }
     t += n;
   }
   for (int64_t r = 0; r < R; ++r) {  // back to the row's order
     float* o = st + (r / G) * st_stride + 2 * G + (r % G) * D;
-    for (int c = 0; c < 4; ++c)
-      for (int i = 0; i < 16; ++i) o[row64_pos<KIND>(c, i)] = accp[r * D + 16 * c + i];
+    for (int c = 0; c < NV; ++c)
+      for (int i = 0; i < 16; ++i) o[row_pos<KIND>(c, i)] = accp[r * D + 16 * c + i];
   }
 }
 
-template <int G>
-inline void decode_item_d64_g(const float* qh, const char* base, int kind, const int64_t* bt,
-                              int64_t block_size, int64_t tok, int64_t vplane, int64_t hbytes,
-                              int64_t hk0, int64_t nh, int64_t t0, int64_t t1, float scale,
-                              float* st, int64_t st_stride) {
+template <int G, int D>
+inline void decode_item_g(const float* qh, const char* base, int kind, const int64_t* bt,
+                          int64_t block_size, int64_t tok, int64_t vplane, int64_t hbytes,
+                          int64_t hk0, int64_t nh, int64_t t0, int64_t t1, float scale,
+                          float* st, int64_t st_stride) {
   if (kind == kKvBF16)
-    decode_item_d64_t<G, kKvBF16>(qh, base, bt, block_size, tok, vplane, hbytes, hk0, nh, t0, t1, scale, st, st_stride);
+    decode_item_t<G, kKvBF16, D>(qh, base, bt, block_size, tok, vplane, hbytes, hk0, nh, t0, t1, scale, st, st_stride);
   else if (kind == kKvInt8)
-    decode_item_d64_t<G, kKvInt8>(qh, base, bt, block_size, tok, vplane, hbytes, hk0, nh, t0, t1, scale, st, st_stride);
+    decode_item_t<G, kKvInt8, D>(qh, base, bt, block_size, tok, vplane, hbytes, hk0, nh, t0, t1, scale, st, st_stride);
   else
-    decode_item_d64_t<G, kKvF32>(qh, base, bt, block_size, tok, vplane, hbytes, hk0, nh, t0, t1, scale, st, st_stride);
+    decode_item_t<G, kKvF32, D>(qh, base, bt, block_size, tok, vplane, hbytes, hk0, nh, t0, t1, scale, st, st_stride);
 }
 
-// One work item of the decode kernel for head_dim 64 on AVX-512: KV heads [hk0, hk0 + nh) with
-// their G (<= 4) query heads each, over tokens [t0, t1) (see decode_item_d64_t).
-inline void decode_item_d64(const float* qh, const char* base, int kind, const int64_t* bt,
-                            int64_t block_size, int64_t tok, int64_t vplane, int64_t hbytes,
-                            int64_t hk0, int64_t nh, int64_t G, int64_t t0, int64_t t1,
-                            float scale, float* st, int64_t st_stride) {
+template <int D>
+inline void decode_item_d(const float* qh, const char* base, int kind, const int64_t* bt,
+                          int64_t block_size, int64_t tok, int64_t vplane, int64_t hbytes,
+                          int64_t hk0, int64_t nh, int64_t G, int64_t t0, int64_t t1,
+                          float scale, float* st, int64_t st_stride) {
   switch (G) {
-    case 1: return decode_item_d64_g<1>(qh, base, kind, bt, block_size, tok, vplane, hbytes, hk0, nh, t0, t1, scale, st, st_stride);
-    case 2: return decode_item_d64_g<2>(qh, base, kind, bt, block_size, tok, vplane, hbytes, hk0, nh, t0, t1, scale, st, st_stride);
-    case 3: return decode_item_d64_g<3>(qh, base, kind, bt, block_size, tok, vplane, hbytes, hk0, nh, t0, t1, scale, st, st_stride);
-    default: return decode_item_d64_g<4>(qh, base, kind, bt, block_size, tok, vplane, hbytes, hk0, nh, t0, t1, scale, st, st_stride);
+    case 1: return decode_item_g<1, D>(qh, base, kind, bt, block_size, tok, vplane, hbytes, hk0, nh, t0, t1, scale, st, st_stride);
+    case 2: return decode_item_g<2, D>(qh, base, kind, bt, block_size, tok, vplane, hbytes, hk0, nh, t0, t1, scale, st, st_stride);
+    case 3: return decode_item_g<3, D>(qh, base, kind, bt, block_size, tok, vplane, hbytes, hk0, nh, t0, t1, scale, st, st_stride);
+    default: return decode_item_g<4, D>(qh, base, kind, bt, block_size, tok, vplane, hbytes, hk0, nh, t0, t1, scale, st, st_stride);
   }
+}
+
+// One work item of the decode kernel for head_dim D (64 or 128) on AVX-512: KV heads
+// [hk0, hk0 + nh) with their G (<= 4) query heads each, over tokens [t0, t1) (decode_item_t).
+inline void decode_item(const float* qh, const char* base, int kind, const int64_t* bt,
+                        int64_t block_size, int64_t tok, int64_t vplane, int64_t hbytes,
+                        int64_t hk0, int64_t nh, int64_t G, int64_t D, int64_t t0, int64_t t1,
+                        float scale, float* st, int64_t st_stride) {
+  if (D == 64) decode_item_d<64>(qh, base, kind, bt, block_size, tok, vplane, hbytes, hk0, nh, G, t0, t1, scale, st, st_stride);
+  else decode_item_d<128>(qh, base, kind, bt, block_size, tok, vplane, hbytes, hk0, nh, G, t0, t1, scale, st, st_stride);
 }
 #endif
 
@@ -341,17 +341,17 @@ void paged_attn_decode(const float* q, int64_t q_stride, const void* cache, int 
       return;
     }
 #if SL_ISA == 2
-    if (D == 64 && G <= 4) {
-      decode_item_d64(q + b * q_stride + hk0 * G * D, static_cast<const char*>(cache), kind,
-                      block_table + b * max_blocks, block_size, tok, vplane, hbytes, hk0, nh, G,
-                      t0, t1, scale, st, st_stride);
+    if ((D == 64 || D == 128) && G <= 4) {
+      decode_item(q + b * q_stride + hk0 * G * D, static_cast<const char*>(cache), kind,
+                  block_table + b * max_blocks, block_size, tok, vplane, hbytes, hk0, nh, G, D,
+                  t0, t1, scale, st, st_stride);
       return;
     }
 #endif
     for (int64_t h = 0; h < nh; ++h) one_head(b, hk0 + h, t0, t1, st + h * st_stride);
   };
-  // A work item is one split of one request with all its KV heads (on AVX-512 with D = 64 block
-  // by block, see decode_item_d64_t; else one head after the other): a token's K (or V) row
+  // A work item is one split of one request with all its KV heads (on AVX-512 with D = 64 or
+  // 128 block by block, see decode_item_t; else one head after the other): a token's K (or V) row
   // holds every head (Hkv * D contiguous values), so the heads of a split read the same cache
   // lines and the hardware prefetcher streams whole rows. One item per
   // (request, KV head, split) read a third of each row at a stride and ran at ~7 GB/s from
