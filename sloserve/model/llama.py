@@ -252,6 +252,12 @@ class LlamaForCausalLM(nn.Module):
         """Every linear layer holds its dense weight (none left on the meta device)."""
         return not any(lin.weight.is_meta for lin in self.linear_layers())
 
+    def dense_copy_bytes(self) -> int:
+        """Bytes :meth:`materialize_dense` would make now (the embedding's and linear layers'
+        weights still on the meta device, in their dtype)."""
+        mods = [self.model.embed_tokens, *self.linear_layers()]
+        return sum(m.weight.numel() * m.weight.element_size() for m in mods if m.weight.is_meta)
+
     @property
     def dense_weight_bytes(self) -> int:
         """Bytes of the dense weights held in memory (those on the meta device count 0)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import logging
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,8 @@ from sloserve.model.layers.fused_layer import build_fused_layers
 from sloserve.model.layers.linear import (KernelDenseLinearMethod, LinearBase,
                                           MergedColumnLinear, dense_rows)
 from sloserve.model.layers.quantization import GGUFLinearMethod
+
+logger = logging.getLogger(__name__)
 
 
 class LoadedModel(NamedTuple):
@@ -98,7 +101,8 @@ def get_model(config, dtype: torch.dtype) -> LoadedModel:
         return LoadedModel(model, name, f"{head()}; fused forward on the {k.variant} "
                                                 f"kernels, --batch-invariant: {model.invariant_how}")
     largest = largest_step(config, model)
-    use_kernels(model, k, int8_activations=int8_act, max_tokens=largest)
+    use_kernels(model, k, int8_activations=int8_act, max_tokens=largest,
+                dense_budget=dense_budget(config))
     p = model.policy
     xo = ("measured" if crossover.last_source == "measured"
           else f"read from {crossover.last_source}")
@@ -138,6 +142,26 @@ def largest_step(config, model) -> int:
     return max(n, *VERIFY_COST_TOKENS)
 
 
+#: memory left free beside the weights, their dense copy and the KV cache (activations, the
+#: API process, the page cache the weights' file is read through)
+DENSE_MARGIN_BYTES = 2 * 2**30
+
+
+def dense_budget(config) -> int | None:
+    """The bytes a dense copy of the weights may take on this machine: its available memory
+    (``MemAvailable``, the weights already loaded) less the KV cache ``config`` asks for
+    (``kv_cache_memory``; ``num_kv_blocks`` is counted at start-up, not here) and
+    :data:`DENSE_MARGIN_BYTES`. None where the kernel does not say (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f
+                         if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    kv = 0 if config.num_kv_blocks is not None else int(config.kv_cache_memory * 2**30)
+    return avail - kv - DENSE_MARGIN_BYTES
+
+
 def release_freed_memory() -> None:
     """Hand the heap's free pages back to the OS (glibc's ``malloc_trim``; nothing elsewhere).
     Loading makes and frees many temporaries of 1-30 MB, below glibc's mmap threshold once it
@@ -151,7 +175,7 @@ def release_freed_memory() -> None:
 
 def use_kernels(model, kernels, int8_activations: bool = True,
                 quant_max_tokens: int | None = None, amx_max_tokens: int | None = None,
-                max_tokens: int | None = None) -> None:
+                max_tokens: int | None = None, dense_budget: int | None = None) -> None:
     """Put every op of ``model`` on ``kernels`` and give each linear layer its methods.
 
     Args:
@@ -170,6 +194,10 @@ def use_kernels(model, kernels, int8_activations: bool = True,
             Where the quantized weights serve every step up to it, the model keeps no dense
             copy of them (:meth:`~sloserve.model.llama.LlamaForCausalLM.materialize_dense`
             makes one only where a step will use it, and layer 0's MLP for the race).
+        dense_budget: the bytes a dense copy for the steps above the crossover may take (None:
+            no bound). A larger one is not made: the quantized weights serve every step up to
+            ``max_tokens`` instead (slower prefill, but an 8B model's 16 GB bf16 copy beside
+            its weights and KV cache would exhaust a 24 GiB machine), with a warning.
     """
     model.kernels = kernels
     for m in model.modules():
@@ -231,9 +259,18 @@ def use_kernels(model, kernels, int8_activations: bool = True,
         lambda: crossover.quant_crossover(
             model, max_tokens=max_tokens,
             prepare=lambda: raced.append(model.materialize_dense(mlp0))))
-    if quantized and policy.quant_max_tokens < (ALL_ROWS if max_tokens is None else max_tokens):
-        model.materialize_dense()  # the steps above the crossover run on it
-    elif any(raced):
+    limit = ALL_ROWS if max_tokens is None else max_tokens
+    if quantized and policy.quant_max_tokens < limit:
+        need = model.dense_copy_bytes()
+        if dense_budget is not None and need > dense_budget:
+            logger.warning("the dense %s copy of the weights for steps above %d tokens would "
+                           "take %.1f GB, more than the %.1f GB this machine has left for it: "
+                           "every step runs on the quantized weights", dtype,
+                           policy.quant_max_tokens, need / 1e9, max(dense_budget, 0) / 1e9)
+            policy.quant_max_tokens = limit
+        else:
+            model.materialize_dense()  # the steps above the crossover run on it
+    if any(raced) and not model.has_dense_copy:
         model.drop_dense(mlp0)
     for lin in linears:
         if lin.quant_method is not None:

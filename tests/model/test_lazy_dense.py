@@ -95,6 +95,37 @@ def test_use_kernels_makes_no_dense_copy_where_the_quantized_weights_serve_every
     assert model.model.embed_tokens.weight.is_meta == (quant_max >= 64)
 
 
+def test_a_dense_copy_larger_than_the_memory_left_is_not_made(gguf_path, caplog):
+    """A crossover below the largest step, but the dense copy over its budget (an 8B model's
+    16 GB on a 24 GiB machine): no copy, every step on the quantized weights, one warning."""
+    from sloserve.model.model_loader import use_kernels
+    k = _kernels()
+    model, _ = load_model(gguf_path, "bfloat16", quantization="gguf", with_tokenizer=False,
+                          dense_quantized=False)
+    need = model.dense_copy_bytes()
+    assert need > 0
+    use_kernels(model, k, quant_max_tokens=8, amx_max_tokens=0, max_tokens=64,
+                dense_budget=need - 1)
+    assert model.policy.quant_max_tokens == 64 and not model.has_dense_copy
+    assert model.model.embed_tokens.weight.is_meta
+    assert "every step runs on the quantized weights" in caplog.text
+    model, _ = load_model(gguf_path, "bfloat16", quantization="gguf", with_tokenizer=False,
+                          dense_quantized=False)
+    use_kernels(model, k, quant_max_tokens=8, amx_max_tokens=0, max_tokens=64,
+                dense_budget=need)  # it fits: made
+    assert model.policy.quant_max_tokens == 8 and model.has_dense_copy
+
+
+def test_dense_budget_is_the_memory_available_less_the_kv_cache():
+    from sloserve.config import EngineConfig
+    from sloserve.model.model_loader import DENSE_MARGIN_BYTES, dense_budget
+    with open("/proc/meminfo") as f:
+        avail = next(int(x.split()[1]) * 1024 for x in f if x.startswith("MemAvailable:"))
+    got = dense_budget(EngineConfig(kv_cache_memory=2.0))
+    assert abs(got - (avail - 2 * 2**30 - DENSE_MARGIN_BYTES)) < 2**30  # memory moves a little
+    assert dense_budget(EngineConfig(num_kv_blocks=8)) - got > 1.5 * 2**30  # not counted
+
+
 def test_get_model_keeps_a_dense_copy_exactly_where_the_measured_crossover_needs_one(gguf_path):
     """Whatever this CPU's crossover is (AMX hosts: the dense GEMM wins above ~16-32 tokens;
     AVX-512 hosts without AMX: the quantized product often serves every step)."""
