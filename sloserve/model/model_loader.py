@@ -15,7 +15,7 @@ import logging
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -102,7 +102,7 @@ def get_model(config, dtype: torch.dtype) -> LoadedModel:
                                                 f"kernels, --batch-invariant: {model.invariant_how}")
     largest = largest_step(config, model)
     use_kernels(model, k, int8_activations=int8_act, max_tokens=largest,
-                dense_budget=dense_budget(config))
+                dense_budget=lambda: dense_budget(config))
     p = model.policy
     xo = ("measured" if crossover.last_source == "measured"
           else f"read from {crossover.last_source}")
@@ -175,7 +175,8 @@ def release_freed_memory() -> None:
 
 def use_kernels(model, kernels, int8_activations: bool = True,
                 quant_max_tokens: int | None = None, amx_max_tokens: int | None = None,
-                max_tokens: int | None = None, dense_budget: int | None = None) -> None:
+                max_tokens: int | None = None,
+                dense_budget: Callable[[], int | None] | None = None) -> None:
     """Put every op of ``model`` on ``kernels`` and give each linear layer its methods.
 
     Args:
@@ -194,8 +195,9 @@ def use_kernels(model, kernels, int8_activations: bool = True,
             Where the quantized weights serve every step up to it, the model keeps no dense
             copy of them (:meth:`~sloserve.model.llama.LlamaForCausalLM.materialize_dense`
             makes one only where a step will use it, and layer 0's MLP for the race).
-        dense_budget: the bytes a dense copy for the steps above the crossover may take (None:
-            no bound). A larger one is not made: the quantized weights serve every step up to
+        dense_budget: the bytes a dense copy for the steps above the crossover may take, asked
+            when the copy would be made (the packed weights then held; None: no bound). A
+            larger one is not made: the quantized weights serve every step up to
             ``max_tokens`` instead (slower prefill, but an 8B model's 16 GB bf16 copy beside
             its weights and KV cache would exhaust a 24 GiB machine), with a warning.
     """
@@ -261,12 +263,12 @@ def use_kernels(model, kernels, int8_activations: bool = True,
             prepare=lambda: raced.append(model.materialize_dense(mlp0))))
     limit = ALL_ROWS if max_tokens is None else max_tokens
     if quantized and policy.quant_max_tokens < limit:
-        need = model.dense_copy_bytes()
-        if dense_budget is not None and need > dense_budget:
+        need, budget = model.dense_copy_bytes(), dense_budget() if dense_budget else None
+        if budget is not None and need > budget:
             logger.warning("the dense %s copy of the weights for steps above %d tokens would "
                            "take %.1f GB, more than the %.1f GB this machine has left for it: "
-                           "every step runs on the quantized weights", dtype,
-                           policy.quant_max_tokens, need / 1e9, max(dense_budget, 0) / 1e9)
+                           "every step runs on the quantized weights", str(dtype).removeprefix("torch."),
+                           policy.quant_max_tokens, need / 1e9, max(budget, 0) / 1e9)
             policy.quant_max_tokens = limit
         else:
             model.materialize_dense()  # the steps above the crossover run on it

@@ -105,14 +105,14 @@ def test_a_dense_copy_larger_than_the_memory_left_is_not_made(gguf_path, caplog)
     need = model.dense_copy_bytes()
     assert need > 0
     use_kernels(model, k, quant_max_tokens=8, amx_max_tokens=0, max_tokens=64,
-                dense_budget=need - 1)
+                dense_budget=lambda: need - 1)
     assert model.policy.quant_max_tokens == 64 and not model.has_dense_copy
     assert model.model.embed_tokens.weight.is_meta
     assert "every step runs on the quantized weights" in caplog.text
     model, _ = load_model(gguf_path, "bfloat16", quantization="gguf", with_tokenizer=False,
                           dense_quantized=False)
     use_kernels(model, k, quant_max_tokens=8, amx_max_tokens=0, max_tokens=64,
-                dense_budget=need)  # it fits: made
+                dense_budget=lambda: need)  # it fits: made
     assert model.policy.quant_max_tokens == 8 and model.has_dense_copy
 
 
