@@ -75,17 +75,25 @@ constexpr int row_pos(int c, int i) {
   return BF16 == kKvBF16 ? (c / 2) * 32 + 2 * i + (c % 2) : 16 * c + i;
 }
 
-// a[g] = the 16 lane products of query head g (qv in load_row_v's order) with the K row at kp,
-// summed over the row's NV vectors (the lanes still to be added up)
-template <int G, int BF16, int NV>
-inline void row_dots(const __m512 (&qv)[G][NV], const char* kp, __m512 (&a)[G]) {
-  __m512 k[NV];
-  load_row_v<BF16, NV>(kp, k);
+// a[g] (+)= the 16 lane products of query head g (qv: 64 of its values in load_row_v's order)
+// with the 64 K values at kp, summed over their 4 vectors (the lanes still to be added up);
+// ADD: onto a[g] (a later 64-value part of the row), else a[g] is set
+template <int G, int BF16, bool ADD>
+inline void row_dots(const __m512 (&qv)[G][4], const char* kp, __m512 (&a)[G]) {
+  __m512 k[4];
+  load_row_v<BF16, 4>(kp, k);
   for (int g = 0; g < G; ++g) {
-    __m512 x = _mm512_mul_ps(qv[g][0], k[0]);
-    for (int c = 1; c < NV; ++c) x = _mm512_fmadd_ps(qv[g][c], k[c], x);
+    __m512 x = ADD ? _mm512_fmadd_ps(qv[g][0], k[0], a[g]) : _mm512_mul_ps(qv[g][0], k[0]);
+    for (int c = 1; c < 4; ++c) x = _mm512_fmadd_ps(qv[g][c], k[c], x);
     a[g] = x;
   }
+}
+
+// Bytes of one 64-value part of a K or V entry of kind BF16 (the parts of a 128-value entry
+// follow one another in load_row_v's order: part p holds vectors 4p..4p+3).
+template <int BF16>
+constexpr int64_t part_bytes() {
+  return BF16 == kKvF32 ? 256 : BF16 == kKvBF16 ? 128 : 64;
 }
 
 // G and the cache kind are template parameters: the per-head arrays (q, the 4-token partial
@@ -109,6 +117,11 @@ inline void decode_item_t(const float* qh, const char* base, const int64_t* bt,
                               int64_t hk0, int64_t nh, int64_t t0, int64_t t1, float scale,
                               float* st, int64_t st_stride) {
   constexpr int NV = D / 16;  // vectors per row
+  // A row is done in 64-value parts of 4 vectors: at D = 128 the q rows, the accumulators and
+  // a whole row of G <= 4 heads would need up to 72 of the 32 vector registers, and the
+  // spills doubled the time (a part's K or V is read again from L1, not memory).
+  constexpr int NP = D / 64;
+  constexpr int64_t PB = part_bytes<KIND>();
   const int64_t len = t1 - t0, R = nh * G;  // query rows
   thread_local std::vector<float> buf;
   buf.resize(R * len + 2 * R * D);
@@ -156,9 +169,13 @@ inline void decode_item_t(const float* qh, const char* base, const int64_t* bt,
     const char* kb = hb + (bt[t / block_size] * block_size + off) * tok;
     next_block(t, 0);
     for (int64_t h = 0; h < nh; ++h) {
-      __m512 qv[G][NV];
-      for (int g = 0; g < G; ++g)
-        for (int c = 0; c < NV; ++c) qv[g][c] = _mm512_loadu_ps(qp + (h * G + g) * D + 16 * c);
+      __m512 qv[G][4];  // part p of each q row (D = 64: loaded once here)
+      auto load_q = [&](int p) {
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < 4; ++c)
+            qv[g][c] = _mm512_loadu_ps(qp + (h * G + g) * D + 64 * p + 16 * c);
+      };
+      if constexpr (NP == 1) load_q(0);
       float* sh = sc + h * G * len + (t - t0);
       const char* kp = kb + h * hbytes;
       int64_t j = 0;
@@ -169,13 +186,24 @@ inline void decode_item_t(const float* qh, const char* base, const int64_t* bt,
         if constexpr (KIND == kKvInt8)
           ks = _mm_mul_ps(ks, _mm_setr_ps(kv_scale(kp, D), kv_scale(kp + tok, D),
                                           kv_scale(kp + 2 * tok, D), kv_scale(kp + 3 * tok, D)));
-        for (int u = 0; u < 4; ++u, kp += tok) row_dots<G, KIND, NV>(qv, kp, a[u]);
+        if constexpr (NP > 1) load_q(0);
+        for (int u = 0; u < 4; ++u) row_dots<G, KIND, false>(qv, kp + u * tok, a[u]);
+        for (int p = 1; p < NP; ++p) {
+          load_q(p);
+          for (int u = 0; u < 4; ++u) row_dots<G, KIND, true>(qv, kp + u * tok + p * PB, a[u]);
+        }
+        kp += 4 * tok;
         for (int g = 0; g < G; ++g)
           _mm_storeu_ps(sh + g * len + j, _mm_mul_ps(hsum4(a[0][g], a[1][g], a[2][g], a[3][g]), ks));
       }
       for (; j < n; ++j, kp += tok) {
         __m512 a[G];
-        row_dots<G, KIND, NV>(qv, kp, a);
+        if constexpr (NP > 1) load_q(0);
+        row_dots<G, KIND, false>(qv, kp, a);
+        for (int p = 1; p < NP; ++p) {
+          load_q(p);
+          row_dots<G, KIND, true>(qv, kp + p * PB, a);
+        }
         const float ks = KIND == kKvInt8 ? scale * kv_scale(kp, D) : scale;
         for (int g = 0; g < G; ++g) sh[g * len + j] = _mm512_reduce_add_ps(a[g]) * ks;
       }
@@ -206,24 +234,26 @@ inline void decode_item_t(const float* qh, const char* base, const int64_t* bt,
     const int64_t off = t % block_size, n = std::min(block_size - off, t1 - t);
     const char* vb = hb + vplane + (bt[t / block_size] * block_size + off) * tok;
     next_block(t, vplane);
-    for (int64_t h = 0; h < nh; ++h) {
-      __m512 acc[G][NV];
-      for (int g = 0; g < G; ++g)
-        for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_loadu_ps(accp + (h * G + g) * D + 16 * c);
-      const float* wh = sc + h * G * len + (t - t0);
-      const char* vp = vb + h * hbytes;
-      for (int64_t j = 0; j < n; ++j, vp += tok) {
-        prefetch_some(pf_v);
-        __m512 v[NV];
-        load_row_v<KIND, NV>(vp, v);
-        for (int g = 0; g < G; ++g) {
-          const __m512 p = _mm512_set1_ps(wh[g * len + j]);
-          for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
+    for (int64_t h = 0; h < nh; ++h)
+      for (int part = 0; part < NP; ++part) {  // each part's tokens again (from L1 after the first)
+        float* ap = accp + h * G * D + 64 * part;
+        __m512 acc[G][4];
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_loadu_ps(ap + g * D + 16 * c);
+        const float* wh = sc + h * G * len + (t - t0);
+        const char* vp = vb + h * hbytes + part * PB;
+        for (int64_t j = 0; j < n; ++j, vp += tok) {
+          if (part == 0) prefetch_some(pf_v);
+          __m512 v[4];
+          load_row_v<KIND, 4>(vp, v);
+          for (int g = 0; g < G; ++g) {
+            const __m512 p = _mm512_set1_ps(wh[g * len + j]);
+            for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
+          }
         }
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < 4; ++c) _mm512_storeu_ps(ap + g * D + 16 * c, acc[g][c]);
       }
-      for (int g = 0; g < G; ++g)
-        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(accp + (h * G + g) * D + 16 * c, acc[g][c]);
-    }
     t += n;
   }
   for (int64_t r = 0; r < R; ++r) {  // back to the row's order
