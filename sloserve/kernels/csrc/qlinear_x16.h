@@ -90,10 +90,12 @@ inline __m256 scales8(const uint8_t* p, bool h, int half) {  // lanes 8 half .. 
 
 constexpr int64_t kX16Prefetch = 2048;  // bytes ahead in a 4-bit weight stream (see x16_tile)
 
-// the record's lines kX16Prefetch (4-bit) or twice that (8-bit) bytes ahead
+// the record's lines kX16Prefetch (4-bit) or twice that (8-bit) bytes ahead, into L2 (T1: more
+// misses in flight than L1 takes; 1-row products of 210 MB of weights read 24.6 -> 28.4 GB/s
+// against T0, 16 rows unchanged, Zen 4)
 inline void x16_prefetch(const uint8_t* rec, int64_t R, int64_t ahead) {
 #if SL_ISA > 0
-  for (int64_t o = 0; o < R; o += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + ahead + o), _MM_HINT_T0);
+  for (int64_t o = 0; o < R; o += 64) _mm_prefetch(reinterpret_cast<const char*>(rec + ahead + o), _MM_HINT_T1);
 #else
   (void)rec, (void)R, (void)ahead;
 #endif
