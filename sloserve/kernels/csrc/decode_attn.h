@@ -96,6 +96,47 @@ constexpr int64_t part_bytes() {
   return BF16 == kKvF32 ? 256 : BF16 == kKvBF16 ? 128 : 64;
 }
 
+// The next block of an item (all its heads' entries) prefetched a few lines at a time between
+// the dot products of this one: a whole block's ~100 prefetches at once overflow the core's
+// outstanding-miss slots, and the ones that do not fit are dropped. Into L2 (T1), which has
+// more of those slots than L1, spread evenly over this block: 12-16 GB/s from DRAM with T0
+// over the block's first half, 17-25 with this (16-request steps at 256-4096 tokens, Zen 4).
+// The scores' last block asks for the values' first one. (An item of one KV head fetches for
+// the others too only as head 0, like the old kernel: ``on``.)
+struct BlockPrefetch {
+  const char* base;
+  const int64_t* bt;
+  int64_t block_size, tok, vplane, t0, t1;
+  bool on;
+  const char* pf = nullptr;
+  int64_t left = 0;
+
+  // the block after the one holding token t, of the K (plane 0) or V (vplane) entries
+  void next_block(int64_t t, int64_t plane) {
+    const int64_t nxt = t / block_size + 1;
+    if (!on) {
+      left = 0;
+    } else if (nxt * block_size < t1) {
+      left = std::min(block_size, t1 - nxt * block_size) * tok;
+      pf = base + plane + bt[nxt] * block_size * tok;
+    } else if (plane == 0) {
+      const int64_t first = t0 / block_size, off = t0 % block_size;
+      left = (std::min(block_size, t1 - first * block_size) - off) * tok;
+      pf = base + vplane + (bt[first] * block_size + off) * tok;
+    } else {
+      left = 0;
+    }
+  }
+  void some(int lines) {
+    for (int l = 0; l < lines && left > 0; ++l, pf += 64, left -= 64) _mm_prefetch(pf, _MM_HINT_T1);
+  }
+  // lines per 4-token step of the scores / per token of the values, so that the next block is
+  // asked for over the whole of this one (block_size * tok / 64 lines over
+  // nh * block_size / 4 steps, resp. nh * block_size tokens)
+  int lines_k(int64_t nh) const { return static_cast<int>(std::max<int64_t>(1, (4 * tok / 64 + nh - 1) / nh)); }
+  int lines_v(int64_t nh) const { return static_cast<int>(std::max<int64_t>(1, (tok / 64 + nh - 1) / nh)); }
+};
+
 // G and the cache kind are template parameters: the per-head arrays (q, the 4-token partial
 // scores, the value accumulators) get compile-time sizes the compiler can keep in zmm
 // registers, and load_row_v no kind branch per row. (Templating alone measured no faster
@@ -132,39 +173,10 @@ inline void decode_item_t(const float* qh, const char* base, const int64_t* bt,
     for (int c = 0; c < NV; ++c)
       for (int i = 0; i < 16; ++i) qp[r * D + 16 * c + i] = qh[r * D + row_pos<KIND>(c, i)];
   const char* hb = base + hk0 * hbytes;  // head hk0's entry of token 0 of block 0
-  // The next block (all heads) is prefetched a few lines at a time between the dot products of
-  // this one: a whole block's ~100 prefetches at once overflow the core's outstanding-miss
-  // slots, and the ones that do not fit are dropped. Into L2 (T1), which has more of those
-  // slots than L1, spread evenly over this block: 12-16 GB/s from DRAM with T0 over the
-  // block's first half, 17-25 with this (16-request steps at 256-4096 tokens, Zen 4).
-  const char* pf = nullptr;
-  int64_t pf_left = 0;
-  // (an item of one KV head fetches for the others too only as head 0, like the old kernel)
-  const bool pf_on = nh > 1 || hk0 == 0;
-  // (the scores' last block asks for the values' first one)
-  auto next_block = [&](int64_t t, int64_t plane) {
-    const int64_t nxt = t / block_size + 1;
-    if (!pf_on) {
-      pf_left = 0;
-    } else if (nxt * block_size < t1) {
-      pf_left = std::min(block_size, t1 - nxt * block_size) * tok;
-      pf = base + plane + bt[nxt] * block_size * tok;
-    } else if (plane == 0) {
-      const int64_t first = t0 / block_size, off = t0 % block_size;
-      pf_left = (std::min(block_size, t1 - first * block_size) - off) * tok;
-      pf = base + vplane + (bt[first] * block_size + off) * tok;
-    } else {
-      pf_left = 0;
-    }
-  };
-  auto prefetch_some = [&](int lines) {
-    for (int l = 0; l < lines && pf_left > 0; ++l, pf += 64, pf_left -= 64) _mm_prefetch(pf, _MM_HINT_T1);
-  };
-  // lines per 4-token step of the scores / per token of the values, so that the next block is
-  // asked for over the whole of this one (block_size * tok / 64 lines over
-  // nh * block_size / 4 steps, resp. nh * block_size tokens)
-  const int pf_k = static_cast<int>(std::max<int64_t>(1, (4 * tok / 64 + nh - 1) / nh));
-  const int pf_v = static_cast<int>(std::max<int64_t>(1, (1 * tok / 64 + nh - 1) / nh));
+  BlockPrefetch pfb{base, bt, block_size, tok, vplane, t0, t1, nh > 1 || hk0 == 0};
+  auto next_block = [&](int64_t t, int64_t plane) { pfb.next_block(t, plane); };
+  auto prefetch_some = [&](int lines) { pfb.some(lines); };
+  const int pf_k = pfb.lines_k(nh), pf_v = pfb.lines_v(nh);
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t t = t0; t < t1;) {  // scores, block by block (no division per token)
     const int64_t off = t % block_size, n = std::min(block_size - off, t1 - t);
