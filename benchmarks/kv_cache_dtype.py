@@ -2,7 +2,7 @@
 engine step and the decode attention kernel's share of it, for each ``--kv-cache-dtype``.
 
     .venv/bin/python benchmarks/kv_cache_dtype.py [--points 16x280,16x2000,4x4000,1x4000]
-        [--kv-cache-dtypes auto,int8] [--steps 15]
+        [--kv-cache-dtypes auto,int8] [--steps 15] [--model FILE.gguf]
 
 Each point prefills its B prompts untimed, steps 3 times, then times ``--steps`` decode steps,
 all B requests decoding (checked): the median step, and the mean time per step inside
@@ -63,12 +63,13 @@ def main() -> None:
     ap.add_argument("--points", default="16x280,16x2000,4x4000,1x4000")
     ap.add_argument("--kv-cache-dtypes", default="auto,int8")
     ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--model", default=None, help="GGUF or HF folder (default: the embedded model)")
     a = ap.parse_args()
     points = [tuple(int(x) for x in p.split("x")) for p in a.points.split(",")]
     need = max(b * (c + extra_tokens(b, c, a.steps) + 16) for b, c in points)
     rows = {}
     for kv in a.kv_cache_dtypes.split(","):
-        eng = LLM(kv_cache_dtype=kv, num_kv_blocks=-(-need // 16) + 16).engine
+        eng = LLM(a.model, kv_cache_dtype=kv, num_kv_blocks=-(-need // 16) + 16).engine
         name = f"{kv} ({eng.dtype_choice.kv_cache_dtype})"
         rows[name] = [measure(eng, b, c, a.steps) for b, c in points]
         del eng
