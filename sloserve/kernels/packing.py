@@ -122,9 +122,10 @@ def pack_x16(lib: ctypes.CDLL, w) -> X16Weight | None:
     if w.bits not in (4, 8) or w.group_size != 32 or N % 16 or K % 32:
         return None
     parts = [w.scales.contiguous()] + ([w.mins.contiguous()] if w.has_mins else [])
-    h16 = all(torch.equal(t.half().float(), t) for t in parts)
+    halves = [t.half() for t in parts]
+    h16 = all(torch.equal(h.float(), t) for h, t in zip(halves, parts))
     if h16:
-        parts = [t.half() for t in parts]
+        parts = halves
     ss = 2 if h16 else 4
     rec = 64 * w.bits + 16 * ss * len(parts)
     out = torch.empty(N // 16 * (K // 32) * rec, dtype=torch.uint8)

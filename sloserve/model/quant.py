@@ -116,14 +116,16 @@ def _make(codes: np.ndarray, d: np.ndarray, m: np.ndarray | None, bits: int, gs:
         qw = torch.from_numpy(_pack4(codes.reshape(n, k).astype(np.uint8)))
     else:
         qw = torch.from_numpy(np.ascontiguousarray(codes.reshape(n, k).astype(np.int8)))
-    d = torch.from_numpy(np.ascontiguousarray(d.reshape(n, k // gs).astype(np.float32)))
+    d = torch.from_numpy(np.ascontiguousarray(d.reshape(n, k // gs), dtype=np.float32))
     mt = None
     if m is not None and np.any(m != 0):
-        mt = torch.from_numpy(np.ascontiguousarray(m.reshape(n, k // gs).astype(np.float32)))
+        mt = torch.from_numpy(np.ascontiguousarray(m.reshape(n, k // gs), dtype=np.float32))
     return QuantizedWeight(qw, d, mt, bits, gs, (n, k), source)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
+    """Float16 bytes (uint8 [..., 2k], the last axis contiguous, e.g. a column slice of a
+    block table, read in place) as float32 [..., k]."""
     return b.view(np.float16).astype(np.float32)
 
 
@@ -154,11 +156,11 @@ def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Quanti
         if b.size != nb * size:
             raise ValueError(f"{t} data of {b.size} bytes does not fit {shape}")
         blk = b.reshape(nb, size)
-        d = _f16(blk[:, 0:2].copy())[:, 0]
+        d = _f16(blk[:, 0:2])[:, 0]
         if t == "Q8_0":
             return _make(blk[:, 2:].view(np.int8), d, None, 8, 32, shape, t)
         off = 4 if t in ("Q4_1", "Q5_1") else 2
-        m = _f16(blk[:, 2:4].copy())[:, 0] if off == 4 else None
+        m = _f16(blk[:, 2:4])[:, 0] if off == 4 else None
         if t in ("Q5_0", "Q5_1"):
             qh = blk[:, off:off + 4].copy().view(np.uint32)[:, 0]
             qs = blk[:, off + 4:]
@@ -180,8 +182,8 @@ def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Quanti
             raise ValueError(f"{t} data of {b.size} bytes does not fit {shape}")
         blk = b.reshape(nb, size)
         if t in ("Q4_K", "Q5_K"):
-            d = _f16(blk[:, 0:2].copy())
-            dmin = _f16(blk[:, 2:4].copy())
+            d = _f16(blk[:, 0:2])
+            dmin = _f16(blk[:, 2:4])
             sc, mn = _k_scale_min(blk[:, 4:16])
             dg, mg = d * sc, -(dmin * mn)                                        # [nb, 8]
             if t == "Q4_K":
@@ -198,7 +200,7 @@ def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Quanti
             ql = blk[:, 0:128].reshape(nb, 2, 1, 64)
             qh = blk[:, 128:192].reshape(nb, 2, 1, 32)
             sc = blk[:, 192:208].copy().view(np.int8).astype(np.float32)
-            d = _f16(blk[:, 208:210].copy())
+            d = _f16(blk[:, 208:210])
             lo = ((ql >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F)
             lo = lo.reshape(nb, 8, 32)
             hi = ((qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3)
@@ -208,8 +210,8 @@ def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Quanti
         if t == "Q2_K":
             scales = blk[:, 0:16]
             qs = blk[:, 16:80].reshape(nb, 2, 1, 32)
-            d = _f16(blk[:, 80:82].copy())
-            dmin = _f16(blk[:, 82:84].copy())
+            d = _f16(blk[:, 80:82])
+            dmin = _f16(blk[:, 82:84])
             q = (qs >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
             q = q.reshape(nb, QK_K).astype(np.int16)
             dg = d * (scales & 0x0F).astype(np.float32)
@@ -219,7 +221,7 @@ def from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Quanti
         hmask = blk[:, 0:32].reshape(nb, 1, 32)
         qs = blk[:, 32:96].reshape(nb, 2, 1, 32)
         scb = blk[:, 96:108]
-        d = _f16(blk[:, 108:110].copy())
+        d = _f16(blk[:, 108:110])
         lsc = (scb[:, 0:8].reshape(nb, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1))
         lsc = lsc.reshape(nb, 16)
         hsc = (scb[:, 8:12].reshape(nb, 1, 4)
