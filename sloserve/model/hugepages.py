@@ -22,7 +22,6 @@ import torch
 HUGE_PAGE = 2 << 20
 #: madvise(2) advice that faults pages in writable without changing them (Linux 5.14)
 _MADV_POPULATE_WRITE = 23
-_MADV_DONTNEED = 4
 _ALIGN = 64  # each packed tensor starts on a cache line
 
 
@@ -64,62 +63,26 @@ def populate_in_background(tensors: list[torch.Tensor]) -> threading.Thread | No
     Where the kernel has no such advice (before 5.14, or no ``madvise``) the tensors are
     written here, now, as :func:`zeros` would have. Returns the thread, or None."""
     ranges = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t.numel()]
-    if ranges and not _madvise(*ranges[0], _MADV_POPULATE_WRITE):
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        page = mmap.PAGESIZE
+        first, n = ranges[0] if ranges else (0, 0)
+        start = first - first % page
+        if ranges and madvise(start, first + n - start, _MADV_POPULATE_WRITE) != 0:
+            raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE)")
+    except (OSError, AttributeError):
         for t in tensors:
             t.zero_()
         return None
 
     def run(keep=tensors) -> None:  # ``keep``: the tensors stay mapped while it runs
         for addr, n in ranges[1:]:
-            _madvise(addr, n, _MADV_POPULATE_WRITE)
+            start = addr - addr % page
+            madvise(start, addr + n - start, _MADV_POPULATE_WRITE)  # ctypes lets go of the GIL
     th = threading.Thread(target=run, name="kv-populate", daemon=True)
     th.start()
     return th
-
-
-class Prefault:
-    """A buffer of ``nbytes`` (a bound on what will be written into it) from :func:`zeros`
-    (``touch=False``), its pages faulted in on a daemon thread from now on
-    (``MADV_POPULATE_WRITE``), for a caller that knows the bound long before it has the data: the
-    model loader takes the GGUF file's size as the bound on its packed weights, so that the
-    kernel's zeroing and compaction of their 2 MB pages (0.1-0.9 s for a 1B model's 0.7 GB on a
-    Zen 4 host, more the fuller the page cache) overlaps the file's decoding instead of following
-    it. Where the kernel has no such advice the pages fault at first write, as without it."""
-
-    def __init__(self, nbytes: int):
-        self.buf: torch.Tensor | None = zeros((max(int(nbytes), 1),), torch.uint8, touch=False)
-        def run(keep=self.buf) -> None:  # ``keep``: the buffer stays mapped while it runs
-            _madvise(keep.data_ptr(), keep.numel(), _MADV_POPULATE_WRITE)
-        self._thread = threading.Thread(target=run, name="weights-populate", daemon=True)
-        self._thread.start()
-
-    def take(self, nbytes: int) -> torch.Tensor | None:
-        """The buffer's first ``nbytes`` (uint8) once its faulting is done, the rest of its
-        pages given back; None (and the buffer dropped) where it is smaller. Once only."""
-        self._thread.join()
-        buf, self.buf = self.buf, None
-        if buf is None or buf.numel() < nbytes:
-            return None
-        tail = -(-(buf.data_ptr() + nbytes) // HUGE_PAGE) * HUGE_PAGE  # the next 2 MB page
-        end = buf.data_ptr() + buf.numel()
-        if end > tail:
-            _madvise(tail, end - tail, _MADV_DONTNEED)
-        return buf[:nbytes]
-
-    def release(self) -> None:
-        """Drop the buffer (not taken: nothing was packed into it)."""
-        self.take(1 << 62)
-
-
-def _madvise(addr: int, n: int, advice: int) -> bool:
-    """madvise(2) over [addr, addr + n) widened to whole pages; False where it fails."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return False
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    start = addr - addr % mmap.PAGESIZE
-    return fn(start, addr + n - start, advice) == 0  # ctypes lets go of the GIL
 
 
 def packed_size(t: torch.Tensor) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import logging
-import os
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -61,19 +60,10 @@ def get_model(config, dtype: torch.dtype) -> LoadedModel:
         ``batch_invariant`` where the kernels do not load or cannot serve the weights
         invariantly.
     """
-    from sloserve import kernels
     from sloserve.model.loader import load_model
-    k = None if config.enforce_eager else kernels.load()
-    prefault = _weights_prefault(config) if k is not None else None
     # a GGUF's quantized weights get their dense copy only where a step will use it (below)
-    try:
-        model, weights = load_model(config.model, dtype, config.load_format,
-                                    with_tokenizer=False, quantization=config.quantization,
-                                    dense_quantized=False)
-    except BaseException:
-        if prefault is not None:
-            prefault.release()
-        raise
+    model, weights = load_model(config.model, dtype, config.load_format, with_tokenizer=False,
+                                quantization=config.quantization, dense_quantized=False)
     q = weights.quantized
     dt = str(dtype).removeprefix("torch.")
     name = weights.name
@@ -94,6 +84,8 @@ def get_model(config, dtype: torch.dtype) -> LoadedModel:
         model.materialize_dense()
         return LoadedModel(model, name,
                            f"{head()}; --enforce-eager: every step on the model's torch forward")
+    from sloserve import kernels
+    k = kernels.load()
     inv = getattr(config, "batch_invariant", False)
     if k is None:
         if inv:
@@ -104,18 +96,13 @@ def get_model(config, dtype: torch.dtype) -> LoadedModel:
     # --dtype float32 asks for exact arithmetic: the quantized products then take float32
     # inputs; otherwise (auto, bf16) they quantize them to int8 like llama.cpp (~1.4x faster)
     int8_act = config.dtype != "float32"
-    take = prefault.take if prefault is not None else None
     if inv:
-        make_batch_invariant(model, k, int8_act, weight_buffer=take)
-        if prefault is not None:
-            prefault.release()
+        make_batch_invariant(model, k, int8_act)
         return LoadedModel(model, name, f"{head()}; fused forward on the {k.variant} "
                                                 f"kernels, --batch-invariant: {model.invariant_how}")
     largest = largest_step(config, model)
     use_kernels(model, k, int8_activations=int8_act, max_tokens=largest,
-                dense_budget=lambda: dense_budget(config), weight_buffer=take)
-    if prefault is not None:
-        prefault.release()  # where no x16 weight took it
+                dense_budget=lambda: dense_budget(config))
     p = model.policy
     xo = ("measured" if crossover.last_source == "measured"
           else f"read from {crossover.last_source}")
@@ -189,8 +176,7 @@ def release_freed_memory() -> None:
 def use_kernels(model, kernels, int8_activations: bool = True,
                 quant_max_tokens: int | None = None, amx_max_tokens: int | None = None,
                 max_tokens: int | None = None,
-                dense_budget: Callable[[], int | None] | None = None,
-                weight_buffer: Callable[[int], torch.Tensor | None] | None = None) -> None:
+                dense_budget: Callable[[], int | None] | None = None) -> None:
     """Put every op of ``model`` on ``kernels`` and give each linear layer its methods.
 
     Args:
@@ -214,8 +200,6 @@ def use_kernels(model, kernels, int8_activations: bool = True,
             larger one is not made: the quantized weights serve every step up to
             ``max_tokens`` instead (slower prefill, but an 8B model's 16 GB bf16 copy beside
             its weights and KV cache would exhaust a 24 GiB machine), with a warning.
-        weight_buffer: given the bytes of the x16 weights, a buffer on 2 MB pages for them, or
-            None (then one is allocated): :meth:`sloserve.model.hugepages.Prefault.take`.
     """
     model.kernels = kernels
     for m in model.modules():
@@ -238,7 +222,7 @@ def use_kernels(model, kernels, int8_activations: bool = True,
         with ThreadPoolExecutor(max_workers=_loader_threads()) as ex:
             list(ex.map(make_method, linears))
         release_freed_memory()
-    model.decode_weights = _onto_hugepages(linears, weight_buffer)
+    model.decode_weights = _onto_hugepages(linears)
     # the dense weights packed for the AMX GEMM: every one, or none
     use_amx = kernels.amx and dtype == torch.bfloat16 and amx_max_tokens != 0
     if use_amx or not quantized:
@@ -296,9 +280,7 @@ def use_kernels(model, kernels, int8_activations: bool = True,
     release_freed_memory()
 
 
-def make_batch_invariant(model, kernels, int8_activations: bool = True,
-                         weight_buffer: Callable[[int], torch.Tensor | None] | None = None
-                         ) -> None:
+def make_batch_invariant(model, kernels, int8_activations: bool = True) -> None:
     """``use_kernels`` for ``--batch-invariant`` (see :mod:`sloserve.model.invariant`): one
     linear method for every step, whatever its token count: the quantized weights where every
     layer has them, else the AMX bf16 GEMM; no crossover is measured. RoPE's tables come from
@@ -310,8 +292,7 @@ def make_batch_invariant(model, kernels, int8_activations: bool = True,
     """
     quantized = all(lin.is_quantized for lin in model.linear_layers())
     use_kernels(model, kernels, int8_activations=int8_activations,
-                quant_max_tokens=ALL_ROWS, amx_max_tokens=0 if quantized else ALL_ROWS,
-                weight_buffer=weight_buffer)
+                quant_max_tokens=ALL_ROWS, amx_max_tokens=0 if quantized else ALL_ROWS)
     p = model.policy
     if quantized:
         model.invariant_how = (f"every step on the quantized weights "
@@ -335,14 +316,11 @@ def _given_or(given: int | None, available: bool, measure) -> int:
     return 0 if not available else measure() if given is None else given
 
 
-def _onto_hugepages(linears: list[LinearBase],
-                    weight_buffer: Callable[[int], torch.Tensor | None] | None = None
-                    ) -> torch.Tensor | None:
+def _onto_hugepages(linears: list[LinearBase]) -> torch.Tensor | None:
     """Every x16 weight (layers and LM head) moved into one buffer on 2 MB pages (see
     :mod:`sloserve.model.hugepages`: a decode step streams all of them), one layer at a time
     so that each layer's old copy is freed before the next is copied (an 8B model's 5.5 GB are
-    not held twice); returns that buffer (bytes), or None where there are none. The buffer is
-    ``weight_buffer(bytes)``'s where that gives one."""
+    not held twice); returns that buffer (bytes), or None where there are none."""
     methods = [lin.quant_method for lin in linears if lin.quant_method is not None]
     starts, total = [], 0
     for m in methods:
@@ -351,9 +329,7 @@ def _onto_hugepages(linears: list[LinearBase],
                      if isinstance(w, X16Weight))
     if not total:
         return None
-    buf = weight_buffer(total) if weight_buffer is not None else None
-    if buf is None:
-        buf = hugepages.zeros((total,), torch.uint8, touch=False)  # every byte is written below
+    buf = hugepages.zeros((total,), torch.uint8, touch=False)  # every byte is written below
 
     def move(m, off: int) -> None:
         new = []
@@ -366,22 +342,6 @@ def _onto_hugepages(linears: list[LinearBase],
     with ThreadPoolExecutor(max_workers=_loader_threads()) as ex:
         list(ex.map(move, methods, starts))
     return buf
-
-
-def _weights_prefault(config) -> hugepages.Prefault | None:
-    """For a GGUF served quantized, the x16 weights' buffer, sized by the file (Q4_0 / Q4_1 /
-    Q8_0 records are their blocks' bytes reordered, so the file bounds them; where a format
-    packs larger, :func:`_onto_hugepages` allocates its own), its pages faulting in while the
-    file decodes; None otherwise."""
-    from sloserve.tokenizer import resolve_model_source, single_gguf
-    if config.quantization == "none":
-        return None
-    try:
-        source, fmt = resolve_model_source(config.model, config.load_format)
-        size = os.path.getsize(single_gguf(source)) if fmt == "gguf" else 0
-    except (OSError, ValueError):  # load_model says what is wrong
-        return None
-    return hugepages.Prefault(size) if size else None
 
 
 def _loader_threads() -> int:

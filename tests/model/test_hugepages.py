@@ -67,36 +67,3 @@ def test_populate_in_background_commits_the_pages_and_changes_no_byte():
     assert _resident_bytes() - before >= 40 << 20  # the ~46 MB not yet touched (>= 2 layers)
     assert int(ts[1][12345]) == 7 and int(ts[1].sum()) == 7
     assert not ts[0].any() and not ts[2].any()
-
-
-def _resident_in(addr: int, n: int) -> int:
-    """Resident bytes of the pages of [addr, addr + n) (mincore(2))."""
-    import ctypes
-    page = mmap.PAGESIZE
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    pages = -(-n // page)
-    vec = ctypes.create_string_buffer(pages)
-    assert libc.mincore(addr - addr % page, pages * page, vec) == 0, ctypes.get_errno()
-    return sum(b & 1 for b in vec.raw) * page
-
-
-def test_prefault_gives_its_first_bytes_once_and_the_rest_of_its_pages_back():
-    """The model loader's weight buffer: faulted in ahead, taken once at the packed weights'
-    size (zero-filled, writable, on 2 MB pages), the pages past that size released."""
-    p = hugepages.Prefault(64 << 20)
-    p._thread.join()
-    addr = p.buf.data_ptr()
-    populated = _resident_in(addr, 64 << 20) == 64 << 20  # False without the kernel's advice
-    n = (8 << 20) + 5
-    t = p.take(n)
-    assert t is not None and t.shape == (n,) and t.dtype == torch.uint8 and not t.any()
-    assert t.data_ptr() == addr
-    t.fill_(9)
-    assert int(t[-1]) == 9 and int(t.sum()) == 9 * n
-    if populated:  # its 2 MB pages up to the one holding byte n stay, the rest went back
-        assert _resident_in(addr, 64 << 20) == 10 << 20
-    assert p.take(1) is None  # once only
-    small = hugepages.Prefault(1 << 20)
-    assert small.take(2 << 20) is None  # larger than the bound: the caller allocates its own
-    small.release()

@@ -143,31 +143,6 @@ def test_get_model_keeps_a_dense_copy_exactly_where_the_measured_crossover_needs
         assert f"every step (<= {budget} tokens) on the quantized weights" in line
 
 
-def test_get_model_packs_the_weights_into_the_buffer_prefaulted_at_the_files_size(gguf_path,
-                                                                                  monkeypatch):
-    """The x16 weights' buffer is faulted in while the file decodes (sized by the file, which
-    bounds Q4_0 / Q4_1 / Q8_0 records) and the weights are packed into that very buffer."""
-    import os
-
-    from sloserve.config import EngineConfig
-    from sloserve.model import hugepages
-    from sloserve.model.model_loader import get_model
-    _kernels()
-    taken = []
-
-    class Recorded(hugepages.Prefault):
-        def take(self, nbytes):
-            t = super().take(nbytes)
-            taken.append((nbytes, t))
-            return t
-    monkeypatch.setattr(hugepages, "Prefault", Recorded)
-    model, _, _ = get_model(EngineConfig(model=gguf_path, max_num_batched_tokens=24,
-                                         max_num_seqs=8), torch.bfloat16)
-    n, buf = taken[0]
-    assert buf is not None and n <= os.path.getsize(gguf_path)
-    assert model.decode_weights.data_ptr() == buf.data_ptr() and model.decode_weights.numel() == n
-
-
 def test_crossover_cache_measures_once_per_key(tmp_path, monkeypatch):
     path = tmp_path / "sub" / "crossovers.json"
     monkeypatch.setenv("SLOSERVE_CROSSOVER_CACHE", str(path))
