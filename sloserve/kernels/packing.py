@@ -118,6 +118,19 @@ def pack_x16(lib: ctypes.CDLL, w) -> X16Weight | None:
     """``w`` (a 4- or 8-bit group-32 QuantizedWeight) repacked for ``Kernels.qlinear_x16``, its
     scales and offsets as float16 where each of them is exactly one; None when its shape does
     not allow it (rows not a multiple of 16, other groups)."""
+    return _pack_x16(lib, w, False)
+
+
+def pack_x16_swiglu(lib: ctypes.CDLL, gate_up) -> X16Weight | None:
+    """A fused gate/up weight (QuantizedWeight [2F, K]: gate rows, then up rows) in the x16
+    layout with its 16-row blocks reordered gate 0, up 0, gate 1, up 1, ... for
+    ``Kernels.qlinear_x16_swiglu``; None where :func:`pack_x16` would refuse it or F % 16."""
+    if gate_up.shape[0] % 32:
+        return None
+    return _pack_x16(lib, gate_up, True)
+
+
+def _pack_x16(lib: ctypes.CDLL, w, swiglu: bool) -> X16Weight | None:
     N, K = w.shape
     if w.bits not in (4, 8) or w.group_size != 32 or N % 16 or K % 32:
         return None
@@ -128,27 +141,24 @@ def pack_x16(lib: ctypes.CDLL, w) -> X16Weight | None:
         parts = halves
     ss = 2 if h16 else 4
     rec = 64 * w.bits + 16 * ss * len(parts)
-    out = torch.empty(N // 16 * (K // 32) * rec, dtype=torch.uint8)
-    rc = lib.sl_repack_x16(_ptr(w.qweight), _ptr(parts[0]),
-                           _ptr(parts[1]) if w.has_mins else None, N, K, w.bits, ss, _ptr(out))
-    if rc:
-        return None
-    return X16Weight(out, (N, K), w.bits, w.has_mins, h16)
+    block = K // 32 * rec  # bytes of one 16-row block
+    out = torch.empty(N // 16 * block, dtype=torch.uint8)
+    qw, row_q, row_s = _ptr(w.qweight), K * w.bits // 8, K // 32 * ss
+    sc, mn = _ptr(parts[0]), _ptr(parts[1]) if w.has_mins else None
 
-
-def pack_x16_swiglu(lib: ctypes.CDLL, gate_up) -> X16Weight | None:
-    """A fused gate/up weight (QuantizedWeight [2F, K]: gate rows, then up rows) in the x16
-    layout with its 16-row blocks reordered gate 0, up 0, gate 1, up 1, ... for
-    ``Kernels.qlinear_x16_swiglu``; None where :func:`pack_x16` would refuse it or F % 16."""
-    if gate_up.shape[0] % 32:
-        return None
-    w = pack_x16(lib, gate_up)
-    if w is None:
-        return None
-    nb = w.shape[0] // 16
-    # [gate blocks | up blocks] -> alternating
-    packed = w.packed.view(2, nb // 2, -1).transpose(0, 1).contiguous().view(-1)
-    return dataclasses.replace(w, packed=packed, swiglu=True)
+    def repack(row: int, rows: int, at: int) -> int:  # rows [row, row + rows) -> out[at:]
+        return lib.sl_repack_x16(qw + row * row_q, sc + row * row_s,
+                                 mn + row * row_s if mn is not None else None, rows, K, w.bits,
+                                 ss, _ptr(out) + at)
+    if not swiglu:
+        if repack(0, N, 0):
+            return None
+    else:  # gate block j -> block 2j, up block j -> 2j + 1, packed in place (no reordering copy)
+        half = N // 2
+        for j in range(half // 16):
+            if repack(16 * j, 16, 2 * j * block) or repack(half + 16 * j, 16, (2 * j + 1) * block):
+                return None
+    return X16Weight(out, (N, K), w.bits, w.has_mins, h16, swiglu)
 
 
 def x16_layer(wo: X16Weight, ln2: torch.Tensor, gate_up: X16Weight, down: X16Weight,
